@@ -1,0 +1,40 @@
+# Two commands do all set-up on a fresh machine:
+#   make figures   create .venv, install, run the main job (quick mode, CPU)
+#   make test      create .venv if missing, install, run the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+OUT    ?= figures
+
+.PHONY: figures test test-all bench clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	@# A machine that already has a CUDA build of torch keeps it: the venv sees
+	@# the system site-packages. Elsewhere the CPU build 2.13.0 is installed.
+	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
+	  echo "setup: reusing the system's CUDA build of torch"; \
+	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  $(PYTHON) -m venv $(VENV); \
+	  $(BIN)/pip install -q --disable-pip-version-check "torch==2.13.0" || \
+	    $(BIN)/pip install -q --disable-pip-version-check "torch>=2.1"; \
+	fi
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,notebooks]"
+	@touch $@
+
+figures: $(STAMP)
+	$(BIN)/harmony reproduce --quick --out $(OUT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m ""
+
+bench: $(STAMP)
+	$(BIN)/python bench/swap_volume.py
+	$(BIN)/python bench/search_speed.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,27 @@
+"""harmony: train deep networks larger than GPU memory.
+
+One task-graph IR, many policies, two executors: a ModelSpec (per-layer
+costs) and a Hardware description go through a policy and a Plan into a
+TaskGraph, which :func:`simulate` plays (and the engine runs for real),
+giving a Trace. :func:`search` picks the plan.
+"""
+
+from .catalog import known_models, model_spec
+from .errors import DeadlockError, HarmonyError, OutOfMemoryError
+from .graph import Task, TaskGraph
+from .hardware import PRESETS, Hardware, parse_bytes, parse_rate, preset
+from .plan import Plan
+from .policies import POLICIES, build_graph, swap_volume
+from .search import search
+from .simulate import simulate, simulate_graph
+from .spec import Curve, LayerCost, ModelSpec
+from .trace import Trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Curve", "DeadlockError", "Hardware", "HarmonyError", "LayerCost", "ModelSpec",
+    "OutOfMemoryError", "POLICIES", "PRESETS", "Plan", "Task", "TaskGraph", "Trace",
+    "build_graph", "known_models", "model_spec", "parse_bytes", "parse_rate", "preset",
+    "search", "simulate", "simulate_graph", "swap_volume",
+]

@@ -1,0 +1,132 @@
+"""The task-graph IR that every policy builds and both executors play.
+
+A :class:`TaskGraph` is a set of :class:`Task` on *lanes* (``gpu0.compute``,
+``gpu0.h2d``, ``gpu0.d2h``, ``gpu0.p2p``, ``cpu0``, ...). A lane runs its tasks
+one at a time in ``seq`` order; a task starts when the lane is free and every
+dependency has ended. Compute tasks have a duration; transfer tasks have bytes
+and a route of links whose bandwidth they share with concurrent transfers.
+
+Memory is a set of :class:`Buffer`: a task *allocates* buffers when it starts
+and *releases* its references when it ends; a buffer is freed when its last
+reference is released. Policies give every task a ``seq`` such that every
+dependency has a smaller ``seq``: then a lane never waits behind a task that
+waits on it, and playing the graph cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+# Compute kinds
+FWD, BWD, FWDBWD, UPD = "FWD", "BWD", "FWDBWD", "UPD"
+# Transfer kinds and what they move
+W_IN = "W_IN"  # weights host -> GPU
+G_OUT = "G_OUT"  # weight gradients GPU -> host
+STASH_OUT = "STASH_OUT"  # a backward pack's input, saved during forward
+STASH_IN = "STASH_IN"  # ... brought back for recompute
+ACT_OUT = "ACT_OUT"  # activations / their gradients offloaded between packs
+ACT_IN = "ACT_IN"
+P2P = "P2P"  # activations / their gradients GPU -> GPU
+DATA_IN = "DATA_IN"  # minibatch inputs and labels
+REDUCE = "REDUCE"  # data-parallel gradient reduce-scatter, per GPU
+
+COMPUTE_KINDS = frozenset({FWD, BWD, FWDBWD, UPD})
+TRANSFER_KINDS = frozenset({W_IN, G_OUT, STASH_OUT, STASH_IN, ACT_OUT, ACT_IN, P2P, DATA_IN, REDUCE})
+
+
+@dataclass(slots=True)
+class Task:
+    id: int
+    kind: str
+    lane: str
+    device: str  # where it runs: "gpu0".., "cpu"
+    seq: tuple[int, int]
+    deps: list[int] = field(default_factory=list)
+    duration: float = 0.0  # seconds (compute)
+    nbytes: float = 0.0  # bytes (transfer)
+    links: tuple[str, ...] = ()  # route of a transfer
+    max_rate: float = math.inf  # per-transfer cap (e.g. the P2P bandwidth)
+    model: int = 0
+    pack: int = -1  # index into the plan's bwd packs (BWD/FWDBWD/UPD/G_OUT) or fwd packs (FWD)
+    layers: tuple[int, int] = (0, 0)
+    microbatch: int = -1
+    samples: tuple[int, int] = (0, 0)
+    what: str = ""  # identity of the data moved / produced, for the engine and for reading traces
+    allocs: list[int] = field(default_factory=list)
+    releases: list[int] = field(default_factory=list)
+
+    @property
+    def is_transfer(self) -> bool:
+        return self.kind in TRANSFER_KINDS
+
+
+@dataclass(slots=True)
+class Buffer:
+    id: int
+    device: str
+    nbytes: float
+    what: str
+    refs: int = 0  # releases still to come before it is freed
+
+
+@dataclass
+class TaskGraph:
+    tasks: list[Task]
+    buffers: list[Buffer]
+    links: dict[str, float]  # link name -> bytes/s (per direction)
+    memory_capacity: dict[str, float]  # device -> bytes
+    samples: int  # samples processed by one play of the graph (the minibatch)
+    cpu_workers: int
+    info: dict = field(default_factory=dict)  # plan, spec and hardware names, policy notes
+
+    def lanes(self) -> dict[str, list[int]]:
+        """Task ids per lane in the order the lane runs them."""
+        out: dict[str, list[Task]] = defaultdict(list)
+        for t in self.tasks:
+            out[t.lane].append(t)
+        return {lane: [t.id for t in sorted(ts, key=lambda t: t.seq)] for lane, ts in out.items()}
+
+    def bytes_by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for t in self.tasks:
+            if t.is_transfer:
+                out[t.kind] += t.nbytes
+        return dict(out)
+
+    def lower_bound(self) -> dict[str, float]:
+        """No schedule of this graph can be faster than any of these: each GPU's
+        compute, each link's bytes at full bandwidth, the CPU updates spread over
+        the workers."""
+        compute: dict[str, float] = defaultdict(float)
+        link_bytes: dict[str, float] = defaultdict(float)
+        cpu = 0.0
+        for t in self.tasks:
+            if t.kind == UPD:
+                cpu += t.duration
+            elif t.kind in COMPUTE_KINDS:
+                compute[t.device] += t.duration
+            else:
+                for link in t.links:
+                    link_bytes[link] += t.nbytes
+        bounds = {f"compute:{d}": v for d, v in compute.items()}
+        bounds.update({f"link:{k}": v / self.links[k] for k, v in link_bytes.items()})
+        bounds["cpu_update"] = cpu / max(1, self.cpu_workers)
+        return bounds
+
+    def check(self) -> None:
+        """Invariants every policy must keep (used by tests)."""
+        ids = {t.id for t in self.tasks}
+        assert ids == set(range(len(self.tasks))), "task ids must be 0..n-1"
+        for t in self.tasks:
+            for d in t.deps:
+                assert self.tasks[d].seq < t.seq, f"dependency {self.tasks[d]} not before {t}"
+            for link in t.links:
+                assert link in self.links, f"{t} uses unknown link {link}"
+        refs = defaultdict(int)
+        for t in self.tasks:
+            for b in t.releases:
+                refs[b] += 1
+        for b in self.buffers:
+            assert refs[b.id] == b.refs, f"buffer {b} has {refs[b.id]} releases, expected {b.refs}"

@@ -1,0 +1,139 @@
+"""What the server is: GPUs, their memory, the links between host and GPUs and
+between GPUs, and the CPU that runs the optimizer.
+
+Bandwidths are bytes per second **per direction**. GPUs hang off PCIe
+switches: each GPU has its own link to its switch, and each switch has one
+uplink to the host that its GPUs share. A host<->GPU copy is limited by both.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, replace
+
+from .errors import HarmonyError
+
+GiB = 1024**3
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    n_gpus: int
+    gpu_memory: int  # bytes usable by tensors on one GPU
+    gpu_flops: float  # FLOP/s that layers without a measured time achieve (fp32)
+    h2d: float  # bytes/s, host -> one GPU, through its own PCIe link
+    d2h: float  # bytes/s, one GPU -> host
+    uplink: float  # bytes/s per direction, shared by the GPUs of one switch
+    gpus_per_switch: int  # GPUs sharing one uplink
+    p2p: float | None  # bytes/s GPU -> GPU on one switch; None: no peer access, goes via host
+    cpu_update_bandwidth: float  # bytes/s the CPU optimizer streams (reads + writes)
+    cpu_update_workers: int  # optimizer steps that can run in parallel on the host
+    host_memory: int  # bytes of host RAM
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        for fld in ("n_gpus", "gpus_per_switch", "cpu_update_workers"):
+            if getattr(self, fld) < 1:
+                raise HarmonyError(f"hardware {self.name!r}: {fld} must be >= 1, got {getattr(self, fld)}")
+        for fld in ("gpu_memory", "gpu_flops", "h2d", "d2h", "uplink", "cpu_update_bandwidth", "host_memory"):
+            v = getattr(self, fld)
+            if not v > 0:
+                raise HarmonyError(f"hardware {self.name!r}: {fld} must be positive, got {v!r}")
+        if self.p2p is not None and not self.p2p > 0:
+            raise HarmonyError(f"hardware {self.name!r}: p2p must be positive or None, got {self.p2p!r}")
+
+    def switch_of(self, gpu: int) -> int:
+        return gpu // self.gpus_per_switch
+
+    def with_gpus(self, n: int) -> "Hardware":
+        return replace(self, n_gpus=n, name=f"{self.name}[{n} gpus]" if n != self.n_gpus else self.name)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Every number below names where it comes from.
+PRESETS: dict[str, Hardware] = {
+    # The Harmony paper's testbed (VLDB 2022): 4 x GTX 1080 Ti (11 GB) behind one
+    # PCIe 3.0 switch. Bandwidths and the usable memory are the constants of the
+    # authors' scheduler (sched_args.py: bw_swap 11.5 GiB/s per direction,
+    # bw_p2p 8.2 GiB/s, memory_cap 10 GiB); their simulator divides the host link
+    # among the GPUs in use, which is what a shared uplink of bw_swap does.
+    # 11.34 TFLOP/s fp32 is NVIDIA's boost-clock peak; layers of the zoo reach
+    # about half of it (the reference profiles carry measured times instead).
+    "paper-4x1080ti": Hardware(
+        name="paper-4x1080ti", n_gpus=4, gpu_memory=10 * GiB, gpu_flops=0.5 * 11.34e12,
+        h2d=11.5 * GiB, d2h=11.5 * GiB, uplink=11.5 * GiB, gpus_per_switch=4, p2p=8.2 * GiB,
+        # ~10 GB/s: the reference profiles' CPU AdamW takes 2.21 s for GPT-2 XL's
+        # 6.55 GB of weights (x 7 tensors streamed, rounded down for caching).
+        cpu_update_bandwidth=10 * GB, cpu_update_workers=4, host_memory=750 * GB,
+        notes="Harmony paper server; link and memory constants from the authors' scheduler",
+    ),
+    # The paper's 8-GPU configuration: two such switches, each with its own uplink.
+    "paper-8x1080ti": Hardware(
+        name="paper-8x1080ti", n_gpus=8, gpu_memory=10 * GiB, gpu_flops=0.5 * 11.34e12,
+        h2d=11.5 * GiB, d2h=11.5 * GiB, uplink=11.5 * GiB, gpus_per_switch=4, p2p=8.2 * GiB,
+        cpu_update_bandwidth=10 * GB, cpu_update_workers=8, host_memory=750 * GB,
+        notes="two 4-GPU PCIe 3.0 switches, one uplink each (assumption: the paper does not draw the topology)",
+    ),
+    # One H100 80 GB PCIe on PCIe 5.0 x16: 64 GB/s theoretical, ~50 GB/s measured by
+    # bandwidthTest-style copies from pinned memory; 51 TFLOP/s fp32 (NVIDIA
+    # datasheet, PCIe card), of which ~60% is achievable on large GEMMs.
+    "h100-pcie5": Hardware(
+        name="h100-pcie5", n_gpus=1, gpu_memory=80 * GB, gpu_flops=0.6 * 51e12,
+        h2d=50 * GB, d2h=50 * GB, uplink=50 * GB, gpus_per_switch=1, p2p=None,
+        cpu_update_bandwidth=40 * GB, cpu_update_workers=8, host_memory=512 * GB,
+        notes="modern single-GPU box; datasheet peaks, derated as commented",
+    ),
+    # 8 x RTX 4090 (24 GB) on PCIe 4.0 x16 (~25 GB/s measured per direction),
+    # 82.6 TFLOP/s fp32 peak. GeForce cards have peer-to-peer disabled, so
+    # GPU->GPU goes through the host. Assumed two switches of 4 GPUs.
+    "8x4090-pcie4": Hardware(
+        name="8x4090-pcie4", n_gpus=8, gpu_memory=24 * GB, gpu_flops=0.5 * 82.6e12,
+        h2d=25 * GB, d2h=25 * GB, uplink=25 * GB, gpus_per_switch=4, p2p=None,
+        cpu_update_bandwidth=40 * GB, cpu_update_workers=16, host_memory=1024 * GB,
+        notes="commodity 8-GPU server; no P2P on GeForce; topology assumed",
+    ),
+}
+
+
+def preset(name: str) -> Hardware:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise HarmonyError(
+            f"unknown hardware preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
+        ) from None
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: str | int | float, what: str = "size") -> int:
+    """``"256MB"`` -> 256_000_000, ``"1.5GiB"``, ``1024`` -> 1024. Clear error on junk."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise HarmonyError(f"{what} must be non-negative, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise HarmonyError(
+            f"cannot read {what} {value!r}: write a number with an optional unit, "
+            f"e.g. '256MB', '1.5GiB', '4096' (units: {', '.join(u for u in _UNITS if u)})"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_rate(value: str | int | float, what: str = "bandwidth") -> float:
+    """``"200MB/s"`` -> 2e8 bytes/s. Must be positive."""
+    text = value if not isinstance(value, str) else re.sub(r"\s*/\s*s(ec)?\s*$", "", value)
+    rate = parse_bytes(text, what)
+    if rate <= 0:
+        raise HarmonyError(f"{what} must be positive, got {value!r}")
+    return float(rate)

@@ -1,0 +1,174 @@
+"""A Plan: everything a policy needs to turn a model into a schedule.
+
+It is what the search returns and what the engine runs, and it round-trips
+through JSON. Packs are half-open layer ranges ``(start, stop)``.
+
+Harmony's packing rules (checked by :meth:`Plan.validate`):
+
+* backward packs cover every layer ``[0, L)`` contiguously;
+* the last backward pack is *fused*: it runs forward + loss + backward per
+  microbatch, so forward packs cover exactly the layers before it,
+  ``[0, bwd_packs[-1][0])`` (empty when one backward pack holds the model);
+* the input of every other backward pack is *stashed* to host memory by the
+  forward pack that computes it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import HarmonyError
+
+Pack = tuple[int, int]
+
+#: Policy options and their defaults. Unknown options are rejected.
+DEFAULT_OPTIONS: dict[str, Any] = {
+    # Activations between two packs that run on the same GPU: keep them on the
+    # device (False) or swap them to host memory and back (True).
+    "offload_activations": False,
+    # Packs whose weights may be resident at once on a GPU (2 = double buffering:
+    # the next pack's weights load while the current pack computes).
+    "prefetch_packs": 2,
+}
+
+
+def split_samples(total: int, size: int) -> list[tuple[int, int]]:
+    """Sample ranges of microbatches of ``size`` (the last one may be smaller)."""
+    return [(a, min(a + size, total)) for a in range(0, total, size)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str
+    n_gpus: int
+    minibatch: int
+    fwd_microbatch: int
+    bwd_microbatch: int
+    fwd_packs: tuple[Pack, ...]
+    bwd_packs: tuple[Pack, ...]
+    options: tuple[tuple[str, Any], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        # Normalise lists and dicts into hashable tuples so a Plan is a value.
+        object.__setattr__(self, "fwd_packs", tuple(tuple(int(x) for x in p) for p in self.fwd_packs))
+        object.__setattr__(self, "bwd_packs", tuple(tuple(int(x) for x in p) for p in self.bwd_packs))
+        opts = dict(self.options) if not isinstance(self.options, Mapping) else self.options
+        unknown = set(opts) - set(DEFAULT_OPTIONS)
+        if unknown:
+            raise HarmonyError(
+                f"unknown plan option(s) {sorted(unknown)}; known options: {sorted(DEFAULT_OPTIONS)}"
+            )
+        object.__setattr__(self, "options", tuple(sorted(opts.items())))
+
+    # ---- accessors -----------------------------------------------------------
+    def option(self, name: str) -> Any:
+        return dict(self.options).get(name, DEFAULT_OPTIONS[name])
+
+    @property
+    def num_layers(self) -> int:
+        return self.bwd_packs[-1][1] if self.bwd_packs else 0
+
+    def fwd_microbatches(self, samples: int | None = None) -> list[tuple[int, int]]:
+        return split_samples(self.minibatch if samples is None else samples, self.fwd_microbatch)
+
+    def bwd_microbatches(self, samples: int | None = None) -> list[tuple[int, int]]:
+        return split_samples(self.minibatch if samples is None else samples, self.bwd_microbatch)
+
+    def stash_layers(self) -> tuple[int, ...]:
+        """Layers whose input forward stashes to host: starts of backward packs
+        but the fused last one."""
+        return tuple(p[0] for p in self.bwd_packs[:-1])
+
+    # ---- validation ----------------------------------------------------------
+    def validate(self, num_layers: int | None = None) -> "Plan":
+        """Raise :class:`HarmonyError` saying what is wrong; return self if fine."""
+        def bad(msg: str) -> HarmonyError:
+            return HarmonyError(f"invalid plan ({self.policy}): {msg}")
+
+        for name in ("n_gpus", "minibatch", "fwd_microbatch", "bwd_microbatch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise bad(f"{name} must be a positive integer, got {v!r}")
+        for name in ("fwd_microbatch", "bwd_microbatch"):
+            if getattr(self, name) > self.minibatch:
+                raise bad(f"{name}={getattr(self, name)} is larger than the minibatch ({self.minibatch})")
+        if not self.bwd_packs:
+            raise bad("bwd_packs is empty: give at least one (start, stop) layer range")
+        L = self.num_layers if num_layers is None else num_layers
+        _check_cover(self.bwd_packs, 0, L, "bwd_packs", bad)
+        _check_cover(self.fwd_packs, 0, self.bwd_packs[-1][0], "fwd_packs", bad,
+                     why=" (forward packs stop where the fused last backward pack starts)")
+        prefetch = self.option("prefetch_packs")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise bad(f"option prefetch_packs must be an integer >= 1, got {prefetch!r}")
+        return self
+
+    # ---- JSON ----------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["fwd_packs"] = [list(p) for p in self.fwd_packs]
+        d["bwd_packs"] = [list(p) for p in self.bwd_packs]
+        d["options"] = dict(self.options)
+        return d
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        fields = {"policy", "n_gpus", "minibatch", "fwd_microbatch", "bwd_microbatch",
+                  "fwd_packs", "bwd_packs", "options"}
+        missing = fields - {"options"} - set(d)
+        extra = set(d) - fields
+        if missing or extra:
+            raise HarmonyError(
+                f"plan JSON: missing keys {sorted(missing)}, unexpected keys {sorted(extra)}; "
+                f"a plan has {sorted(fields)}"
+            )
+        return cls(**{k: d[k] for k in fields if k in d})
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "Plan":
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            path = Path(text_or_path)
+            if not path.exists():
+                raise HarmonyError(f"plan file {str(path)!r} does not exist")
+            text = path.read_text()
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise HarmonyError(f"plan JSON is not valid JSON: {e}") from None
+
+    def describe(self) -> str:
+        return (f"{self.policy} x{self.n_gpus} minibatch {self.minibatch} "
+                f"uF={self.fwd_microbatch} uB={self.bwd_microbatch} "
+                f"packs F{len(self.fwd_packs)}/B{len(self.bwd_packs)}"
+                + ("" if not self.options else " " + ",".join(f"{k}={v}" for k, v in self.options)))
+
+
+def _check_cover(packs, start: int, stop: int, name: str, bad, why: str = "") -> None:
+    at = start
+    for p in packs:
+        if len(p) != 2:
+            raise bad(f"{name}: each pack is a (start, stop) pair, got {p!r}")
+        a, b = p
+        if a != at:
+            kind = "overlaps the previous pack" if a < at else f"leaves layers {at}..{a - 1} uncovered"
+            raise bad(f"{name}: pack {p} {kind}")
+        if b <= a:
+            raise bad(f"{name}: pack {p} is empty or reversed (stop must be > start)")
+        at = b
+    if at != stop:
+        raise bad(f"{name} must cover layers {start}..{stop - 1}{why}, but they end at layer {at - 1}")
+
+
+def uniform_packs(start: int, stop: int, size: int) -> tuple[Pack, ...]:
+    """Contiguous packs of ``size`` layers over [start, stop)."""
+    return tuple((a, min(a + size, stop)) for a in range(start, stop, size))

@@ -1,0 +1,388 @@
+"""The machinery every policy shares: turn a list of compute ops into a TaskGraph.
+
+A policy decides *what* runs *where* and in *which order* — a list of
+:class:`Op` (forward, backward or fused forward+loss+backward of one pack on
+one microbatch, on one GPU) in a global order that respects data flow. The
+builder adds everything that follows from it, the same way for every policy:
+
+* weights: when a GPU moves on to an op of a new *weight group* (a pack, or for
+  baselines a pack on one microbatch), the weights cross the link (W_IN); the
+  transfer may start once the group ``prefetch_packs`` back on that GPU has
+  ended, so at most that many groups are resident (double buffering by default);
+  backward groups also hold a gradient buffer, accumulated over the group;
+* activations and their gradients between packs: nothing moves when producer
+  and consumer share a GPU, a P2P copy when they do not, a round trip through
+  host memory when the policy asks to offload; an input is prefetched while the
+  op two before it on the GPU computes;
+* stashes: the input of every backward pack but the fused last one is saved to
+  host memory by the forward op that computes it and brought back, re-chunked
+  to the backward microbatch, before recompute;
+* data: the minibatch inputs and labels come from host memory;
+* memory: every buffer above is allocated on its device when the task that
+  creates it starts and freed when the last task that needs it ends.
+
+Gradients leaving the GPU and the optimizer updates are policy-specific
+(one G_OUT per group, per microbatch, or after a reduce-scatter), so the
+builder records each backward group and the policy finishes it off.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+from ..errors import HarmonyError
+from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, STASH_IN, STASH_OUT, UPD,
+                     W_IN, Buffer, Task, TaskGraph)
+from ..hardware import Hardware
+from ..plan import Plan
+from ..spec import ModelSpec
+
+HOST = "host"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One compute task the policy wants: ``kind`` of pack ``pack`` on ``samples``."""
+
+    kind: str  # FWD, BWD or FWDBWD
+    gpu: int
+    pack: int  # index into plan.fwd_packs (FWD) or plan.bwd_packs (BWD, FWDBWD)
+    layers: tuple[int, int]
+    samples: tuple[int, int]
+    microbatch: int
+    group: tuple  # ops with equal group on one GPU, back to back, share one weight load
+    offload_output: bool = False  # send the output through host memory
+
+
+@dataclass
+class Value:
+    """An activation (or activation gradient) for a sample range at a pack boundary."""
+
+    samples: tuple[int, int]
+    device: str  # "gpuN" or HOST
+    task: int | None  # the task after which it is there (None: there from the start)
+    buffer: int | None  # its buffer while on a GPU
+
+
+@dataclass
+class BwdGroup:
+    """A backward weight group: its gradient accumulates on ``gpu`` until the policy sends it out."""
+
+    gpu: int
+    pack: int
+    layers: tuple[int, int]
+    ops: list[int] = field(default_factory=list)
+    grad_buffer: int = -1
+
+
+@dataclass
+class _Group:
+    """Ops back to back on one GPU that share one load of weights."""
+
+    key: tuple
+    w_task: int
+    ops: list[int]
+    bwd: BwdGroup | None
+
+
+class GraphBuilder:
+    def __init__(self, spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0):
+        if plan.n_gpus > hw.n_gpus:
+            raise HarmonyError(
+                f"plan uses {plan.n_gpus} GPUs but hardware {hw.name!r} has {hw.n_gpus}"
+            )
+        plan.validate(len(spec))
+        self.spec, self.hw, self.plan, self.model = spec, hw, plan, model
+        self.tasks: list[Task] = []
+        self.buffers: list[Buffer] = []
+        self.links: dict[str, float] = {}
+        for g in range(plan.n_gpus):
+            self.links[f"gpu{g}.h2d"] = hw.h2d
+            self.links[f"gpu{g}.d2h"] = hw.d2h
+            s = hw.switch_of(g)
+            self.links[f"switch{s}.down"] = hw.uplink
+            self.links[f"switch{s}.up"] = hw.uplink
+        self._k = 0  # seq of compute ops
+        self._sub = 0  # seq tiebreak of everything else
+        self._ops_on: dict[int, list[int]] = {g: [] for g in range(plan.n_gpus)}
+        self._groups_on: dict[int, list[_Group]] = {g: [] for g in range(plan.n_gpus)}
+        self._values: dict[tuple, tuple[list[int], list[Value]]] = {}  # key -> (starts, values) sorted
+        self.bwd_groups: list[BwdGroup] = []
+        self._costs: dict[tuple, tuple[float, float]] = {}
+        self._stash_layers = set(plan.stash_layers())
+        self._prefetch = plan.option("prefetch_packs")
+
+    # ---- primitives ------------------------------------------------------------
+    def buffer(self, device: str, nbytes: float, what: str) -> int:
+        self.buffers.append(Buffer(len(self.buffers), device, float(nbytes), what))
+        return len(self.buffers) - 1
+
+    def release(self, task: Task, buffer: int) -> None:
+        task.releases.append(buffer)
+        self.buffers[buffer].refs += 1
+
+    def _add(self, task: Task) -> Task:
+        self.tasks.append(task)
+        return task
+
+    def _next_seq(self, deps: list[int]) -> tuple[int, int]:
+        self._sub += 1
+        base = max((self.tasks[d].seq[0] for d in deps), default=0)
+        return (base, self._sub)
+
+    def transfer(self, kind: str, lane: str, device: str, route: tuple[str, ...], nbytes: float,
+                 deps: list[int], what: str, *, alloc_on: str | None = None,
+                 max_rate: float = math.inf, **meta) -> Task:
+        deps = sorted(set(deps))
+        t = self._add(Task(len(self.tasks), kind, lane, device, self._next_seq(deps), deps,
+                           nbytes=float(nbytes), links=route, max_rate=max_rate,
+                           model=self.model, what=what, **meta))
+        if alloc_on is not None:
+            t.allocs.append(self.buffer(alloc_on, nbytes, what))
+        return t
+
+    def update(self, pack: int, layers: tuple[int, int], deps: list[int], worker: int,
+               fraction: float = 1.0) -> Task:
+        """The CPU optimizer step of ``fraction`` of a pack's parameters."""
+        deps = sorted(set(deps))
+        duration = fraction * self.spec.update_time(*layers, self.hw.cpu_update_bandwidth)
+        lane = f"cpu{worker % self.hw.cpu_update_workers}"
+        return self._add(Task(len(self.tasks), UPD, lane, "cpu", self._next_seq(deps), deps,
+                              duration=duration, model=self.model, pack=pack, layers=layers,
+                              what=f"update {layers}"))
+
+    # ---- routes ----------------------------------------------------------------
+    def h2d_route(self, g: int) -> tuple[str, ...]:
+        return (f"gpu{g}.h2d", f"switch{self.hw.switch_of(g)}.down")
+
+    def d2h_route(self, g: int) -> tuple[str, ...]:
+        return (f"gpu{g}.d2h", f"switch{self.hw.switch_of(g)}.up")
+
+    def p2p_route(self, src: int, dst: int) -> tuple[tuple[str, ...], float]:
+        """GPU->GPU: direct on one switch with peer access; else staged through host memory."""
+        if self.hw.p2p is not None and self.hw.switch_of(src) == self.hw.switch_of(dst):
+            return (f"gpu{src}.d2h", f"gpu{dst}.h2d"), self.hw.p2p
+        return self.d2h_route(src) + self.h2d_route(dst), math.inf
+
+    # ---- ops -------------------------------------------------------------------
+    def run(self, ops: list[Op]) -> None:
+        for op in ops:
+            self._op(op)
+        for g, groups in self._groups_on.items():
+            if groups:
+                self._close_group(g)
+
+    def _release_dep(self, gpu: int, back: int) -> list[int]:
+        """The op ``back`` ops before the next one on ``gpu`` (prefetch window)."""
+        ops = self._ops_on[gpu]
+        return [ops[-back]] if len(ops) >= back else []
+
+    def _op(self, op: Op) -> None:
+        spec, g = self.spec, op.gpu
+        dev = f"gpu{g}"
+        s, e = op.layers
+        a, b = op.samples
+        n = b - a
+        deps: list[int] = []
+        local: list[int] = []  # buffers this op releases when it ends
+
+        # Weights (and, for backward, the gradient accumulator).
+        groups = self._groups_on[g]
+        if not groups or groups[-1].key != op.group:
+            if groups:
+                self._close_group(g)
+            # prefetch window: the load waits for the group `prefetch_packs` back to end
+            back = [groups[-self._prefetch].ops[-1]] if len(groups) >= self._prefetch else []
+            w = self.transfer(W_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.weight_bytes(s, e),
+                              back, f"weights {op.layers}", alloc_on=dev, pack=op.pack, layers=op.layers,
+                              microbatch=op.microbatch if len(op.group) > 2 else -1)
+            bwd = None
+            if op.kind != FWD:
+                grad = self.buffer(dev, spec.grad_bytes(s, e), f"grads {op.layers}")
+                w.allocs.append(grad)
+                bwd = BwdGroup(g, op.pack, op.layers, grad_buffer=grad)
+                self.bwd_groups.append(bwd)
+            groups.append(_Group(op.group, w.id, [], bwd))
+        group = groups[-1]
+        deps.append(group.w_task)
+
+        # Inputs.
+        if op.kind == FWD or op.kind == FWDBWD:
+            if s == 0:
+                x = self.transfer(DATA_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.input_bytes(0, n),
+                                  self._release_dep(g, 2), f"inputs {op.samples}", alloc_on=dev,
+                                  microbatch=op.microbatch, samples=op.samples)
+                deps.append(x.id)
+                local += x.allocs
+            else:
+                d, bufs = self._bring(("act", s), op, ACT_IN, spec.input_bytes(s, n))
+                deps += d
+                local += bufs
+        input_buffers = list(local)
+        if op.kind == FWDBWD:
+            y = self.transfer(DATA_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.target_bytes(n),
+                              self._release_dep(g, 2), f"labels {op.samples}", alloc_on=dev,
+                              microbatch=op.microbatch, samples=op.samples)
+            deps.append(y.id)
+            local += y.allocs
+        if op.kind == BWD:
+            d, bufs = self._bring(("stash", s), op, STASH_IN, spec.input_bytes(s, n))
+            deps += d
+            local += bufs
+            d, bufs = self._bring(("grad", e), op, ACT_IN, spec.input_bytes(e, n))
+            deps += d
+            local += bufs
+
+        # The compute task itself, with its working memory.
+        duration, work = self._compute_cost(op.kind == FWD, s, e, n)
+        self._k += 1
+        t = self._add(Task(len(self.tasks), op.kind, f"{dev}.compute", dev, (self._k, 0), sorted(set(deps)),
+                           duration=duration, model=self.model, pack=op.pack, layers=op.layers,
+                           microbatch=op.microbatch, samples=op.samples,
+                           what=f"{op.kind} layers {s}..{e - 1} samples {a}..{b - 1}"))
+        t.allocs.append(self.buffer(dev, work, f"working memory {op.kind} {op.layers}"))
+        self.release(t, t.allocs[-1])
+        for buf in local:
+            self.release(t, buf)
+        self._ops_on[g].append(t.id)
+        group.ops.append(t.id)
+        if group.bwd is not None:
+            group.bwd.ops.append(t.id)
+
+        # Outputs.
+        if op.kind == FWD:
+            self._stash(op, t, input_buffers)
+            out = self.buffer(dev, spec.input_bytes(e, n), f"activations into layer {e} {op.samples}")
+            t.allocs.append(out)
+            self._produce(("act", e), op, t, out)
+        elif s > 0:
+            out = self.buffer(dev, spec.input_bytes(s, n), f"gradient into layer {s} {op.samples}")
+            t.allocs.append(out)
+            self._produce(("grad", s), op, t, out)
+
+    def _compute_cost(self, forward: bool, s: int, e: int, n: int) -> tuple[float, float]:
+        """(seconds, working bytes) of a pack on ``n`` samples; microbatches repeat, so cache."""
+        key = (forward, s, e, n)
+        cost = self._costs.get(key)
+        if cost is None:
+            spec, flops = self.spec, self.hw.gpu_flops
+            if forward:
+                cost = (spec.fwd_time(s, e, n, flops), spec.fwd_work_bytes(s, e, n))
+            else:
+                cost = (spec.bwd_time(s, e, n, flops), spec.bwd_work_bytes(s, e, n))
+            self._costs[key] = cost
+        return cost
+
+    def _close_group(self, g: int) -> None:
+        """The last op of the current group on ``g`` frees its weights."""
+        group = self._groups_on[g][-1]
+        self.release(self.tasks[group.ops[-1]], self.tasks[group.w_task].allocs[0])
+
+    # ---- activations between ops ------------------------------------------------
+    def _produce(self, key: tuple, op: Op, task: Task, buf: int) -> None:
+        dev = f"gpu{op.gpu}"
+        value = Value(op.samples, dev, task.id, buf)
+        if op.offload_output:
+            out = self.transfer(ACT_OUT, f"{dev}.d2h", dev, self.d2h_route(op.gpu), self.buffers[buf].nbytes,
+                                [task.id], f"offload {key} {op.samples}", microbatch=op.microbatch,
+                                samples=op.samples)
+            self.release(out, buf)
+            value = Value(op.samples, HOST, out.id, None)
+        self._add_value(key, value)
+
+    def _stash(self, op: Op, task: Task, input_buffers: list[int]) -> None:
+        """Save the inputs of backward packs that start inside this forward op."""
+        dev = f"gpu{op.gpu}"
+        n = op.samples[1] - op.samples[0]
+        for layer in range(op.layers[0], op.layers[1]):
+            if layer not in self._stash_layers:
+                continue
+            if layer == 0:  # the minibatch input is in host memory already
+                self._add_value(("stash", 0), Value(op.samples, HOST, None, None))
+                continue
+            nbytes = self.spec.input_bytes(layer, n)
+            if layer == op.layers[0] and len(input_buffers) == 1:
+                buf = input_buffers[0]  # the op's own input: its buffer lives until the copy is done
+            else:
+                buf = self.buffer(dev, nbytes, f"stash of layer {layer} input {op.samples}")
+                task.allocs.append(buf)
+            out = self.transfer(STASH_OUT, f"{dev}.d2h", dev, self.d2h_route(op.gpu), nbytes, [task.id],
+                                f"stash layer {layer} {op.samples}", microbatch=op.microbatch,
+                                samples=op.samples, layers=(layer, layer + 1))
+            self.release(out, buf)
+            self._add_value(("stash", layer), Value(op.samples, HOST, out.id, None))
+
+    def _add_value(self, key: tuple, value: Value) -> None:
+        starts, values = self._values.setdefault(key, ([], []))
+        i = bisect.bisect(starts, value.samples[0])
+        starts.insert(i, value.samples[0])
+        values.insert(i, value)
+
+    def _overlapping(self, key: tuple, samples: tuple[int, int]) -> list[Value]:
+        """Values of ``key`` whose samples overlap ``samples`` (they never overlap each other)."""
+        a, b = samples
+        starts, values = self._values.get(key, ([], []))
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        out = []
+        while i < len(values) and values[i].samples[0] < b:
+            if values[i].samples[1] > a:
+                out.append(values[i])
+            i += 1
+        return out
+
+    def _bring(self, key: tuple, op: Op, kind_via_host: str, nbytes: float) -> tuple[list[int], list[int]]:
+        """Make the values of ``key`` for the op's samples available on its GPU.
+
+        Returns the tasks the op waits on and the buffers it releases."""
+        dev = f"gpu{op.gpu}"
+        values = self._overlapping(key, op.samples)
+        covered = sum(min(v.samples[1], op.samples[1]) - max(v.samples[0], op.samples[0]) for v in values)
+        if covered != op.samples[1] - op.samples[0]:
+            raise AssertionError(f"{key} for samples {op.samples} not produced before {op}")
+        deps = [v.task for v in values if v.task is not None]
+        if all(v.device == dev for v in values):
+            return deps, [v.buffer for v in values]
+        if all(v.device == HOST for v in values):
+            kind = STASH_IN if key[0] == "stash" else kind_via_host
+            t = self.transfer(kind, f"{dev}.h2d", dev, self.h2d_route(op.gpu), nbytes,
+                              deps + self._release_dep(op.gpu, 2), f"{key[0]} layer {key[1]} {op.samples}",
+                              alloc_on=dev, microbatch=op.microbatch, samples=op.samples)
+            return [t.id], list(t.allocs)
+        src = {v.device for v in values}
+        if len(src) != 1 or HOST in src:
+            raise AssertionError(f"{key} for {op.samples} spread over {src}")
+        src_gpu = int(next(iter(src))[3:])
+        route, rate = self.p2p_route(src_gpu, op.gpu)
+        t = self.transfer(P2P, f"{dev}.p2p", dev, route, nbytes, deps + self._release_dep(op.gpu, 2),
+                          f"{key[0]} layer {key[1]} {op.samples} from gpu{src_gpu}", alloc_on=dev,
+                          max_rate=rate, microbatch=op.microbatch, samples=op.samples)
+        for v in values:
+            self.release(t, v.buffer)
+        return [t.id], list(t.allocs)
+
+    # ---- gradients out -----------------------------------------------------------
+    def grad_out(self, group: BwdGroup, deps: list[int] | None = None, fraction: float = 1.0,
+                 release: bool = True) -> Task:
+        """The group's gradient (or ``fraction`` of it) to host memory."""
+        dev = f"gpu{group.gpu}"
+        t = self.transfer(G_OUT, f"{dev}.d2h", dev, self.d2h_route(group.gpu),
+                          fraction * self.spec.grad_bytes(*group.layers),
+                          [group.ops[-1]] + list(deps or []), f"gradients {group.layers}",
+                          pack=group.pack, layers=group.layers,
+                          microbatch=self.tasks[group.ops[-1]].microbatch if len(group.ops) == 1 else -1)
+        if release:
+            self.release(t, group.grad_buffer)
+        return t
+
+    def graph(self, **info) -> TaskGraph:
+        for buf in self.buffers:
+            if buf.device != HOST and buf.refs == 0:
+                raise AssertionError(f"buffer never freed: {buf}")
+        return TaskGraph(
+            tasks=self.tasks, buffers=self.buffers, links=dict(self.links),
+            memory_capacity={f"gpu{g}": float(self.hw.gpu_memory) for g in range(self.plan.n_gpus)},
+            samples=self.plan.minibatch, cpu_workers=self.hw.cpu_update_workers,
+            info={"plan": self.plan.to_dict(), "model": self.spec.name, "hardware": self.hw.name, **info},
+        )

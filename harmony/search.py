@@ -1,0 +1,319 @@
+"""The planner: propose plans, simulate each, keep those that fit, rank by time.
+
+Candidates come from a small grid that covers what matters:
+
+* policy and number of GPUs (the caller's lists);
+* backward microbatch size ``uB`` (powers of two up to the minibatch, or the
+  per-GPU share in data parallel, capped at the largest measured size of a
+  profiled model), and backward packs for each: greedy by memory at several
+  fractions of the GPU (filled from the last layer, so the fused pack is as
+  large as it can be) and balanced by backward time;
+* then, for the best of those, the forward side: forward microbatch size
+  ``uF``, forward packs (the backward boundaries, or greedy by memory), and
+  whether activations go through host memory on one GPU.
+
+Every candidate is played by the simulator; a plan whose simulated peak
+exceeds the GPU memory is never returned (the packers' estimates only steer
+the grid, the ledger decides).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import pandas as pd
+
+from .errors import HarmonyError, OutOfMemoryError
+from .hardware import Hardware
+from .plan import Pack, Plan
+from .policies import build_graph, get_policy
+from .reference import max_profiled
+from .simulate import simulate_graph
+from .spec import ModelSpec
+
+DEFAULT_POLICIES = ("harmony-pp", "harmony-dp", "virtual-memory")
+_BUDGETS = (0.5, 0.3, 0.15)  # fractions of GPU memory for one backward pack
+
+
+def microbatch_sizes(limit: int, cap: int | None) -> list[int]:
+    top = min(limit, cap) if cap else limit
+    sizes = {1 << i for i in range(top.bit_length()) if (1 << i) <= top}
+    sizes.add(top)
+    return sorted(sizes)
+
+
+# ---- packers --------------------------------------------------------------------
+def bwd_pack_bytes(spec: ModelSpec, a: int, b: int, u: int) -> float:
+    """Estimated device bytes of a backward pack [a, b) on ``u`` samples: weights,
+    gradients, recompute + backward working memory, its input (stashed one in
+    flight too) and the incoming output gradient."""
+    return (spec.weight_bytes(a, b) + spec.grad_bytes(a, b) + spec.bwd_work_bytes(a, b, u)
+            + 2 * spec.input_bytes(a, u) + spec.input_bytes(b, u))
+
+
+def fwd_pack_bytes(spec: ModelSpec, a: int, b: int, u: int) -> float:
+    return spec.weight_bytes(a, b) + spec.fwd_work_bytes(a, b, u) + 2 * spec.input_bytes(a, u) + spec.input_bytes(b, u)
+
+
+def greedy_packs(spec: ModelSpec, start: int, stop: int, u: int, budget: float, backward: bool) -> tuple[Pack, ...] | None:
+    """Largest packs under ``budget`` bytes each; backward packs fill from the last
+    layer. None when a single layer does not fit."""
+    size = bwd_pack_bytes if backward else fwd_pack_bytes
+    packs: list[Pack] = []
+    if backward:
+        b = stop
+        while b > start:
+            a = b - 1
+            if size(spec, a, b, u) > budget:
+                return None
+            while a > start and size(spec, a - 1, b, u) <= budget:
+                a -= 1
+            packs.append((a, b))
+            b = a
+        return tuple(reversed(packs))
+    a = start
+    while a < stop:
+        b = a + 1
+        if size(spec, a, b, u) > budget:
+            return None
+        while b < stop and size(spec, a, b + 1, u) <= budget:
+            b += 1
+        packs.append((a, b))
+        a = b
+    return tuple(packs)
+
+
+def balanced_packs(costs: Sequence[float], k: int, offset: int = 0) -> tuple[Pack, ...]:
+    """Split ``costs`` into at most ``k`` contiguous packs minimising the largest sum."""
+    k = max(1, min(k, len(costs)))
+    lo, hi = max(costs), sum(costs)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if len(_cut(costs, mid)) <= k:
+            hi = mid
+        else:
+            lo = mid
+    return tuple((a + offset, b + offset) for a, b in _cut(costs, hi))
+
+
+def _cut(costs: Sequence[float], limit: float) -> list[Pack]:
+    packs, a, acc = [], 0, 0.0
+    for i, c in enumerate(costs):
+        if acc + c > limit and i > a:
+            packs.append((a, i))
+            a, acc = i, 0.0
+        acc += c
+    packs.append((a, len(costs)))
+    return packs
+
+
+# ---- the search -----------------------------------------------------------------
+@dataclass
+class _Candidate:
+    plan: Plan
+    stage: str
+
+
+def _min_layer_bytes(spec: ModelSpec) -> tuple[int, float]:
+    """The layer that needs the most memory at one sample, and how much."""
+    worst = max(range(len(spec)), key=lambda i: bwd_pack_bytes(spec, i, i + 1, 1))
+    return worst, bwd_pack_bytes(spec, worst, worst + 1, 1)
+
+
+def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
+           policies: Iterable[str] = DEFAULT_POLICIES, n_gpus: Iterable[int] | int | None = None,
+           top_k: int = 2, progress: bool = False, workers: int | None = None) -> pd.DataFrame:
+    """Rank plans for ``spec`` on ``hardware`` by simulated iteration time.
+
+    Returns one row per simulated candidate that fits in GPU memory, fastest
+    first, with the :class:`Plan` in column ``plan``. ``df.attrs`` holds the
+    search time and how many candidates were simulated and rejected.
+    ``workers`` processes simulate in parallel (default: one per core, at most 4)."""
+    t0 = time.perf_counter()
+    if not isinstance(minibatch_size, int) or minibatch_size < 1:
+        raise HarmonyError(f"minibatch size must be a positive integer, got {minibatch_size!r}")
+    policies = list(policies)
+    for p in policies:
+        get_policy(p)
+    if n_gpus is None:
+        gpu_counts = [hardware.n_gpus]
+    else:
+        gpu_counts = [n_gpus] if isinstance(n_gpus, int) else list(n_gpus)
+    for n in gpu_counts:
+        if not 1 <= n <= hardware.n_gpus:
+            raise HarmonyError(f"n_gpus={n} is outside 1..{hardware.n_gpus} for hardware {hardware.name!r}")
+    worst, need = _min_layer_bytes(spec)
+    budget_max = hardware.gpu_memory * _BUDGETS[0]
+    if need > hardware.gpu_memory:
+        raise OutOfMemoryError(
+            f"layer {worst} ({spec.layers[worst].name}) alone needs {need / 1e9:.2f} GB for backward at "
+            f"microbatch 1 (weights, gradients, activations), more than the {hardware.gpu_memory / 1e9:.2f} GB "
+            f"of one GPU of {hardware.name!r}: no plan can fit; split that layer or use bigger GPUs"
+        )
+
+    rows: list[dict] = []
+    seen: set[Plan] = set()
+    rejected = 0
+    bar = _progress(progress)
+
+    pool = _Pool(spec, hardware, workers)
+
+    def run(cands: list[_Candidate]) -> list[dict]:
+        nonlocal rejected
+        fresh = []
+        for c in cands:
+            if c.plan not in seen:
+                seen.add(c.plan)
+                fresh.append(c)
+        out = []
+        for c, s in zip(fresh, pool.map([c.plan for c in fresh])):
+            bar.update(1)
+            if not s["fits"]:
+                rejected += 1
+                continue
+            out.append(_row(c, s))
+        rows.extend(out)
+        return out
+
+    fcap, bcap = max_profiled(spec)
+    for policy in policies:
+        for n in gpu_counts:
+            share = -(-minibatch_size // n) if policy != "harmony-pp" else minibatch_size
+            # Stage A: backward side, forward packs on the same boundaries, uF = uB.
+            stage_a = []
+            for ub in microbatch_sizes(share, bcap):
+                for bwd in _bwd_packings(spec, ub, hardware, n):
+                    stage_a.append(_Candidate(Plan(policy, n, minibatch_size, ub, ub, bwd[:-1], bwd), "A"))
+            best = sorted(run(stage_a), key=lambda r: r["iteration_s"])[:top_k]
+            # Stage B: forward side around the best backward choices.
+            stage_b = []
+            for r in best:
+                p: Plan = r["plan"]
+                # Forward needs no autograd memory, so only sizes >= uB are worth trying.
+                ufs = [u for u in microbatch_sizes(share, fcap) if u >= p.bwd_microbatch]
+                for uf in (ufs if policy != "virtual-memory" else [p.bwd_microbatch]):
+                    for fwd in _fwd_packings(spec, p, uf, hardware):
+                        for offload in _offload_choices(policy, n):
+                            stage_b.append(_Candidate(Plan(policy, n, minibatch_size, uf, p.bwd_microbatch, fwd,
+                                                           p.bwd_packs, {"offload_activations": offload}), "B"))
+            run(stage_b)
+    bar.close()
+    pool.close()
+    if not rows:
+        raise OutOfMemoryError(
+            f"no candidate plan for {spec.name} at minibatch {minibatch_size} fits in "
+            f"{hardware.gpu_memory / 1e9:.2f} GB per GPU ({rejected} simulated, all over capacity; the "
+            f"largest layer needs {need / 1e9:.2f} GB at microbatch 1, budget per pack {budget_max / 1e9:.2f} GB)"
+        )
+    df = pd.DataFrame(rows).sort_values("iteration_s", kind="stable").reset_index(drop=True)
+    df.insert(0, "rank", range(1, len(df) + 1))
+    df.attrs.update(search_s=time.perf_counter() - t0, simulated=len(seen), rejected_memory=rejected,
+                    model=spec.name, hardware=hardware.name, minibatch=minibatch_size)
+    return df
+
+
+def _bwd_packings(spec: ModelSpec, u: int, hw: Hardware, n: int) -> list[tuple[Pack, ...]]:
+    L = len(spec)
+    out = []
+    for frac in _BUDGETS:
+        packs = greedy_packs(spec, 0, L, u, frac * hw.gpu_memory, backward=True)
+        if packs is None:
+            continue
+        out.append(packs)
+        # The same number of packs, balanced by backward time (evens out a pipeline).
+        times = [spec.bwd_time(i, i + 1, u, hw.gpu_flops) for i in range(L)]
+        for k in {len(packs), -(-len(packs) // n) * n}:
+            out.append(balanced_packs(times, k))
+    return list(dict.fromkeys(out))
+
+
+def _fwd_packings(spec: ModelSpec, plan: Plan, u: int, hw: Hardware) -> list[tuple[Pack, ...]]:
+    stop = plan.bwd_packs[-1][0]
+    if stop == 0:
+        return [()]
+    out = [plan.bwd_packs[:-1]]
+    for frac in _BUDGETS:
+        packs = greedy_packs(spec, 0, stop, u, frac * hw.gpu_memory, backward=False)
+        if packs is not None:
+            out.append(packs)
+    return list(dict.fromkeys(out))
+
+
+def _offload_choices(policy: str, n: int) -> tuple[bool, ...]:
+    """Offloading activations only changes plans whose consecutive packs share a GPU."""
+    return (False,) if policy == "harmony-pp" and n > 1 else (False, True)
+
+
+def _row(c: _Candidate, s: dict) -> dict:
+    p = c.plan
+    return {
+        "policy": p.policy, "n_gpus": p.n_gpus, "fwd_microbatch": p.fwd_microbatch,
+        "bwd_microbatch": p.bwd_microbatch, "fwd_packs": len(p.fwd_packs), "bwd_packs": len(p.bwd_packs),
+        "offload_activations": p.option("offload_activations"),
+        "iteration_s": s["iteration_s"], "samples_per_s": s["samples_per_s"],
+        "peak_memory_gb": max(s["peak_memory"].values()) / 1e9,
+        "swap_gb": s["swap_bytes"] / 1e9,
+        "p2p_gb": (s["bytes_by_kind"].get("P2P", 0.0) + s["bytes_by_kind"].get("REDUCE", 0.0)) / 1e9,
+        "lower_bound_s": s["lower_bound_s"], "limited_by": s["lower_bound_by"],
+        "stage": c.stage, "plan": p,
+    }
+
+
+def _summary(spec: ModelSpec, hw: Hardware, plan: Plan) -> dict:
+    return simulate_graph(build_graph(spec, hw, plan)).summary
+
+
+_WORKER_ARGS: tuple | None = None
+
+
+def _init_worker(spec: ModelSpec, hw: Hardware) -> None:
+    global _WORKER_ARGS
+    _WORKER_ARGS = (spec, hw)
+
+
+def _work(plan: Plan) -> dict:
+    return _summary(*_WORKER_ARGS, plan)
+
+
+class _Pool:
+    """Simulate plans in worker processes (forked: the simulator is pure Python,
+    no torch state crosses the fork) or inline when one worker is asked for."""
+
+    def __init__(self, spec: ModelSpec, hw: Hardware, workers: int | None):
+        self.spec, self.hw = spec, hw
+        if workers is None:
+            workers = min(4, os.cpu_count() or 1)
+        self.executor = None
+        if workers > 1 and "fork" in mp.get_all_start_methods():
+            self.executor = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"),
+                                                initializer=_init_worker, initargs=(spec, hw))
+
+    def map(self, plans: list[Plan]) -> list[dict]:
+        if self.executor is None or len(plans) < 4:
+            return [_summary(self.spec, self.hw, p) for p in plans]
+        return list(self.executor.map(_work, plans, chunksize=max(1, len(plans) // 16)))
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(desc="simulating plans", unit="plan")

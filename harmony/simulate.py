@@ -1,0 +1,193 @@
+"""A discrete-event player for task graphs.
+
+Lanes run their tasks one at a time in order; a task starts when its lane is
+free and its dependencies have ended. Compute tasks take their duration.
+Transfers share links: at every moment the active transfers get max-min fair
+rates over the links of their routes (a GPU's own link and its switch's
+uplink are both limits), capped by any per-transfer rate. Memory is a ledger
+per device: buffers are charged when the task that allocates them starts and
+freed when their last user ends; the peak is reported (the planner rejects
+plans whose peak exceeds capacity).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import defaultdict
+
+from .errors import DeadlockError
+from .graph import TaskGraph
+from .hardware import Hardware
+from .plan import Plan
+from .spec import ModelSpec
+from .trace import Trace
+
+_EPS = 1e-12
+
+
+def fair_rates(active: dict[int, tuple[tuple[str, ...], float]], capacity: dict[str, float]) -> dict[int, float]:
+    """Max-min fair rates (progressive filling) of transfers over shared links.
+
+    ``active`` maps a transfer to (its links, its own rate cap)."""
+    if len(active) == 1:  # the common case: one transfer gets its narrowest link
+        (tid, (links, mx)), = active.items()
+        return {tid: min([mx] + [capacity[link] for link in links])}
+    rates: dict[int, float] = {}
+    left = dict(active)
+    cap = dict(capacity)
+    users: dict[str, set[int]] = defaultdict(set)
+    for tid, (links, _) in left.items():
+        for link in links:
+            users[link].add(tid)
+    while left:
+        share, bottleneck = math.inf, None
+        for link, us in users.items():
+            if us:
+                s = cap[link] / len(us)
+                if s < share:
+                    share, bottleneck = s, link
+        capped = [tid for tid, (_, mx) in left.items() if mx <= share]
+        frozen = capped if capped else list(users[bottleneck]) if bottleneck else list(left)
+        for tid in frozen:
+            links, mx = left.pop(tid)
+            r = min(mx, share)
+            rates[tid] = r
+            for link in links:
+                cap[link] = max(0.0, cap[link] - r)
+                users[link].discard(tid)
+    return rates
+
+
+def play(graph: TaskGraph) -> tuple[list[float], list[float], dict[str, float], dict[str, list[tuple[float, float]]]]:
+    """Play ``graph``: start and end time of every task, peak bytes per device and
+    the memory in use over time per device (steps)."""
+    tasks = graph.tasks
+    n = len(tasks)
+    start = [math.nan] * n
+    end = [math.nan] * n
+    waiting = [len(t.deps) for t in tasks]
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for t in tasks:
+        for d in t.deps:
+            dependents[d].append(t.id)
+    lanes = graph.lanes()
+    lane_of = {}
+    for lane, ids in lanes.items():
+        for i in ids:
+            lane_of[i] = lane
+    head = {lane: 0 for lane in lanes}
+    busy = {lane: False for lane in lanes}
+    refs = [b.refs for b in graph.buffers]
+    in_use: dict[str, float] = defaultdict(float)
+    peak: dict[str, float] = {d: 0.0 for d in graph.memory_capacity}
+    memory: dict[str, list[tuple[float, float]]] = defaultdict(list)
+
+    computing: list[tuple[float, int]] = []  # (end time, task)
+    moving: dict[int, float] = {}  # transfer -> bytes left
+    rates: dict[int, float] = {}
+    now, done = 0.0, 0
+    to_check = set(lanes)
+    rates_stale = False
+
+    def charge(device: str, delta: float) -> None:
+        in_use[device] += delta
+        memory[device].append((now, in_use[device]))
+        if in_use[device] > peak.get(device, 0.0):
+            peak[device] = in_use[device]
+
+    def finish(tid: int) -> None:
+        nonlocal done
+        end[tid] = now
+        done += 1
+        t = tasks[tid]
+        for b in t.releases:
+            refs[b] -= 1
+            if refs[b] == 0:
+                buf = graph.buffers[b]
+                charge(buf.device, -buf.nbytes)
+        lane = lane_of[tid]
+        busy[lane] = False
+        to_check.add(lane)
+        for d in dependents[tid]:
+            waiting[d] -= 1
+            if waiting[d] == 0:
+                to_check.add(lane_of[d])
+
+    while done < n:
+        # Start what can start now.
+        while to_check:
+            lane = to_check.pop()
+            ids = lanes[lane]
+            if busy[lane] or head[lane] >= len(ids):
+                continue
+            tid = ids[head[lane]]
+            if waiting[tid]:
+                continue
+            head[lane] += 1
+            busy[lane] = True
+            start[tid] = now
+            t = tasks[tid]
+            for b in t.allocs:
+                buf = graph.buffers[b]
+                charge(buf.device, buf.nbytes)
+            if t.is_transfer:
+                if t.nbytes > 0:
+                    moving[tid] = t.nbytes
+                    rates_stale = True
+                else:
+                    finish(tid)
+            elif t.duration > 0:
+                heapq.heappush(computing, (now + t.duration, tid))
+            else:
+                finish(tid)
+        if done == n:
+            break
+        if rates_stale:
+            rates = fair_rates({tid: (tasks[tid].links, tasks[tid].max_rate) for tid in moving}, graph.links)
+            rates_stale = False
+        # Advance to the next end.
+        t_next = computing[0][0] if computing else math.inf
+        finish_at = {tid: now + left / rates[tid] for tid, left in moving.items()}
+        if finish_at:
+            t_next = min(t_next, min(finish_at.values()))
+        if t_next == math.inf:
+            raise _deadlock(graph, lanes, head, waiting, end)
+        dt = t_next - now
+        now = t_next
+        ended = []
+        for tid, at in finish_at.items():
+            # ends by its finish time, not by bytes left: `now + tiny` can round to `now`
+            if at <= now * (1 + 1e-12) + _EPS:
+                del moving[tid]
+                ended.append(tid)
+                rates_stale = True
+            else:
+                moving[tid] -= rates[tid] * dt
+        while computing and computing[0][0] <= now + _EPS:
+            ended.append(heapq.heappop(computing)[1])
+        for tid in ended:
+            finish(tid)
+    return start, end, peak, dict(memory)
+
+
+def _deadlock(graph: TaskGraph, lanes, head, waiting, end) -> DeadlockError:
+    stuck = []
+    for lane, ids in lanes.items():
+        if head[lane] < len(ids):
+            t = graph.tasks[ids[head[lane]]]
+            missing = [d for d in t.deps if math.isnan(end[d])]
+            stuck.append(f"{lane}: task {t.id} {t.kind} '{t.what}' waits on tasks {missing[:5]}")
+    return DeadlockError("task graph deadlocks; stuck lane heads:\n  " + "\n  ".join(stuck[:12]))
+
+
+def simulate_graph(graph: TaskGraph) -> Trace:
+    start, end, peak, memory = play(graph)
+    return Trace.from_graph(graph, start, end, peak, memory)
+
+
+def simulate(spec: ModelSpec, hardware: Hardware, plan: Plan) -> Trace:
+    """Build ``plan``'s task graph for ``spec`` on ``hardware`` and play it."""
+    from .policies import build_graph
+
+    return simulate_graph(build_graph(spec, hardware, plan))

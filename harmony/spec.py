@@ -1,0 +1,266 @@
+"""What each layer of a model costs: the cost model every policy, the simulator
+and the planner read.
+
+A :class:`ModelSpec` is a chain of :class:`LayerCost` (layer ``i`` feeds layer
+``i + 1``; the last layer computes the loss). Sizes are stored as *element
+counts* and turned into bytes through the spec's dtypes, so the same spec
+answers for float32 today and bf16/fp16 mixed precision later. Times and
+working memory are functions of the microbatch size ``u``: a :class:`Curve`
+(a measured table with interpolation, or a line through the origin derived
+from FLOPs / bytes per sample).
+
+Where a spec comes from:
+
+* :mod:`harmony.zoo` builds real modules on the ``meta`` device and counts
+  FLOPs and activation sizes per layer (any size, no memory);
+* :mod:`harmony.reference` loads the per-layer profiles measured on GTX 1080 Ti
+  by the Harmony authors;
+* the engine's profiler measures the layers on the device at hand.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Sequence
+
+from .errors import HarmonyError
+
+#: Bytes per element of the dtypes that move between host and device.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+#: Optimizer-state tensors per parameter element (host-resident, fp32).
+OPTIMIZER_STATE_SLOTS = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise HarmonyError(
+            f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A non-negative function of the microbatch size ``u``.
+
+    Either a table of measured points (piecewise-linear between them, linear
+    extrapolation beyond the last two, flat below the first) or
+    ``per_sample * u + fixed`` when ``us`` is empty.
+    """
+
+    us: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()
+    per_sample: float = 0.0
+    fixed: float = 0.0
+
+    @classmethod
+    def linear(cls, per_sample: float, fixed: float = 0.0) -> "Curve":
+        return cls(per_sample=float(per_sample), fixed=float(fixed))
+
+    @classmethod
+    def table(cls, us: Sequence[int], values: Sequence[float]) -> "Curve":
+        pairs = sorted(zip(us, values))
+        if not pairs:
+            raise HarmonyError("a measured curve needs at least one point")
+        return cls(us=tuple(int(u) for u, _ in pairs), values=tuple(float(v) for _, v in pairs))
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.us)
+
+    @property
+    def max_measured_u(self) -> int | None:
+        return self.us[-1] if self.us else None
+
+    def __call__(self, u: float) -> float:
+        if not self.us:
+            return self.per_sample * u + self.fixed
+        us, vs = self.us, self.values
+        if len(us) == 1:
+            return vs[0] * u / us[0]  # one point: assume proportional to u
+        i = bisect.bisect_left(us, u)
+        if i < len(us) and us[i] == u:
+            return vs[i]
+        if i == 0:
+            return vs[0]
+        if i == len(us):
+            i = len(us) - 1  # extrapolate on the last segment
+        u0, u1, v0, v1 = us[i - 1], us[i], vs[i - 1], vs[i]
+        return max(0.0, v0 + (v1 - v0) * (u - u0) / (u1 - u0))
+
+    def scaled(self, factor: float) -> "Curve":
+        return Curve(self.us, tuple(v * factor for v in self.values),
+                     self.per_sample * factor, self.fixed * factor)
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """The cost of one layer of a chain.
+
+    Memory curves count what the layer needs *beyond* its weights, its weight
+    gradients and its own input: ``fwd_extra(u)`` is the output plus forward
+    temporaries without autograd; ``bwd_extra(u)`` is what recompute-and-backward
+    keeps (autograd-saved activations, output gradient, input gradient,
+    temporaries). Times: ``fwd_time(u)`` is forward without autograd;
+    ``bwd_time(u)`` *includes the recompute forward* (as the reference profiler
+    measured it). When a time curve is ``None`` it is derived from FLOPs and the
+    hardware's FLOP rate.
+    """
+
+    name: str
+    param_numel: int
+    buffer_numel: int = 0
+    #: float elements of the layer's input, per sample (scale with the activation dtype)
+    input_numel_per_sample: float = 0.0
+    #: bytes of non-float inputs per sample (token ids, masks): fixed whatever the dtype
+    input_fixed_bytes_per_sample: float = 0.0
+    fwd_flops_per_sample: float = 0.0
+    bwd_flops_per_sample: float = 0.0  # recompute forward + backward
+    fwd_time: Curve | None = None
+    bwd_time: Curve | None = None
+    fwd_extra: Curve = field(default_factory=Curve)  # bytes at the spec's activation dtype
+    bwd_extra: Curve = field(default_factory=Curve)
+    #: measured CPU optimizer step for this layer (s); None: derive from bytes
+    update_time_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as a chain of layer costs plus the dtypes of what moves."""
+
+    name: str
+    layers: tuple[LayerCost, ...]
+    optimizer: str = "adamw"
+    param_dtype: str = "float32"  # weights and gradients as they cross the link
+    act_dtype: str = "float32"  # activations and stashed inputs
+    #: bytes of the labels per sample, read by the last layer
+    target_bytes_per_sample: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise HarmonyError(f"model spec {self.name!r} has no layers")
+        if self.optimizer not in OPTIMIZER_STATE_SLOTS:
+            raise HarmonyError(
+                f"unknown optimizer {self.optimizer!r}; use one of {sorted(OPTIMIZER_STATE_SLOTS)}"
+            )
+        dtype_bytes(self.param_dtype)
+        dtype_bytes(self.act_dtype)
+
+    # ---- sizes -------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @cached_property
+    def _param_prefix(self) -> list[int]:
+        out = [0]
+        for layer in self.layers:
+            out.append(out[-1] + layer.param_numel + layer.buffer_numel)
+        return out
+
+    @property
+    def num_params(self) -> int:
+        return sum(layer.param_numel for layer in self.layers)
+
+    def weight_bytes(self, start: int = 0, stop: int | None = None) -> int:
+        """Bytes of weights (parameters + buffers) of layers [start, stop) on the link."""
+        stop = len(self.layers) if stop is None else stop
+        return (self._param_prefix[stop] - self._param_prefix[start]) * dtype_bytes(self.param_dtype)
+
+    def grad_bytes(self, start: int = 0, stop: int | None = None) -> int:
+        stop = len(self.layers) if stop is None else stop
+        n = sum(layer.param_numel for layer in self.layers[start:stop])
+        return n * dtype_bytes(self.param_dtype)
+
+    def optimizer_state_bytes(self, start: int = 0, stop: int | None = None) -> int:
+        """Host bytes of optimizer state (fp32 master copies are separate)."""
+        stop = len(self.layers) if stop is None else stop
+        n = sum(layer.param_numel for layer in self.layers[start:stop])
+        return n * 4 * OPTIMIZER_STATE_SLOTS[self.optimizer]
+
+    def input_bytes(self, layer: int, u: float) -> float:
+        """Bytes of the input of ``layer`` for a microbatch of ``u`` samples.
+
+        ``layer == len(self)`` is the model output (the loss layer's output is
+        a scalar, so 0)."""
+        if layer >= len(self.layers):
+            return 0.0
+        c = self.layers[layer]
+        return u * (c.input_numel_per_sample * dtype_bytes(self.act_dtype) + c.input_fixed_bytes_per_sample)
+
+    def target_bytes(self, u: float) -> float:
+        return u * self.target_bytes_per_sample
+
+    # ---- times -------------------------------------------------------------
+    def fwd_time(self, start: int, stop: int, u: float, flops: float) -> float:
+        """Seconds to run layers [start, stop) forward (no autograd) on ``u`` samples,
+        ``flops`` being the GPU's achieved FLOP/s for layers without a measured curve."""
+        t = 0.0
+        for c in self.layers[start:stop]:
+            t += c.fwd_time(u) if c.fwd_time is not None else c.fwd_flops_per_sample * u / flops
+        return t
+
+    def bwd_time(self, start: int, stop: int, u: float, flops: float) -> float:
+        """Seconds to recompute layers [start, stop) with autograd and run backward."""
+        t = 0.0
+        for c in self.layers[start:stop]:
+            t += c.bwd_time(u) if c.bwd_time is not None else c.bwd_flops_per_sample * u / flops
+        return t
+
+    def update_time(self, start: int, stop: int, cpu_bytes_per_s: float) -> float:
+        """CPU optimizer step for layers [start, stop). Measured where known,
+        else the bytes the step streams (weights, gradient and every state
+        tensor, read and written) over the CPU's optimizer bandwidth."""
+        slots = OPTIMIZER_STATE_SLOTS[self.optimizer]
+        t = 0.0
+        for c in self.layers[start:stop]:
+            if c.update_time_s is not None:
+                t += c.update_time_s
+            else:
+                t += c.param_numel * 4 * (3 + 2 * slots) / cpu_bytes_per_s
+        return t
+
+    # ---- working memory ----------------------------------------------------
+    def fwd_work_bytes(self, start: int, stop: int, u: float) -> float:
+        """Transient device bytes of a forward pass without autograd: layers run
+        one after the other, so the worst layer counts."""
+        return max((c.fwd_extra(u) for c in self.layers[start:stop]), default=0.0)
+
+    def bwd_work_bytes(self, start: int, stop: int, u: float) -> float:
+        """Device bytes of recompute + backward of a pack: autograd keeps every
+        layer's saved activations until backward reaches it, so they add up
+        (the reference packer's conservative estimate)."""
+        return sum(c.bwd_extra(u) for c in self.layers[start:stop])
+
+    # ---- derived specs -----------------------------------------------------
+    def with_dtypes(self, param_dtype: str | None = None, act_dtype: str | None = None) -> "ModelSpec":
+        """The same model moving weights / activations in other dtypes
+        (working-memory curves scale with the activation dtype)."""
+        param_dtype = param_dtype or self.param_dtype
+        act_dtype = act_dtype or self.act_dtype
+        r = dtype_bytes(act_dtype) / dtype_bytes(self.act_dtype)
+        layers = tuple(
+            replace(c, fwd_extra=c.fwd_extra.scaled(r), bwd_extra=c.bwd_extra.scaled(r))
+            for c in self.layers
+        )
+        return replace(self, layers=layers, param_dtype=param_dtype, act_dtype=act_dtype)
+
+    def with_optimizer(self, optimizer: str) -> "ModelSpec":
+        return replace(self, optimizer=optimizer)
+
+    def summary(self) -> dict:
+        return {
+            "name": self.name,
+            "layers": len(self.layers),
+            "params": self.num_params,
+            "weight_bytes": self.weight_bytes(),
+            "optimizer": self.optimizer,
+            "optimizer_state_bytes": self.optimizer_state_bytes(),
+            "param_dtype": self.param_dtype,
+            "act_dtype": self.act_dtype,
+            "source": self.source,
+        }
