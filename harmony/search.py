@@ -5,12 +5,15 @@ Candidates come from a small grid that covers what matters:
 * policy and number of GPUs (the caller's lists);
 * backward microbatch size ``uB`` (powers of two up to the minibatch, or the
   per-GPU share in data parallel, capped at the largest measured size of a
-  profiled model), and backward packs for each: greedy by memory at several
+  profiled model), first each with its largest packs that fit;
+* for the best sizes, every backward packing: greedy by memory at several
   fractions of the GPU (filled from the last layer, so the fused pack is as
   large as it can be) and balanced by backward time;
 * then, for the best of those, the forward side: forward microbatch size
   ``uF``, forward packs (the backward boundaries, or greedy by memory), and
-  whether activations go through host memory on one GPU.
+  whether activations go through host memory.
+
+The stages are a coordinate descent: cheap and good, not exhaustive.
 
 Every candidate is played by the simulator; a plan whose simulated peak
 exceeds the GPU memory is never returned (the packers' estimates only steer
@@ -23,7 +26,7 @@ import multiprocessing as mp
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 import pandas as pd
@@ -184,13 +187,18 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
     for policy in policies:
         for n in gpu_counts:
             share = -(-minibatch_size // n) if policy != "harmony-pp" else minibatch_size
-            # Stage A: backward side, forward packs on the same boundaries, uF = uB.
-            stage_a = []
-            for ub in microbatch_sizes(share, bcap):
-                for bwd in _bwd_packings(spec, ub, hardware, n):
-                    stage_a.append(_Candidate(Plan(policy, n, minibatch_size, ub, ub, bwd[:-1], bwd), "A"))
-            best = sorted(run(stage_a), key=lambda r: r["iteration_s"])[:top_k]
-            # Stage B: forward side around the best backward choices.
+            def plan_for(ub: int, bwd: tuple[Pack, ...]) -> _Candidate:
+                # forward packs on the backward boundaries, uF = uB
+                return _Candidate(Plan(policy, n, minibatch_size, ub, ub, bwd[:-1], bwd), "A")
+
+            # Stage A: the backward microbatch size, with the largest packs that fit ...
+            packings = {ub: _bwd_packings(spec, ub, hardware, n) for ub in microbatch_sizes(share, bcap)}
+            found = run([plan_for(ub, ps[0]) for ub, ps in packings.items() if ps])
+            # ... then every backward packing for the best sizes.
+            sizes = [r["plan"].bwd_microbatch for r in _fastest(found, top_k)]
+            found += run([plan_for(ub, bwd) for ub in sizes for bwd in packings[ub][1:]])
+            best = _fastest(found, top_k)
+            # Stage B: the forward side around the best backward choices ...
             stage_b = []
             for r in best:
                 p: Plan = r["plan"]
@@ -198,10 +206,12 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
                 ufs = [u for u in microbatch_sizes(share, fcap) if u >= p.bwd_microbatch]
                 for uf in (ufs if policy != "virtual-memory" else [p.bwd_microbatch]):
                     for fwd in _fwd_packings(spec, p, uf, hardware):
-                        for offload in _offload_choices(policy, n):
-                            stage_b.append(_Candidate(Plan(policy, n, minibatch_size, uf, p.bwd_microbatch, fwd,
-                                                           p.bwd_packs, {"offload_activations": offload}), "B"))
-            run(stage_b)
+                        stage_b.append(_Candidate(replace(p, fwd_microbatch=uf, fwd_packs=fwd), "B"))
+            found += run(stage_b)
+            # ... and activations through host memory for the best plans, where that changes anything.
+            if _offload_matters(policy, n):
+                run([_Candidate(replace(r["plan"], options={"offload_activations": True}), "C")
+                     for r in _fastest(found, top_k)])
     bar.close()
     pool.close()
     if not rows:
@@ -244,9 +254,13 @@ def _fwd_packings(spec: ModelSpec, plan: Plan, u: int, hw: Hardware) -> list[tup
     return list(dict.fromkeys(out))
 
 
-def _offload_choices(policy: str, n: int) -> tuple[bool, ...]:
+def _fastest(rows: list[dict], k: int) -> list[dict]:
+    return sorted(rows, key=lambda r: r["iteration_s"])[:k]
+
+
+def _offload_matters(policy: str, n: int) -> bool:
     """Offloading activations only changes plans whose consecutive packs share a GPU."""
-    return (False,) if policy == "harmony-pp" and n > 1 else (False, True)
+    return not (policy == "harmony-pp" and n > 1)
 
 
 def _row(c: _Candidate, s: dict) -> dict:

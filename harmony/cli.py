@@ -1,0 +1,184 @@
+"""``harmony``: search, simulate, list what is known, reproduce the figures.
+
+    harmony search   --model gpt2-xl --hardware paper-4x1080ti --minibatch 64
+    harmony simulate --model gpt2-xl --hardware paper-4x1080ti --plan plan.json --chrome out.json
+    harmony models | presets | policies
+    harmony reproduce --quick --out figures
+
+Every error from bad input is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import HarmonyError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _int_list(text: str) -> list[int]:
+    return [_positive_int(x) for x in text.split(",") if x.strip()]
+
+
+def _str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model name (see `harmony models`)")
+    p.add_argument("--source", default="auto", choices=["auto", "reference", "zoo"],
+                   help="cost model: measured 1080 Ti profile (reference), analytic (zoo), or reference if any (auto)")
+    p.add_argument("--hardware", default="paper-4x1080ti", help="hardware preset (see `harmony presets`)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harmony", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("search", help="rank plans by simulated iteration time")
+    _add_model_args(s)
+    s.add_argument("--minibatch", type=_positive_int, required=True, help="samples per iteration")
+    s.add_argument("--policies", type=_str_list, default=None,
+                   help="comma-separated policies (default: harmony-pp,harmony-dp,virtual-memory)")
+    s.add_argument("--gpus", type=_int_list, default=None, help="comma-separated GPU counts (default: all)")
+    s.add_argument("--top", type=_positive_int, default=10, help="rows to show")
+    s.add_argument("--save-plan", type=Path, default=None, help="write the best plan as JSON")
+    s.add_argument("--workers", type=_positive_int, default=None, help="simulation processes")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    m = sub.add_parser("simulate", help="simulate one plan (or the best one found) and report")
+    _add_model_args(m)
+    m.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search at --minibatch)")
+    m.add_argument("--minibatch", type=_positive_int, default=None, help="search at this minibatch if no --plan")
+    m.add_argument("--chrome", type=Path, default=None, help="write a Chrome/Perfetto trace JSON")
+    m.add_argument("--timeline", type=Path, default=None, help="write a timeline figure (.svg and .png)")
+    m.add_argument("--csv", type=Path, default=None, help="write the timeline as CSV")
+
+    sub.add_parser("models", help="list models")
+    sub.add_parser("presets", help="list hardware presets")
+    sub.add_parser("policies", help="list policies")
+
+    r = sub.add_parser("reproduce", help="run the main job: search + simulate the paper's models, write figures")
+    r.add_argument("--quick", action="store_true", help="CPU-sized run (minutes)")
+    r.add_argument("--out", type=Path, default=Path("figures"), help="output folder")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except HarmonyError as e:
+        print(f"harmony {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _spec_and_hw(args):
+    from .catalog import model_spec
+    from .hardware import preset
+
+    return model_spec(args.model, args.source), preset(args.hardware)
+
+
+def _cmd_search(args) -> int:
+    from . import search
+    from .report import format_search
+
+    spec, hw = _spec_and_hw(args)
+    kwargs = {}
+    if args.policies:
+        kwargs["policies"] = args.policies
+    df = search(spec, hw, args.minibatch, n_gpus=args.gpus, progress=not (args.no_progress or args.json),
+                workers=args.workers, **kwargs)
+    if args.save_plan:
+        df.iloc[0]["plan"].to_json(args.save_plan)
+    if args.json:
+        out = df.head(args.top).assign(plan=lambda d: d["plan"].map(lambda p: p.to_dict()))
+        print(json.dumps({"attrs": df.attrs, "rows": out.to_dict(orient="records")}, indent=2, default=str))
+    else:
+        print(format_search(df, args.top))
+    return 0
+
+
+def _cmd_simulate(args) -> int:
+    from . import search, simulate
+    from .plan import Plan
+    from .report import format_summary
+
+    spec, hw = _spec_and_hw(args)
+    if args.plan is not None:
+        plan = Plan.from_json(args.plan)
+    elif args.minibatch is not None:
+        plan = search(spec, hw, args.minibatch, progress=False).iloc[0]["plan"]
+    else:
+        raise HarmonyError("give --plan plan.json, or --minibatch N to simulate the best plan found")
+    trace = simulate(spec, hw, plan)
+    if args.chrome:
+        trace.to_chrome(args.chrome)
+    if args.csv:
+        trace.timeline.to_csv(args.csv, index=False)
+    if args.timeline:
+        from .viz import save, timeline_chart
+
+        save(timeline_chart(trace, title=f"{spec.name} on {hw.name}: {plan.describe()}"), args.timeline)
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict(), "summary": trace.summary}, indent=2, default=str))
+    else:
+        print(format_summary(plan, trace))
+    return 0
+
+
+def _cmd_models(args) -> int:
+    from . import reference, zoo
+
+    for name in sorted(set(reference.VARIANTS) | set(zoo.MODELS)):
+        sources = [s for s, table in (("reference", reference.VARIANTS), ("zoo", zoo.MODELS)) if name in table]
+        print(f"{name:16s} {', '.join(sources)}")
+    return 0
+
+
+def _cmd_presets(args) -> int:
+    from .hardware import PRESETS
+
+    for hw in PRESETS.values():
+        print(f"{hw.name:16s} {hw.n_gpus} GPU x {hw.gpu_memory / 1e9:.1f} GB, host link {hw.h2d / 1e9:.1f} GB/s"
+              f" ({hw.gpus_per_switch} per uplink), p2p {'-' if hw.p2p is None else f'{hw.p2p / 1e9:.1f} GB/s'}"
+              f"  {hw.notes}")
+    return 0
+
+
+def _cmd_policies(args) -> int:
+    from .policies import POLICIES
+
+    for name, mod in POLICIES.items():
+        print(f"{name:16s} {(mod.__doc__ or '').strip().splitlines()[0]}")
+    return 0
+
+
+def _cmd_reproduce(args) -> int:
+    from .reproduce import main_job
+
+    main_job(args.out, quick=args.quick)
+    return 0
+
+
+_COMMANDS = {
+    "search": _cmd_search, "simulate": _cmd_simulate, "models": _cmd_models,
+    "presets": _cmd_presets, "policies": _cmd_policies, "reproduce": _cmd_reproduce,
+}
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

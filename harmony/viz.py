@@ -1,0 +1,94 @@
+"""Altair charts of traces and search results, and saving them as SVG + PNG.
+
+Altair and vl-convert come with the ``notebooks`` extra; they are imported
+when a chart is made, so the library itself does not need them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from .errors import HarmonyError
+from .trace import Trace
+
+#: one colour per task kind, grouped: compute warm, host link cool, GPU-GPU green
+KIND_COLORS = {
+    "FWD": "#f58518", "BWD": "#e45756", "FWDBWD": "#b279a2", "UPD": "#9d755d",
+    "W_IN": "#4c78a8", "G_OUT": "#72b7b2", "STASH_OUT": "#54a24b", "STASH_IN": "#88d27a",
+    "ACT_OUT": "#bab0ac", "ACT_IN": "#d6d6d6", "DATA_IN": "#eeca3b", "P2P": "#2ca02c", "REDUCE": "#17becf",
+}
+
+
+def _altair():
+    try:
+        import altair as alt
+    except ImportError:  # pragma: no cover - depends on the install
+        raise HarmonyError("charts need altair: pip install -e '.[notebooks]'") from None
+    alt.data_transformers.disable_max_rows()
+    return alt
+
+
+def timeline_chart(trace: Trace, title: str = "", width: int = 900, max_tasks: int = 20000):
+    """Gantt chart of one iteration: one row per lane, one bar per task."""
+    alt = _altair()
+    df = trace.timeline
+    if len(df) > max_tasks:
+        raise HarmonyError(f"trace has {len(df)} tasks; chart at most {max_tasks} (raise max_tasks)")
+    df = df.assign(duration_ms=(df.end_s - df.start_s) * 1e3, layers=df["layers"].astype(str))
+    kinds = [k for k in KIND_COLORS if k in set(df.kind)]
+    lanes = sorted(df.lane.unique(), key=_lane_order)
+    return (
+        alt.Chart(df[["lane", "kind", "start_s", "end_s", "duration_ms", "bytes", "layers", "microbatch", "what"]])
+        .mark_bar(height={"band": 0.8})
+        .encode(
+            x=alt.X("start_s:Q", title="time (s)"),
+            x2="end_s:Q",
+            y=alt.Y("lane:N", sort=lanes, title=None),
+            color=alt.Color("kind:N", scale=alt.Scale(domain=kinds, range=[KIND_COLORS[k] for k in kinds])),
+            tooltip=["kind", "what", "layers", "microbatch", alt.Tooltip("duration_ms:Q", format=".2f"),
+                     alt.Tooltip("bytes:Q", format=".3s")],
+        )
+        .properties(title=title, width=width, height=max(120, 22 * len(lanes)))
+    )
+
+
+def _lane_order(lane: str) -> tuple:
+    device, _, kind = lane.partition(".")
+    order = {"compute": 0, "h2d": 1, "d2h": 2, "p2p": 3, "": 4}
+    return (device.startswith("cpu"), device, order.get(kind, 5))
+
+
+def memory_chart(trace: Trace, title: str = "", width: int = 900):
+    """Device memory in use over the iteration, with the capacity as a rule."""
+    alt = _altair()
+    df = trace.memory_timeline().assign(gb=lambda d: d["bytes"] / 1e9)
+    cap = pd.DataFrame([{"device": d, "gb": c / 1e9} for d, c in trace.summary["memory_capacity"].items()])
+    line = alt.Chart(df).mark_line(interpolate="step-after").encode(
+        x=alt.X("time_s:Q", title="time (s)"), y=alt.Y("gb:Q", title="GB in use"), color="device:N")
+    rule = alt.Chart(cap).mark_rule(strokeDash=[4, 4]).encode(y="gb:Q", color="device:N")
+    return (line + rule).properties(title=title, width=width, height=200)
+
+
+def bar_chart(df: pd.DataFrame, x: str, y: str, color: str | None = None, title: str = "", log: bool = False):
+    alt = _altair()
+    enc = {"x": alt.X(f"{x}:N", title=x), "y": alt.Y(f"{y}:Q", title=y,
+                                                    scale=alt.Scale(type="log") if log else alt.Undefined)}
+    if color:
+        enc["color"] = alt.Color(f"{color}:N")
+        enc["xOffset"] = alt.XOffset(f"{color}:N")
+    return alt.Chart(df).mark_bar().encode(**enc, tooltip=list(df.columns)).properties(title=title)
+
+
+def save(chart, path: str | Path, formats: tuple[str, ...] = ("svg", "png")) -> list[Path]:
+    """Write ``chart`` as ``path`` with each suffix in ``formats`` (vl-convert renders)."""
+    base = Path(path)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    out = []
+    for fmt in formats:
+        target = base.with_suffix(f".{fmt}")
+        kwargs = {"scale_factor": 2} if fmt == "png" else {}
+        chart.save(str(target), **kwargs)
+        out.append(target)
+    return out

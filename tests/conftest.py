@@ -1,0 +1,157 @@
+"""Shared fixtures and hypothesis strategies: small random models, servers and plans.
+
+Everything generated here is small (2-12 layers, minibatch <= 16, <= 4 GPUs) so
+one simulation takes milliseconds and property tests can afford many examples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import strategies as st
+
+import harmony
+from harmony import Curve, Hardware, LayerCost, ModelSpec, Plan
+
+POLICY_NAMES = tuple(sorted(harmony.POLICIES))
+
+
+# ---- models -----------------------------------------------------------------------
+def _linear_curve(per_sample_max: float, fixed_max: float):
+    """A line through (0, fixed) with a non-negative slope; zero sometimes, to
+    exercise zero-length tasks and zero-byte buffers."""
+    return st.builds(
+        Curve.linear,
+        st.one_of(st.just(0.0), st.floats(per_sample_max * 1e-3, per_sample_max)),
+        st.one_of(st.just(0.0), st.floats(0.0, fixed_max)),
+    )
+
+
+@st.composite
+def layer_costs(draw, index: int = 0) -> LayerCost:
+    measured_times = draw(st.booleans())
+    return LayerCost(
+        name=f"layer{index}",
+        param_numel=draw(st.one_of(st.just(0), st.integers(1, 2_000_000))),
+        buffer_numel=draw(st.one_of(st.just(0), st.integers(1, 5_000))),
+        input_numel_per_sample=float(draw(st.integers(0, 200_000))),
+        input_fixed_bytes_per_sample=float(draw(st.one_of(st.just(0), st.integers(1, 4096)))),
+        # without measured curves the times come from FLOPs and the GPU's FLOP rate
+        fwd_flops_per_sample=draw(st.floats(0.0, 1e10)),
+        bwd_flops_per_sample=draw(st.floats(0.0, 3e10)),
+        fwd_time=draw(_linear_curve(5e-3, 1e-3)) if measured_times else None,
+        bwd_time=draw(_linear_curve(1.5e-2, 3e-3)) if measured_times else None,
+        fwd_extra=draw(_linear_curve(4e6, 1e6)),
+        bwd_extra=draw(_linear_curve(1.2e7, 3e6)),
+        update_time_s=draw(st.one_of(st.none(), st.floats(0.0, 0.05))),
+    )
+
+
+@st.composite
+def model_specs(draw, min_layers: int = 2, max_layers: int = 12) -> ModelSpec:
+    n = draw(st.integers(min_layers, max_layers))
+    return ModelSpec(
+        name=f"random-{n}",
+        layers=tuple(draw(layer_costs(i)) for i in range(n)),
+        optimizer=draw(st.sampled_from(["sgd", "sgd-momentum", "adam", "adamw"])),
+        param_dtype=draw(st.sampled_from(["float32", "float16", "bfloat16"])),
+        act_dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+        target_bytes_per_sample=float(draw(st.integers(0, 4096))),
+    )
+
+
+# ---- servers ----------------------------------------------------------------------
+_RATE = st.floats(1e8, 5e10)
+
+
+@st.composite
+def hardwares(draw, min_gpus: int = 1, max_gpus: int = 4, memory=None) -> Hardware:
+    return Hardware(
+        name="random",
+        n_gpus=draw(st.integers(min_gpus, max_gpus)),
+        gpu_memory=draw(memory if memory is not None else st.just(10**15)),
+        gpu_flops=draw(st.floats(1e11, 1e14)),
+        h2d=draw(_RATE),
+        d2h=draw(_RATE),
+        uplink=draw(_RATE),
+        gpus_per_switch=draw(st.integers(1, 4)),
+        p2p=draw(st.one_of(st.none(), _RATE)),
+        cpu_update_bandwidth=draw(st.floats(1e9, 1e11)),
+        cpu_update_workers=draw(st.integers(1, 4)),
+        host_memory=10**13,
+    )
+
+
+# ---- plans ------------------------------------------------------------------------
+@st.composite
+def contiguous_packs(draw, start: int, stop: int) -> tuple[tuple[int, int], ...]:
+    """Random contiguous (start, stop) packs covering [start, stop); () if empty."""
+    if stop <= start:
+        return ()
+    cuts = sorted(draw(st.sets(st.integers(start + 1, stop - 1), max_size=stop - start - 1))
+                  if stop - start > 1 else set())
+    bounds = [start, *cuts, stop]
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+@st.composite
+def plans(draw, policy: str, num_layers: int, max_gpus: int, max_minibatch: int = 16,
+          minibatch=None) -> Plan:
+    bwd = draw(contiguous_packs(0, num_layers))
+    fwd = draw(contiguous_packs(0, bwd[-1][0]))
+    B = draw(minibatch if minibatch is not None else st.integers(1, max_minibatch))
+    uf = draw(st.integers(1, B))  # need not divide the minibatch
+    ub = uf if policy == "virtual-memory" else draw(st.integers(1, B))
+    options = draw(st.one_of(
+        st.just({}),
+        st.fixed_dictionaries({"offload_activations": st.booleans(),
+                               "prefetch_packs": st.integers(1, 3)}),
+    ))
+    return Plan(policy, draw(st.integers(1, max_gpus)), B, uf, ub, fwd, bwd, options)
+
+
+@st.composite
+def scenarios(draw, policies=POLICY_NAMES, memory=None):
+    """(spec, hardware, plan) with a valid plan of a random policy."""
+    spec = draw(model_specs())
+    hw = draw(hardwares(memory=memory))
+    policy = draw(st.sampled_from(policies))
+    plan = draw(plans(policy, len(spec), hw.n_gpus))
+    return spec, hw, plan
+
+
+# ---- fixtures -----------------------------------------------------------------------
+def tiny_spec(n_layers: int = 2, *, params: int = 1_000_000, act: float = 250_000.0,
+              fwd_s: float = 1e-3, bwd_s: float = 3e-3, update_s: float = 0.01,
+              target: float = 8.0, optimizer: str = "adamw") -> ModelSpec:
+    """A chain of identical layers with simple, hand-computable costs
+    (times per sample, fixed working memory)."""
+    layer = lambda i: LayerCost(  # noqa: E731
+        name=f"l{i}", param_numel=params, input_numel_per_sample=act,
+        fwd_time=Curve.linear(fwd_s), bwd_time=Curve.linear(bwd_s),
+        fwd_extra=Curve.linear(0.0, 1e6), bwd_extra=Curve.linear(0.0, 2e6),
+        update_time_s=update_s)
+    return ModelSpec("tiny", tuple(layer(i) for i in range(n_layers)), optimizer=optimizer,
+                     target_bytes_per_sample=target)
+
+
+def simple_hardware(n_gpus: int = 1, *, link: float = 1e9, uplink: float | None = None,
+                    p2p: float | None = 2e9, memory: int = 10**12, gpus_per_switch: int | None = None,
+                    workers: int = 4) -> Hardware:
+    """Every host link at ``link`` bytes/s, uplink as fast unless given."""
+    return Hardware(
+        name=f"simple-{n_gpus}", n_gpus=n_gpus, gpu_memory=memory, gpu_flops=1e12,
+        h2d=link, d2h=link, uplink=link if uplink is None else uplink,
+        gpus_per_switch=gpus_per_switch or n_gpus, p2p=p2p,
+        cpu_update_bandwidth=1e10, cpu_update_workers=workers, host_memory=10**13,
+    )
+
+
+@pytest.fixture
+def tiny():
+    return tiny_spec()
+
+
+def close(a: float, b: float, rel: float = 1e-9, abs_: float = 1e-12) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
