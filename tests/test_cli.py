@@ -1,0 +1,69 @@
+"""The `harmony` command: readable output, JSON, plan files, clear errors."""
+
+import json
+
+import pytest
+
+from harmony.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_search_prints_a_ranked_table_and_saves_the_best_plan(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "search", "--model", "bert-large", "--hardware", "paper-4x1080ti",
+                       "--minibatch", "16", "--policies", "harmony-pp", "--gpus", "2",
+                       "--no-progress", "--workers", "1", "--save-plan", str(plan))
+    assert code == 0
+    assert "plans simulated" in out and "harmony-pp" in out and "best per policy" in out
+    assert json.loads(plan.read_text())["policy"] == "harmony-pp"
+
+    code, out, _ = run(capsys, "simulate", "--model", "bert-large", "--plan", str(plan),
+                       "--chrome", str(tmp_path / "t.json"), "--csv", str(tmp_path / "t.csv"), "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["summary"]["fits"] is True
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert (tmp_path / "t.csv").read_text().startswith("device,lane,kind,model,pack,microbatch,start_s,end_s,bytes")
+
+
+def test_search_json_is_machine_readable(capsys):
+    code, out, _ = run(capsys, "search", "--model", "gpt2-tiny", "--hardware", "h100-pcie5", "--minibatch", "8",
+                       "--json", "--workers", "1", "--top", "3")
+    assert code == 0
+    data = json.loads(out)
+    assert len(data["rows"]) == 3
+    assert data["rows"][0]["iteration_s"] <= data["rows"][1]["iteration_s"]
+    assert data["rows"][0]["plan"]["minibatch"] == 8
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["search", "--model", "gpt9", "--minibatch", "8"], "unknown model 'gpt9'"),
+    (["search", "--model", "gpt2-xl", "--hardware", "dgx-9000", "--minibatch", "8"], "unknown hardware preset"),
+    (["search", "--model", "gpt2-xl", "--minibatch", "8", "--policies", "magic"], "unknown policy 'magic'"),
+    (["search", "--model", "gpt2-xl", "--minibatch", "8", "--gpus", "16"], "outside 1..4"),
+    (["simulate", "--model", "gpt2-xl", "--plan", "/nonexistent/plan.json"], "does not exist"),
+    (["simulate", "--model", "gpt2-xl"], "give --plan"),
+])
+def test_bad_input_is_one_clear_line(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_bad_numbers_are_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["search", "--model", "gpt2-xl", "--minibatch", "-3"])
+    assert e.value.code == 2
+    assert "expected a positive integer" in capsys.readouterr().err
+
+
+def test_listings(capsys):
+    for cmd, needle in (("models", "gpt2-xl"), ("presets", "paper-4x1080ti"), ("policies", "virtual-memory")):
+        code, out, _ = run(capsys, cmd)
+        assert code == 0 and needle in out
