@@ -1,16 +1,20 @@
 """The task-graph IR that every policy builds and both executors play.
 
 A :class:`TaskGraph` is a set of :class:`Task` on *lanes* (``gpu0.compute``,
-``gpu0.h2d``, ``gpu0.d2h``, ``gpu0.p2p``, ``cpu0``, ...). A lane runs its tasks
-one at a time in ``seq`` order; a task starts when the lane is free and every
-dependency has ended. Compute tasks have a duration; transfer tasks have bytes
-and a route of links whose bandwidth they share with concurrent transfers.
+``gpu0.h2d``, ``gpu0.d2h``, ``gpu0.p2p``, ``cpu0``, ...). A lane runs one task
+at a time, and a task starts when its lane is free and every dependency has
+ended. GPU compute lanes run their tasks strictly in ``seq`` order (the order
+of microbatches fixes the order gradients accumulate in, hence exactness);
+transfer and CPU lanes run whichever of their ready tasks has the smallest
+``seq`` (the data needed soonest first, so a large prefetch never holds up an
+urgent input). Compute tasks have a duration; transfer tasks have bytes and a
+route of links whose bandwidth they share with concurrent transfers.
 
 Memory is a set of :class:`Buffer`: a task *allocates* buffers when it starts
 and *releases* its references when it ends; a buffer is freed when its last
 reference is released. Policies give every task a ``seq`` such that every
-dependency has a smaller ``seq``: then a lane never waits behind a task that
-waits on it, and playing the graph cannot deadlock.
+dependency has a smaller ``seq``: then the unfinished task with the smallest
+``seq`` can always run, and playing the graph cannot deadlock.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ DATA_IN = "DATA_IN"  # minibatch inputs and labels
 REDUCE = "REDUCE"  # data-parallel gradient reduce-scatter, per GPU
 
 COMPUTE_KINDS = frozenset({FWD, BWD, FWDBWD, UPD})
+#: kinds whose lane runs strictly in seq order
+IN_ORDER_KINDS = frozenset({FWD, BWD, FWDBWD})
 TRANSFER_KINDS = frozenset({W_IN, G_OUT, STASH_OUT, STASH_IN, ACT_OUT, ACT_IN, P2P, DATA_IN, REDUCE})
 
 
@@ -42,7 +48,7 @@ class Task:
     kind: str
     lane: str
     device: str  # where it runs: "gpu0".., "cpu"
-    seq: tuple[int, int]
+    seq: tuple[int, int, int]  # priority; (op, 0, n) inputs of op, (op, 1, 0) the op, (op, 2, n) after it
     deps: list[int] = field(default_factory=list)
     duration: float = 0.0  # seconds (compute)
     nbytes: float = 0.0  # bytes (transfer)
@@ -87,6 +93,10 @@ class TaskGraph:
         for t in self.tasks:
             out[t.lane].append(t)
         return {lane: [t.id for t in sorted(ts, key=lambda t: t.seq)] for lane, ts in out.items()}
+
+    def in_order_lanes(self) -> set[str]:
+        """Lanes that run strictly in seq order (GPU compute)."""
+        return {t.lane for t in self.tasks if t.kind in IN_ORDER_KINDS}
 
     def bytes_by_kind(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)

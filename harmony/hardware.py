@@ -8,6 +8,7 @@ uplink to the host that its GPUs share. A host<->GPU copy is limited by both.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, replace
 
@@ -35,7 +36,8 @@ class Hardware:
 
     def __post_init__(self) -> None:
         for fld in ("n_gpus", "gpus_per_switch", "cpu_update_workers"):
-            if getattr(self, fld) < 1:
+            v = getattr(self, fld)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HarmonyError(f"hardware {self.name!r}: {fld} must be >= 1, got {getattr(self, fld)}")
         for fld in ("gpu_memory", "gpu_flops", "h2d", "d2h", "uplink", "cpu_update_bandwidth", "host_memory"):
             v = getattr(self, fld)
@@ -117,23 +119,35 @@ _UNITS = {
 
 def parse_bytes(value: str | int | float, what: str = "size") -> int:
     """``"256MB"`` -> 256_000_000, ``"1.5GiB"``, ``1024`` -> 1024. Clear error on junk."""
+    return int(_parse_amount(value, what))
+
+
+def _parse_amount(value: str | int | float, what: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < 0:
-            raise HarmonyError(f"{what} must be non-negative, got {value}")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise HarmonyError(
-            f"cannot read {what} {value!r}: write a number with an optional unit, "
-            f"e.g. '256MB', '1.5GiB', '4096' (units: {', '.join(u for u in _UNITS if u)})"
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        number, unit = float(value), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise HarmonyError(
+                f"cannot read {what} {value!r}: write a number with an optional unit, "
+                f"e.g. '256MB', '1.5GiB', '4096' (units: {', '.join(u for u in _UNITS if u)})"
+            )
+        unit = m.group(2)
+        if len(unit) == 2 and unit[0].isupper() and unit[1] == "b":  # "Gb": gigabits, not gigabytes
+            raise HarmonyError(f"{what} {value!r} reads as bits ('{unit}'); write bytes, e.g. '{unit[:-1].upper()}B'")
+        number = float(m.group(1))
+    amount = number * _UNITS[unit.lower()]
+    if not math.isfinite(amount):
+        raise HarmonyError(f"{what} must be a finite number, got {value!r}")
+    if amount < 0:
+        raise HarmonyError(f"{what} must be non-negative, got {value!r}")
+    return amount
 
 
 def parse_rate(value: str | int | float, what: str = "bandwidth") -> float:
     """``"200MB/s"`` -> 2e8 bytes/s. Must be positive."""
     text = value if not isinstance(value, str) else re.sub(r"\s*/\s*s(ec)?\s*$", "", value)
-    rate = parse_bytes(text, what)
+    rate = _parse_amount(text, what)
     if rate <= 0:
         raise HarmonyError(f"{what} must be positive, got {value!r}")
-    return float(rate)
+    return rate

@@ -16,6 +16,7 @@ Harmony's packing rules (checked by :meth:`Plan.validate`):
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -52,10 +53,22 @@ class Plan:
     options: tuple[tuple[str, Any], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        # Normalise lists and dicts into hashable tuples so a Plan is a value.
-        object.__setattr__(self, "fwd_packs", tuple(tuple(int(x) for x in p) for p in self.fwd_packs))
-        object.__setattr__(self, "bwd_packs", tuple(tuple(int(x) for x in p) for p in self.bwd_packs))
-        opts = dict(self.options) if not isinstance(self.options, Mapping) else self.options
+        # Normalise lists, dicts and numpy integers into plain hashable values so a
+        # Plan is a value; anything malformed is a HarmonyError, not a TypeError.
+        for name in ("n_gpus", "minibatch", "fwd_microbatch", "bwd_microbatch"):
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+                object.__setattr__(self, name, int(v))
+        for name in ("fwd_packs", "bwd_packs"):
+            object.__setattr__(self, name, _normalise_packs(getattr(self, name), name))
+        opts = self.options
+        if isinstance(opts, Mapping):
+            opts = dict(opts)
+        else:
+            try:
+                opts = dict(opts)
+            except (TypeError, ValueError):
+                raise HarmonyError(f"plan options must be a mapping of option -> value, got {opts!r}") from None
         unknown = set(opts) - set(DEFAULT_OPTIONS)
         if unknown:
             raise HarmonyError(
@@ -90,7 +103,7 @@ class Plan:
 
         for name in ("n_gpus", "minibatch", "fwd_microbatch", "bwd_microbatch"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise bad(f"{name} must be a positive integer, got {v!r}")
         for name in ("fwd_microbatch", "bwd_microbatch"):
             if getattr(self, name) > self.minibatch:
@@ -102,8 +115,10 @@ class Plan:
         _check_cover(self.fwd_packs, 0, self.bwd_packs[-1][0], "fwd_packs", bad,
                      why=" (forward packs stop where the fused last backward pack starts)")
         prefetch = self.option("prefetch_packs")
-        if not isinstance(prefetch, int) or prefetch < 1:
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
             raise bad(f"option prefetch_packs must be an integer >= 1, got {prefetch!r}")
+        if not isinstance(self.option("offload_activations"), bool):
+            raise bad(f"option offload_activations must be true or false, got {self.option('offload_activations')!r}")
         return self
 
     # ---- JSON ----------------------------------------------------------------
@@ -136,6 +151,8 @@ class Plan:
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "Plan":
         text = str(text_or_path)
+        if not text.strip():
+            raise HarmonyError("plan JSON is empty: give a JSON object or the path of a plan file")
         if not text.lstrip().startswith("{"):
             path = Path(text_or_path)
             if not path.exists():
@@ -153,11 +170,22 @@ class Plan:
                 + ("" if not self.options else " " + ",".join(f"{k}={v}" for k, v in self.options)))
 
 
+def _normalise_packs(packs, name: str) -> tuple[Pack, ...]:
+    try:
+        out = tuple(tuple(p) for p in packs)
+        if any(len(p) != 2 or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in p)
+               for p in out):
+            raise TypeError
+        return tuple((int(a), int(b)) for a, b in out)
+    except TypeError:
+        raise HarmonyError(
+            f"{name} must be a list of [start, stop] integer layer ranges, e.g. [[0, 4], [4, 8]]; got {packs!r}"
+        ) from None
+
+
 def _check_cover(packs, start: int, stop: int, name: str, bad, why: str = "") -> None:
     at = start
     for p in packs:
-        if len(p) != 2:
-            raise bad(f"{name}: each pack is a (start, stop) pair, got {p!r}")
         a, b = p
         if a != at:
             kind = "overlaps the previous pack" if a < at else f"leaves layers {at}..{a - 1} uncovered"

@@ -23,6 +23,7 @@ the grid, the ledger decides).
 from __future__ import annotations
 
 import multiprocessing as mp
+import numbers
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -138,8 +139,9 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
     search time and how many candidates were simulated and rejected.
     ``workers`` processes simulate in parallel (default: one per core, at most 4)."""
     t0 = time.perf_counter()
-    if not isinstance(minibatch_size, int) or minibatch_size < 1:
+    if not isinstance(minibatch_size, numbers.Integral) or isinstance(minibatch_size, bool) or minibatch_size < 1:
         raise HarmonyError(f"minibatch size must be a positive integer, got {minibatch_size!r}")
+    minibatch_size = int(minibatch_size)
     policies = list(policies)
     for p in policies:
         get_policy(p)
@@ -151,7 +153,6 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
         if not 1 <= n <= hardware.n_gpus:
             raise HarmonyError(f"n_gpus={n} is outside 1..{hardware.n_gpus} for hardware {hardware.name!r}")
     worst, need = _min_layer_bytes(spec)
-    budget_max = hardware.gpu_memory * _BUDGETS[0]
     if need > hardware.gpu_memory:
         raise OutOfMemoryError(
             f"layer {worst} ({spec.layers[worst].name}) alone needs {need / 1e9:.2f} GB for backward at "
@@ -187,9 +188,10 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
     for policy in policies:
         for n in gpu_counts:
             share = -(-minibatch_size // n) if policy != "harmony-pp" else minibatch_size
-            def plan_for(ub: int, bwd: tuple[Pack, ...]) -> _Candidate:
+            def plan_for(ub: int, packing: tuple[tuple[Pack, ...], dict]) -> _Candidate:
                 # forward packs on the backward boundaries, uF = uB
-                return _Candidate(Plan(policy, n, minibatch_size, ub, ub, bwd[:-1], bwd), "A")
+                bwd, options = packing
+                return _Candidate(Plan(policy, n, minibatch_size, ub, ub, bwd[:-1], bwd, options), "A")
 
             # Stage A: the backward microbatch size, with the largest packs that fit ...
             packings = {ub: _bwd_packings(spec, ub, hardware, n) for ub in microbatch_sizes(share, bcap)}
@@ -210,15 +212,17 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
             found += run(stage_b)
             # ... and activations through host memory for the best plans, where that changes anything.
             if _offload_matters(policy, n):
-                run([_Candidate(replace(r["plan"], options={"offload_activations": True}), "C")
+                run([_Candidate(replace(r["plan"], options={**dict(r["plan"].options), "offload_activations": True}), "C")
                      for r in _fastest(found, top_k)])
     bar.close()
     pool.close()
     if not rows:
+        tried = (f"{rejected} candidates simulated, all over capacity" if rejected else
+                 "no packing of the layers fits the planner's per-pack budget")
         raise OutOfMemoryError(
-            f"no candidate plan for {spec.name} at minibatch {minibatch_size} fits in "
-            f"{hardware.gpu_memory / 1e9:.2f} GB per GPU ({rejected} simulated, all over capacity; the "
-            f"largest layer needs {need / 1e9:.2f} GB at microbatch 1, budget per pack {budget_max / 1e9:.2f} GB)"
+            f"no plan for {spec.name} at minibatch {minibatch_size} fits in {hardware.gpu_memory / 1e9:.2f} GB "
+            f"per GPU ({tried}); the most demanding layer, {worst} ({spec.layers[worst].name}), needs "
+            f"{need / 1e9:.2f} GB for backward at microbatch 1. Use GPUs with more memory or split that layer."
         )
     df = pd.DataFrame(rows).sort_values("iteration_s", kind="stable").reset_index(drop=True)
     df.insert(0, "rank", range(1, len(df) + 1))
@@ -227,19 +231,28 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
     return df
 
 
-def _bwd_packings(spec: ModelSpec, u: int, hw: Hardware, n: int) -> list[tuple[Pack, ...]]:
+def _bwd_packings(spec: ModelSpec, u: int, hw: Hardware, n: int) -> list[tuple[tuple[Pack, ...], dict]]:
+    """Backward packings for microbatch ``u``, largest packs first, with the plan
+    options they need."""
     L = len(spec)
-    out = []
+    times = [spec.bwd_time(i, i + 1, u, hw.gpu_flops) for i in range(L)]
+    out: list[tuple[tuple[Pack, ...], dict]] = []
     for frac in _BUDGETS:
         packs = greedy_packs(spec, 0, L, u, frac * hw.gpu_memory, backward=True)
         if packs is None:
             continue
-        out.append(packs)
+        out.append((packs, {}))
         # The same number of packs, balanced by backward time (evens out a pipeline).
-        times = [spec.bwd_time(i, i + 1, u, hw.gpu_flops) for i in range(L)]
-        for k in {len(packs), -(-len(packs) // n) * n}:
-            out.append(balanced_packs(times, k))
-    return list(dict.fromkeys(out))
+        for k in sorted({len(packs), -(-len(packs) // n) * n}):
+            out.append((balanced_packs(times, k), {}))
+    if not out:
+        # Some layer needs more than half the GPU: no room to prefetch the next
+        # pack's weights, so load them only after the current pack is done.
+        packs = greedy_packs(spec, 0, L, u, 0.95 * hw.gpu_memory, backward=True)
+        if packs is not None:
+            out.append((packs, {"prefetch_packs": 1}))
+    unique = {(packs, tuple(sorted(o.items()))): (packs, o) for packs, o in out}
+    return list(unique.values())
 
 
 def _fwd_packings(spec: ModelSpec, plan: Plan, u: int, hw: Hardware) -> list[tuple[Pack, ...]]:

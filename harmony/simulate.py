@@ -1,7 +1,8 @@
 """A discrete-event player for task graphs.
 
-Lanes run their tasks one at a time in order; a task starts when its lane is
-free and its dependencies have ended. Compute tasks take their duration.
+Lanes run one task at a time: compute lanes in order, transfer and CPU lanes
+the ready task with the smallest ``seq`` (see :mod:`harmony.graph`); a task
+starts when its lane is free and its dependencies have ended. Compute tasks take their duration.
 Transfers share links: at every moment the active transfers get max-min fair
 rates over the links of their routes (a GPU's own link and its switch's
 uplink are both limits), capped by any per-transfer rate. Memory is a ledger
@@ -76,7 +77,14 @@ def play(graph: TaskGraph) -> tuple[list[float], list[float], dict[str, float], 
     for lane, ids in lanes.items():
         for i in ids:
             lane_of[i] = lane
-    head = {lane: 0 for lane in lanes}
+    in_order = graph.in_order_lanes()
+    head = {lane: 0 for lane in lanes}  # next task of an in-order lane
+    ready: dict[str, list] = {lane: [] for lane in lanes if lane not in in_order}  # heaps of (seq, task)
+    for lane, heap in ready.items():
+        for i in lanes[lane]:
+            if not waiting[i]:
+                heap.append((tasks[i].seq, i))
+        heapq.heapify(heap)
     busy = {lane: False for lane in lanes}
     refs = [b.refs for b in graph.buffers]
     in_use: dict[str, float] = defaultdict(float)
@@ -112,19 +120,27 @@ def play(graph: TaskGraph) -> tuple[list[float], list[float], dict[str, float], 
         for d in dependents[tid]:
             waiting[d] -= 1
             if waiting[d] == 0:
-                to_check.add(lane_of[d])
+                dl = lane_of[d]
+                to_check.add(dl)
+                if dl in ready:
+                    heapq.heappush(ready[dl], (tasks[d].seq, d))
 
     while done < n:
         # Start what can start now.
         while to_check:
             lane = to_check.pop()
-            ids = lanes[lane]
-            if busy[lane] or head[lane] >= len(ids):
+            if busy[lane]:
                 continue
-            tid = ids[head[lane]]
-            if waiting[tid]:
-                continue
-            head[lane] += 1
+            if lane in ready:
+                if not ready[lane]:
+                    continue
+                tid = heapq.heappop(ready[lane])[1]
+            else:
+                ids = lanes[lane]
+                if head[lane] >= len(ids) or waiting[ids[head[lane]]]:
+                    continue
+                tid = ids[head[lane]]
+                head[lane] += 1
             busy[lane] = True
             start[tid] = now
             t = tasks[tid]
@@ -152,7 +168,7 @@ def play(graph: TaskGraph) -> tuple[list[float], list[float], dict[str, float], 
         if finish_at:
             t_next = min(t_next, min(finish_at.values()))
         if t_next == math.inf:
-            raise _deadlock(graph, lanes, head, waiting, end)
+            raise _deadlock(graph, start, end)
         dt = t_next - now
         now = t_next
         ended = []
@@ -171,14 +187,17 @@ def play(graph: TaskGraph) -> tuple[list[float], list[float], dict[str, float], 
     return start, end, peak, dict(memory)
 
 
-def _deadlock(graph: TaskGraph, lanes, head, waiting, end) -> DeadlockError:
+def _deadlock(graph: TaskGraph, start: list[float], end: list[float]) -> DeadlockError:
     stuck = []
-    for lane, ids in lanes.items():
-        if head[lane] < len(ids):
-            t = graph.tasks[ids[head[lane]]]
+    for t in graph.tasks:
+        if math.isnan(start[t.id]):
             missing = [d for d in t.deps if math.isnan(end[d])]
-            stuck.append(f"{lane}: task {t.id} {t.kind} '{t.what}' waits on tasks {missing[:5]}")
-    return DeadlockError("task graph deadlocks; stuck lane heads:\n  " + "\n  ".join(stuck[:12]))
+            if all(not math.isnan(start[d]) or d in missing for d in t.deps):
+                stuck.append(f"{t.lane}: task {t.id} {t.kind} '{t.what}' waits on tasks {missing[:5]}")
+    return DeadlockError(
+        f"task graph deadlocks: {sum(math.isnan(x) for x in start)} tasks never start; "
+        "some waiting tasks:\n  " + "\n  ".join(stuck[:12])
+    )
 
 
 def simulate_graph(graph: TaskGraph) -> Trace:

@@ -66,6 +66,10 @@ class Curve:
         pairs = sorted(zip(us, values))
         if not pairs:
             raise HarmonyError("a measured curve needs at least one point")
+        sizes = [u for u, _ in pairs]
+        if len(set(sizes)) != len(sizes):
+            dup = sorted({u for u in sizes if sizes.count(u) > 1})
+            raise HarmonyError(f"a measured curve has several values for microbatch size(s) {dup}: give one each")
         return cls(us=tuple(int(u) for u, _ in pairs), values=tuple(float(v) for _, v in pairs))
 
     @property

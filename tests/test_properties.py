@@ -17,7 +17,7 @@ from harmony.simulate import fair_rates, play
 from conftest import (POLICY_NAMES, hardwares, model_specs, plans, scenarios, simple_hardware,
                       tiny_spec)
 
-PROPS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = 1e-9
 
 
@@ -46,8 +46,11 @@ def test_every_graph_checks_and_plays_consistently(case):
         assert end[t.id] >= start[t.id], t
         for d in t.deps:
             assert start[t.id] >= end[d] - eps, f"task {t.id} started before its dependency {d} ended"
-    # lanes are FIFO in their order and run one task at a time
+    # every lane runs one task at a time; compute lanes run in their order
+    in_order = graph.in_order_lanes()
     for lane, ids in graph.lanes().items():
+        if lane not in in_order:
+            ids = sorted(ids, key=lambda i: (start[i], end[i]))
         for a, b in zip(ids, ids[1:]):
             assert start[b] >= end[a] - eps, f"{lane}: task {b} overlaps task {a}"
     # compute tasks last exactly their duration (transfers depend on sharing)
@@ -189,7 +192,7 @@ def test_search_returns_only_plans_that_fit(case):
     try:
         df = harmony.search(spec, hw, minibatch, policies=policies, workers=1)
     except OutOfMemoryError as e:
-        assert "no candidate plan" in str(e)  # a real search that found nothing, not the up-front check
+        assert "no plan for" in str(e)  # a real search that found nothing, not the up-front check
         assume(False)
     assert list(df.iteration_s) == sorted(df.iteration_s)
     assert set(df.policy) <= set(policies)

@@ -45,7 +45,8 @@ def test_gpt2_xl_search_ranks_fitting_plans(gpt2_xl_search):
     vm = best["virtual-memory"].swap_gb
     assert best["harmony-pp"].swap_gb * 5 < vm
     assert best["harmony-dp"].swap_gb < vm
-    assert df.swap_gb[df.policy == "harmony-pp"].min() * 10 < df.swap_gb[df.policy == "virtual-memory"].min()
+    # leanest vs leanest: the baseline's leanest plan swaps per microbatch of 8 (8 microbatches): ~7x
+    assert df.swap_gb[df.policy == "harmony-pp"].min() * 5 < df.swap_gb[df.policy == "virtual-memory"].min()
 
 
 def test_gpt2_xl_best_plan_resimulates_to_its_row(gpt2_xl_search):
@@ -96,11 +97,6 @@ def test_search_bad_inputs(kwargs, message):
         harmony.search(tiny_spec(4), simple_hardware(2), **args)
 
 
-@pytest.mark.xfail(strict=True, raises=OutOfMemoryError, reason=(
-    "search proposes backward packs only under 50/30/15% of GPU memory (_BUDGETS) and always "
-    "prefetch_packs=2, so when the largest layer needs between 50% and 100% of the GPU no candidate "
-    "is built and it raises OutOfMemoryError '... (0 simulated, all over capacity ...)', although a "
-    "plan with one layer per pack and prefetch_packs=1 fits (17 MB peak of 24.7 MB here)"))
 def test_search_finds_a_plan_when_one_layer_needs_most_of_the_gpu():
     spec = tiny_spec(4)
     need = max(bwd_pack_bytes(spec, i, i + 1, 1) for i in range(len(spec)))
@@ -109,6 +105,12 @@ def test_search_finds_a_plan_when_one_layer_needs_most_of_the_gpu():
     feasible = harmony.Plan("harmony-pp", 1, 4, 1, 1, packs[:-1], packs, {"prefetch_packs": 1})
     assert harmony.simulate(spec, hw, feasible).summary["fits"]  # a plan exists
     df = harmony.search(spec, hw, 4, workers=1)
+    assert len(df) > 0
+
+
+def test_search_accepts_numpy_integer_minibatch():
+    np = pytest.importorskip("numpy")
+    df = harmony.search(tiny_spec(2), simple_hardware(1), np.int64(8), workers=1)
     assert len(df) > 0
 
 

@@ -127,16 +127,19 @@ class GraphBuilder:
         self.tasks.append(task)
         return task
 
-    def _next_seq(self, deps: list[int]) -> tuple[int, int]:
+    def _next_seq(self, deps: list[int], for_op: int | None) -> tuple[int, int, int]:
+        """Priority of a transfer or update: an input of compute op ``for_op`` comes
+        just before it; anything else just after the newest op it depends on."""
         self._sub += 1
-        base = max((self.tasks[d].seq[0] for d in deps), default=0)
-        return (base, self._sub)
+        if for_op is not None:
+            return (for_op, 0, self._sub)
+        return (max((self.tasks[d].seq[0] for d in deps), default=0), 2, self._sub)
 
     def transfer(self, kind: str, lane: str, device: str, route: tuple[str, ...], nbytes: float,
                  deps: list[int], what: str, *, alloc_on: str | None = None,
-                 max_rate: float = math.inf, **meta) -> Task:
+                 max_rate: float = math.inf, for_op: int | None = None, **meta) -> Task:
         deps = sorted(set(deps))
-        t = self._add(Task(len(self.tasks), kind, lane, device, self._next_seq(deps), deps,
+        t = self._add(Task(len(self.tasks), kind, lane, device, self._next_seq(deps, for_op), deps,
                            nbytes=float(nbytes), links=route, max_rate=max_rate,
                            model=self.model, what=what, **meta))
         if alloc_on is not None:
@@ -149,7 +152,7 @@ class GraphBuilder:
         deps = sorted(set(deps))
         duration = fraction * self.spec.update_time(*layers, self.hw.cpu_update_bandwidth)
         lane = f"cpu{worker % self.hw.cpu_update_workers}"
-        return self._add(Task(len(self.tasks), UPD, lane, "cpu", self._next_seq(deps), deps,
+        return self._add(Task(len(self.tasks), UPD, lane, "cpu", self._next_seq(deps, None), deps,
                               duration=duration, model=self.model, pack=pack, layers=layers,
                               what=f"update {layers}"))
 
@@ -187,6 +190,7 @@ class GraphBuilder:
         n = b - a
         deps: list[int] = []
         local: list[int] = []  # buffers this op releases when it ends
+        k = self._k + 1  # this op's place in the global order
 
         # Weights (and, for backward, the gradient accumulator).
         groups = self._groups_on[g]
@@ -196,7 +200,7 @@ class GraphBuilder:
             # prefetch window: the load waits for the group `prefetch_packs` back to end
             back = [groups[-self._prefetch].ops[-1]] if len(groups) >= self._prefetch else []
             w = self.transfer(W_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.weight_bytes(s, e),
-                              back, f"weights {op.layers}", alloc_on=dev, pack=op.pack, layers=op.layers,
+                              back, f"weights {op.layers}", alloc_on=dev, for_op=k, pack=op.pack, layers=op.layers,
                               microbatch=op.microbatch if len(op.group) > 2 else -1)
             bwd = None
             if op.kind != FWD:
@@ -212,33 +216,33 @@ class GraphBuilder:
         if op.kind == FWD or op.kind == FWDBWD:
             if s == 0:
                 x = self.transfer(DATA_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.input_bytes(0, n),
-                                  self._release_dep(g, 2), f"inputs {op.samples}", alloc_on=dev,
+                                  self._release_dep(g, 2), f"inputs {op.samples}", alloc_on=dev, for_op=k,
                                   microbatch=op.microbatch, samples=op.samples)
                 deps.append(x.id)
                 local += x.allocs
             else:
-                d, bufs = self._bring(("act", s), op, ACT_IN, spec.input_bytes(s, n))
+                d, bufs = self._bring(("act", s), op, k, ACT_IN, spec.input_bytes(s, n))
                 deps += d
                 local += bufs
         input_buffers = list(local)
         if op.kind == FWDBWD:
             y = self.transfer(DATA_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.target_bytes(n),
-                              self._release_dep(g, 2), f"labels {op.samples}", alloc_on=dev,
+                              self._release_dep(g, 2), f"labels {op.samples}", alloc_on=dev, for_op=k,
                               microbatch=op.microbatch, samples=op.samples)
             deps.append(y.id)
             local += y.allocs
         if op.kind == BWD:
-            d, bufs = self._bring(("stash", s), op, STASH_IN, spec.input_bytes(s, n))
+            d, bufs = self._bring(("stash", s), op, k, STASH_IN, spec.input_bytes(s, n))
             deps += d
             local += bufs
-            d, bufs = self._bring(("grad", e), op, ACT_IN, spec.input_bytes(e, n))
+            d, bufs = self._bring(("grad", e), op, k, ACT_IN, spec.input_bytes(e, n))
             deps += d
             local += bufs
 
         # The compute task itself, with its working memory.
         duration, work = self._compute_cost(op.kind == FWD, s, e, n)
-        self._k += 1
-        t = self._add(Task(len(self.tasks), op.kind, f"{dev}.compute", dev, (self._k, 0), sorted(set(deps)),
+        self._k = k
+        t = self._add(Task(len(self.tasks), op.kind, f"{dev}.compute", dev, (k, 1, 0), sorted(set(deps)),
                            duration=duration, model=self.model, pack=op.pack, layers=op.layers,
                            microbatch=op.microbatch, samples=op.samples,
                            what=f"{op.kind} layers {s}..{e - 1} samples {a}..{b - 1}"))
@@ -332,7 +336,7 @@ class GraphBuilder:
             i += 1
         return out
 
-    def _bring(self, key: tuple, op: Op, kind_via_host: str, nbytes: float) -> tuple[list[int], list[int]]:
+    def _bring(self, key: tuple, op: Op, k: int, kind_via_host: str, nbytes: float) -> tuple[list[int], list[int]]:
         """Make the values of ``key`` for the op's samples available on its GPU.
 
         Returns the tasks the op waits on and the buffers it releases."""
@@ -348,7 +352,7 @@ class GraphBuilder:
             kind = STASH_IN if key[0] == "stash" else kind_via_host
             t = self.transfer(kind, f"{dev}.h2d", dev, self.h2d_route(op.gpu), nbytes,
                               deps + self._release_dep(op.gpu, 2), f"{key[0]} layer {key[1]} {op.samples}",
-                              alloc_on=dev, microbatch=op.microbatch, samples=op.samples)
+                              alloc_on=dev, for_op=k, microbatch=op.microbatch, samples=op.samples)
             return [t.id], list(t.allocs)
         src = {v.device for v in values}
         if len(src) != 1 or HOST in src:
@@ -357,7 +361,7 @@ class GraphBuilder:
         route, rate = self.p2p_route(src_gpu, op.gpu)
         t = self.transfer(P2P, f"{dev}.p2p", dev, route, nbytes, deps + self._release_dep(op.gpu, 2),
                           f"{key[0]} layer {key[1]} {op.samples} from gpu{src_gpu}", alloc_on=dev,
-                          max_rate=rate, microbatch=op.microbatch, samples=op.samples)
+                          max_rate=rate, for_op=k, microbatch=op.microbatch, samples=op.samples)
         for v in values:
             self.release(t, v.buffer)
         return [t.id], list(t.allocs)
