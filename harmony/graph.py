@@ -59,7 +59,13 @@ class Task:
     layers: tuple[int, int] = (0, 0)
     microbatch: int = -1
     samples: tuple[int, int] = (0, 0)
-    what: str = ""  # identity of the data moved / produced, for the engine and for reading traces
+    what: str = ""  # for people reading traces
+    #: what a transfer moves, as a key of host-side data: ("weights", s, e), ("inputs", a, b),
+    #: ("labels", a, b), ("stash"|"act"|"grad", layer, a, b), ("grads", s, e)
+    data: tuple = ()
+    #: the buffers the task works on, by role, for an executor: "weights", "grads", "input",
+    #: "labels", "stash_in", "grad_in" (lists), "output", "stash" ({layer: buffer}), "src", "dst"
+    io: dict = field(default_factory=dict)
     allocs: list[int] = field(default_factory=list)
     releases: list[int] = field(default_factory=list)
 
@@ -75,6 +81,7 @@ class Buffer:
     nbytes: float
     what: str
     refs: int = 0  # releases still to come before it is freed
+    samples: tuple[int, int] = (0, 0)  # the samples an activation buffer holds
 
 
 @dataclass

@@ -115,8 +115,8 @@ class GraphBuilder:
         self._prefetch = plan.option("prefetch_packs")
 
     # ---- primitives ------------------------------------------------------------
-    def buffer(self, device: str, nbytes: float, what: str) -> int:
-        self.buffers.append(Buffer(len(self.buffers), device, float(nbytes), what))
+    def buffer(self, device: str, nbytes: float, what: str, samples: tuple[int, int] = (0, 0)) -> int:
+        self.buffers.append(Buffer(len(self.buffers), device, float(nbytes), what, samples=samples))
         return len(self.buffers) - 1
 
     def release(self, task: Task, buffer: int) -> None:
@@ -137,13 +137,22 @@ class GraphBuilder:
 
     def transfer(self, kind: str, lane: str, device: str, route: tuple[str, ...], nbytes: float,
                  deps: list[int], what: str, *, alloc_on: str | None = None,
-                 max_rate: float = math.inf, for_op: int | None = None, **meta) -> Task:
+                 max_rate: float = math.inf, for_op: int | None = None, data: tuple = (),
+                 src: list[int] | None = None, **meta) -> Task:
+        """A transfer of ``data``; it reads buffers ``src`` (and releases them) and,
+        with ``alloc_on``, writes a new buffer there (``io["dst"]``)."""
         deps = sorted(set(deps))
         t = self._add(Task(len(self.tasks), kind, lane, device, self._next_seq(deps, for_op), deps,
                            nbytes=float(nbytes), links=route, max_rate=max_rate,
-                           model=self.model, what=what, **meta))
+                           model=self.model, what=what, data=data, **meta))
+        if src:
+            t.io["src"] = list(src)
+            for b in src:
+                self.release(t, b)
         if alloc_on is not None:
-            t.allocs.append(self.buffer(alloc_on, nbytes, what))
+            samples = data[-2:] if data and data[0] in ("inputs", "labels", "stash", "act", "grad") else (0, 0)
+            t.io["dst"] = self.buffer(alloc_on, nbytes, what, samples)
+            t.allocs.append(t.io["dst"])
         return t
 
     def update(self, pack: int, layers: tuple[int, int], deps: list[int], worker: int,
@@ -154,7 +163,7 @@ class GraphBuilder:
         lane = f"cpu{worker % self.hw.cpu_update_workers}"
         return self._add(Task(len(self.tasks), UPD, lane, "cpu", self._next_seq(deps, None), deps,
                               duration=duration, model=self.model, pack=pack, layers=layers,
-                              what=f"update {layers}"))
+                              what=f"update {layers}", data=("update", *layers, fraction)))
 
     # ---- routes ----------------------------------------------------------------
     def h2d_route(self, g: int) -> tuple[str, ...]:
@@ -200,51 +209,60 @@ class GraphBuilder:
             # prefetch window: the load waits for the group `prefetch_packs` back to end
             back = [groups[-self._prefetch].ops[-1]] if len(groups) >= self._prefetch else []
             w = self.transfer(W_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.weight_bytes(s, e),
-                              back, f"weights {op.layers}", alloc_on=dev, for_op=k, pack=op.pack, layers=op.layers,
-                              microbatch=op.microbatch if len(op.group) > 2 else -1)
+                              back, f"weights {op.layers}", alloc_on=dev, for_op=k, data=("weights", s, e),
+                              pack=op.pack, layers=op.layers, microbatch=op.microbatch if len(op.group) > 2 else -1)
+            w.io["weights"] = w.io.pop("dst")
             bwd = None
             if op.kind != FWD:
                 grad = self.buffer(dev, spec.grad_bytes(s, e), f"grads {op.layers}")
                 w.allocs.append(grad)
+                w.io["grads"] = grad
                 bwd = BwdGroup(g, op.pack, op.layers, grad_buffer=grad)
                 self.bwd_groups.append(bwd)
             groups.append(_Group(op.group, w.id, [], bwd))
         group = groups[-1]
         deps.append(group.w_task)
+        io: dict = {"weights": self.tasks[group.w_task].io["weights"]}
+        if group.bwd is not None:
+            io["grads"] = group.bwd.grad_buffer
 
         # Inputs.
         if op.kind == FWD or op.kind == FWDBWD:
             if s == 0:
                 x = self.transfer(DATA_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.input_bytes(0, n),
                                   self._release_dep(g, 2), f"inputs {op.samples}", alloc_on=dev, for_op=k,
-                                  microbatch=op.microbatch, samples=op.samples)
+                                  data=("inputs", a, b), microbatch=op.microbatch, samples=op.samples)
                 deps.append(x.id)
                 local += x.allocs
             else:
                 d, bufs = self._bring(("act", s), op, k, ACT_IN, spec.input_bytes(s, n))
                 deps += d
                 local += bufs
+            io["input"] = list(local)
         input_buffers = list(local)
         if op.kind == FWDBWD:
             y = self.transfer(DATA_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.target_bytes(n),
                               self._release_dep(g, 2), f"labels {op.samples}", alloc_on=dev, for_op=k,
-                              microbatch=op.microbatch, samples=op.samples)
+                              data=("labels", a, b), microbatch=op.microbatch, samples=op.samples)
             deps.append(y.id)
             local += y.allocs
+            io["labels"] = y.io["dst"]
         if op.kind == BWD:
             d, bufs = self._bring(("stash", s), op, k, STASH_IN, spec.input_bytes(s, n))
             deps += d
             local += bufs
+            io["stash_in"] = bufs
             d, bufs = self._bring(("grad", e), op, k, ACT_IN, spec.input_bytes(e, n))
             deps += d
             local += bufs
+            io["grad_in"] = bufs
 
         # The compute task itself, with its working memory.
         duration, work = self._compute_cost(op.kind == FWD, s, e, n)
         self._k = k
         t = self._add(Task(len(self.tasks), op.kind, f"{dev}.compute", dev, (k, 1, 0), sorted(set(deps)),
                            duration=duration, model=self.model, pack=op.pack, layers=op.layers,
-                           microbatch=op.microbatch, samples=op.samples,
+                           microbatch=op.microbatch, samples=op.samples, io=io,
                            what=f"{op.kind} layers {s}..{e - 1} samples {a}..{b - 1}"))
         t.allocs.append(self.buffer(dev, work, f"working memory {op.kind} {op.layers}"))
         self.release(t, t.allocs[-1])
@@ -258,12 +276,14 @@ class GraphBuilder:
         # Outputs.
         if op.kind == FWD:
             self._stash(op, t, input_buffers)
-            out = self.buffer(dev, spec.input_bytes(e, n), f"activations into layer {e} {op.samples}")
+            out = self.buffer(dev, spec.input_bytes(e, n), f"activations into layer {e} {op.samples}", op.samples)
             t.allocs.append(out)
+            io["output"] = out
             self._produce(("act", e), op, t, out)
         elif s > 0:
-            out = self.buffer(dev, spec.input_bytes(s, n), f"gradient into layer {s} {op.samples}")
+            out = self.buffer(dev, spec.input_bytes(s, n), f"gradient into layer {s} {op.samples}", op.samples)
             t.allocs.append(out)
+            io["output"] = out
             self._produce(("grad", s), op, t, out)
 
     def _compute_cost(self, forward: bool, s: int, e: int, n: int) -> tuple[float, float]:
@@ -290,9 +310,8 @@ class GraphBuilder:
         value = Value(op.samples, dev, task.id, buf)
         if op.offload_output:
             out = self.transfer(ACT_OUT, f"{dev}.d2h", dev, self.d2h_route(op.gpu), self.buffers[buf].nbytes,
-                                [task.id], f"offload {key} {op.samples}", microbatch=op.microbatch,
-                                samples=op.samples)
-            self.release(out, buf)
+                                [task.id], f"offload {key} {op.samples}", data=(*key, *op.samples), src=[buf],
+                                microbatch=op.microbatch, samples=op.samples)
             value = Value(op.samples, HOST, out.id, None)
         self._add_value(key, value)
 
@@ -310,12 +329,12 @@ class GraphBuilder:
             if layer == op.layers[0] and len(input_buffers) == 1:
                 buf = input_buffers[0]  # the op's own input: its buffer lives until the copy is done
             else:
-                buf = self.buffer(dev, nbytes, f"stash of layer {layer} input {op.samples}")
+                buf = self.buffer(dev, nbytes, f"stash of layer {layer} input {op.samples}", op.samples)
                 task.allocs.append(buf)
+                task.io.setdefault("stash", {})[layer] = buf
             out = self.transfer(STASH_OUT, f"{dev}.d2h", dev, self.d2h_route(op.gpu), nbytes, [task.id],
-                                f"stash layer {layer} {op.samples}", microbatch=op.microbatch,
-                                samples=op.samples, layers=(layer, layer + 1))
-            self.release(out, buf)
+                                f"stash layer {layer} {op.samples}", data=("stash", layer, *op.samples),
+                                src=[buf], microbatch=op.microbatch, samples=op.samples, layers=(layer, layer + 1))
             self._add_value(("stash", layer), Value(op.samples, HOST, out.id, None))
 
     def _add_value(self, key: tuple, value: Value) -> None:
@@ -352,7 +371,8 @@ class GraphBuilder:
             kind = STASH_IN if key[0] == "stash" else kind_via_host
             t = self.transfer(kind, f"{dev}.h2d", dev, self.h2d_route(op.gpu), nbytes,
                               deps + self._release_dep(op.gpu, 2), f"{key[0]} layer {key[1]} {op.samples}",
-                              alloc_on=dev, for_op=k, microbatch=op.microbatch, samples=op.samples)
+                              alloc_on=dev, for_op=k, data=(*key, *op.samples), microbatch=op.microbatch,
+                              samples=op.samples)
             return [t.id], list(t.allocs)
         src = {v.device for v in values}
         if len(src) != 1 or HOST in src:
@@ -361,24 +381,20 @@ class GraphBuilder:
         route, rate = self.p2p_route(src_gpu, op.gpu)
         t = self.transfer(P2P, f"{dev}.p2p", dev, route, nbytes, deps + self._release_dep(op.gpu, 2),
                           f"{key[0]} layer {key[1]} {op.samples} from gpu{src_gpu}", alloc_on=dev,
-                          max_rate=rate, for_op=k, microbatch=op.microbatch, samples=op.samples)
-        for v in values:
-            self.release(t, v.buffer)
+                          max_rate=rate, for_op=k, data=(*key, *op.samples), src=[v.buffer for v in values],
+                          microbatch=op.microbatch, samples=op.samples)
         return [t.id], list(t.allocs)
 
     # ---- gradients out -----------------------------------------------------------
-    def grad_out(self, group: BwdGroup, deps: list[int] | None = None, fraction: float = 1.0,
-                 release: bool = True) -> Task:
-        """The group's gradient (or ``fraction`` of it) to host memory."""
+    def grad_out(self, group: BwdGroup, deps: list[int] | None = None, fraction: float = 1.0) -> Task:
+        """The group's gradient (or ``fraction`` of it) to host memory; frees the accumulator."""
         dev = f"gpu{group.gpu}"
-        t = self.transfer(G_OUT, f"{dev}.d2h", dev, self.d2h_route(group.gpu),
-                          fraction * self.spec.grad_bytes(*group.layers),
-                          [group.ops[-1]] + list(deps or []), f"gradients {group.layers}",
-                          pack=group.pack, layers=group.layers,
-                          microbatch=self.tasks[group.ops[-1]].microbatch if len(group.ops) == 1 else -1)
-        if release:
-            self.release(t, group.grad_buffer)
-        return t
+        return self.transfer(G_OUT, f"{dev}.d2h", dev, self.d2h_route(group.gpu),
+                             fraction * self.spec.grad_bytes(*group.layers),
+                             [group.ops[-1]] + list(deps or []), f"gradients {group.layers}",
+                             data=("grads", *group.layers, fraction), src=[group.grad_buffer],
+                             pack=group.pack, layers=group.layers,
+                             microbatch=self.tasks[group.ops[-1]].microbatch if len(group.ops) == 1 else -1)
 
     def graph(self, **info) -> TaskGraph:
         for buf in self.buffers:
