@@ -1,0 +1,470 @@
+"""Turn a model into a chain of layers that the engine can run pack by pack.
+
+A *chain* is a list of modules. Layer 0 is called with the minibatch inputs
+unpacked (``layer0(*inputs)``); every next layer is called with the previous
+output, unpacked if it is a tuple. The last layer's output goes to the loss
+function, which is not part of the chain. Every layer owns its parameters;
+a parameter that two layers share (tied weights) is reported in
+:attr:`Chain.tied`.
+
+:func:`decompose` accepts
+
+* an ``nn.Sequential``: its children in order; a child that is itself an
+  ``nn.Sequential`` is replaced by its children (one level);
+* a list or tuple of modules, or an ``nn.ModuleList``: the chain as given
+  (the zoo's lists, ``harmony.zoo.build(name)[:-1]``, without the loss);
+* Hugging Face ``GPT2LMHeadModel`` / ``GPT2Model``: embeddings, each block,
+  final LayerNorm (+ LM head), with the LM head tied to the token embedding;
+* any other module: a :mod:`torch.fx` split of its ``forward``. The top-level
+  children are the units (the children of a top-level ``nn.Sequential``,
+  ``nn.ModuleList`` or ``nn.ModuleDict`` are units themselves, so a wrapper
+  around a Sequential gives the Sequential's modules). The graph is cut
+  between consecutive units where exactly one value is live; units that a skip
+  connection spans end up in one layer. A segment that is exactly one unit
+  called on the segment's input is returned as that module itself, otherwise
+  as a ``torch.fx.GraphModule`` that references the model's own submodules
+  and parameters.
+
+The layers reference the model's parameters (the same ``Parameter`` objects),
+never copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import fx, nn
+
+from ..errors import HarmonyError
+
+__all__ = ["Chain", "decompose"]
+
+_HOW_TO = "pass an nn.Sequential or a list of modules (blocks) that follow the chain's calling convention"
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The layers of a model in order, a name per layer, and the tied parameters.
+
+    ``tied`` holds ``(i, j, name)`` with ``i < j`` for every parameter that
+    layers ``i`` and ``j`` share; ``name`` is the parameter's name in the model
+    (its first one, as ``model.named_parameters()`` gives it)."""
+
+    layers: list[nn.Module]
+    names: list[str]
+    tied: list[tuple[int, int, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.layers)
+
+    def __getitem__(self, index):
+        return self.layers[index]
+
+    def __call__(self, *inputs):
+        """Run the whole chain on ``inputs`` with the calling convention and
+        return the last layer's output (what the loss function receives)."""
+        x: Any = inputs
+        for i, layer in enumerate(self.layers):
+            x = layer(*x)
+            if i < len(self.layers) - 1 and not isinstance(x, tuple):
+                x = (x,)
+        return x
+
+
+def decompose(model, *, example_inputs=None) -> Chain:
+    """Split ``model`` into a :class:`Chain` (see the module documentation).
+
+    ``example_inputs`` (a tensor or a tuple of tensors, what ``model`` is called
+    with) is optional. When given, the model runs once on it, in eval mode under
+    ``no_grad`` (meta tensors on a meta model cost nothing), so that the split
+    knows which values are tuples: an ``nn.Sequential`` child that receives a
+    tuple gets wrapped to take it whole, and a torch.fx layer gets one argument
+    per element. Without it, values passed between layers are taken to be
+    single tensors (the torch.fx layers then take ``*args`` and repack tuples
+    of two or more elements)."""
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    if isinstance(model, (list, tuple)):
+        layers, names = _from_list(list(model), [f"{i}:{type(m).__name__}" for i, m in enumerate(model)],
+                                   what="the list")
+        canonical = {id(p): f"{i}.{n}" for i, m in reversed(list(enumerate(layers)))
+                     for n, p in reversed(list(m.named_parameters()))}
+        return _finish(layers, names, canonical, None)
+    if not isinstance(model, nn.Module):
+        raise HarmonyError(f"cannot split a {type(model).__name__} into layers: {_HOW_TO}, "
+                           "or an nn.Module whose forward torch.fx can trace")
+    if isinstance(model, nn.ModuleList):
+        layers, names = _from_list(list(model), [n for n, _ in model.named_children()], what="the nn.ModuleList")
+    elif isinstance(model, nn.Sequential):
+        layers, names = _from_sequential(model, example_inputs)
+    elif type(model).__module__.startswith("transformers."):
+        layers, names = _from_transformers(model)
+    else:
+        layers, names = _from_fx(model, example_inputs)
+    canonical = {}
+    for n, p in model.named_parameters():
+        canonical.setdefault(id(p), n)
+    return _finish(layers, names, canonical, model)
+
+
+# ---- lists and Sequentials ----------------------------------------------------
+def _from_list(items: list, names: list[str], what: str) -> tuple[list[nn.Module], list[str]]:
+    if not items:
+        raise HarmonyError(f"{what} is empty: a chain needs at least one layer")
+    for i, m in enumerate(items):
+        if not isinstance(m, nn.Module):
+            raise HarmonyError(f"element {i} of {what} is a {type(m).__name__}, not an nn.Module: "
+                               "every layer of a chain must be a module that owns its parameters")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise HarmonyError(f"element {i} of {what} is an nn.{type(m).__name__}, which cannot be called: "
+                               "put its modules into the list one by one")
+    last = items[-1]
+    if isinstance(last, nn.modules.loss._Loss) or type(last).__name__ == "CrossEntropyLoss":
+        raise HarmonyError(f"the last element of {what} is a loss ({type(last).__name__}); the chain excludes "
+                           "the loss: pass the layers without it (e.g. zoo.build(name)[:-1]) and give the loss "
+                           "function to the engine separately")
+    return list(items), list(names)
+
+
+def _from_sequential(model: nn.Sequential, example_inputs) -> tuple[list[nn.Module], list[str]]:
+    layers, names = [], []
+    for name, child in model.named_children():
+        if isinstance(child, nn.Sequential):  # flattened one level; an empty one is the identity
+            for inner, grandchild in child.named_children():
+                layers.append(grandchild)
+                names.append(f"{name}.{inner}")
+        else:
+            layers.append(child)
+            names.append(name)
+    if not layers:
+        raise HarmonyError("the nn.Sequential is empty: a chain needs at least one layer")
+    layers, names = _from_list(layers, names, what="the nn.Sequential")
+    if example_inputs is not None:
+        layers = _take_tuples_whole(layers, names, example_inputs)
+    return layers, names
+
+
+class TupleArgument(nn.Module):
+    """Calls ``module`` with its arguments packed into one tuple: the chain unpacks
+    a tuple between layers, while ``nn.Sequential`` passes it whole."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module(args)
+
+
+def _take_tuples_whole(layers, names, example_inputs) -> list[nn.Module]:
+    """Run the Sequential's semantics on the example and wrap each layer that receives a tuple."""
+    if len(example_inputs) != 1:
+        raise HarmonyError(f"an nn.Sequential takes one input, but example_inputs has {len(example_inputs)}; "
+                           "pass the single input tensor")
+    out, x = list(layers), example_inputs[0]
+    with _evaluating(layers), torch.no_grad():
+        for i, layer in enumerate(layers):
+            if i > 0 and isinstance(x, tuple):
+                out[i] = TupleArgument(layer)
+            try:
+                x = layer(x)
+            except Exception as e:  # noqa: BLE001 - reported with the layer's name
+                raise HarmonyError(f"running example_inputs through layer {names[i]} ({type(layer).__name__}) "
+                                   f"failed: {type(e).__name__}: {e}; pass inputs the model accepts") from e
+    return out
+
+
+# ---- Hugging Face transformers ------------------------------------------------
+class HFGPT2Embeddings(nn.Module):
+    """Token plus position embeddings, then dropout, exactly as ``GPT2Model.forward``
+    computes them for ``input_ids`` [batch, seq] (no cache, no position ids, no token types)."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module):
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        input_ids = input_ids.view(-1, input_ids.shape[-1])
+        inputs_embeds = self.wte(input_ids)
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        hidden_states = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.device)
+        return self.drop(hidden_states)
+
+
+class HFGPT2Block(nn.Module):
+    """One ``GPT2Block`` called as ``GPT2Model.forward`` calls it without an attention
+    mask: the causal mask (None under sdpa) is rebuilt from the hidden states' shape."""
+
+    def __init__(self, block: nn.Module, config):
+        super().__init__()
+        self.block = block
+        object.__setattr__(self, "_config", config)  # not a module, not saved
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+        try:
+            from transformers.masking_utils import create_causal_mask
+        except ImportError:  # older transformers: the block masks causally itself
+            out = self.block(hidden_states)
+        else:
+            mask = create_causal_mask(config=self._config, inputs_embeds=hidden_states, attention_mask=None,
+                                      past_key_values=None, position_ids=position_ids)
+            out = self.block(hidden_states, None, mask, None, encoder_attention_mask=None, use_cache=False,
+                             position_ids=position_ids)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class HFGPT2Head(nn.Module):
+    """The final LayerNorm and the LM head (whose weight is usually the token embedding's)."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear):
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(hidden_states))
+
+
+def _from_transformers(model: nn.Module) -> tuple[list[nn.Module], list[str]]:
+    kind = type(model).__name__
+    if kind == "GPT2LMHeadModel":
+        body, prefix = model.transformer, "transformer."
+    elif kind == "GPT2Model":
+        body, prefix = model, ""
+    else:
+        raise HarmonyError(f"{kind} from transformers cannot be split automatically (supported: GPT2LMHeadModel, "
+                           f"GPT2Model); {_HOW_TO}, e.g. [embeddings, *blocks, head] with small wrappers that "
+                           "call each part as the model's forward does")
+    config = body.config
+    layers: list[nn.Module] = [HFGPT2Embeddings(body.wte, body.wpe, body.drop)]
+    names = [f"{prefix}wte+wpe+drop"]
+    for i, block in enumerate(body.h):
+        layers.append(HFGPT2Block(block, config))
+        names.append(f"{prefix}h.{i}")
+    if kind == "GPT2LMHeadModel":
+        layers.append(HFGPT2Head(body.ln_f, model.lm_head))
+        names.append(f"{prefix}ln_f+lm_head")
+    else:
+        layers.append(body.ln_f)
+        names.append("ln_f")
+    return layers, names
+
+
+# ---- torch.fx -----------------------------------------------------------------
+def _units(model: nn.Module) -> set[str]:
+    """Qualified names of the modules that become (parts of) layers."""
+    units = set()
+    for name, child in model.named_children():
+        if isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            units.update(f"{name}.{inner}" for inner, _ in child.named_children())
+        else:
+            units.add(name)
+    return units
+
+
+class _UnitTracer(fx.Tracer):
+    """Traces the model's own forward and the top-level containers, but not into units."""
+
+    def __init__(self, units: set[str]):
+        super().__init__()
+        self.units = units
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.units or super().is_leaf_module(m, module_qualified_name)
+
+
+def _pack(*values):
+    """Rebuilds a tuple that the chain passed unpacked."""
+    return values
+
+
+def _restore(args: tuple):
+    """The value the previous layer returned, from the arguments the chain passed."""
+    return args[0] if len(args) == 1 else args
+
+
+class _Kinds(fx.Interpreter):
+    """Runs the traced graph and notes, per node, the tuple length of its value (-1: not a tuple)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.kinds: dict[fx.Node, int] = {}
+
+    def run_node(self, n: fx.Node):
+        value = super().run_node(n)
+        self.kinds[n] = len(value) if isinstance(value, tuple) else -1
+        return value
+
+
+def _from_fx(model: nn.Module, example_inputs) -> tuple[list[nn.Module], list[str]]:
+    kind = type(model).__name__
+    units = _units(model)
+    tracer = _UnitTracer(units)
+    try:
+        graph = tracer.trace(model)
+    except Exception as e:  # noqa: BLE001 - any tracing failure gets the same advice
+        raise HarmonyError(
+            f"cannot split {kind} into layers: torch.fx could not trace its forward ({type(e).__name__}: {e}). "
+            f"Data-dependent control flow or Python code on tensor values in {kind}.forward cannot be traced; "
+            f"{_HOW_TO}, or move that code into a child module (children are not traced into)") from None
+    gm = fx.GraphModule(tracer.root, graph, kind)
+    kinds: dict[fx.Node, int] | None = None
+    if example_inputs is not None:
+        interpreter = _Kinds(gm)
+        try:
+            with _evaluating([model]), torch.no_grad():
+                interpreter.run(*example_inputs)
+        except Exception as e:  # noqa: BLE001
+            raise HarmonyError(f"running example_inputs through {kind} failed ({type(e).__name__}: {e}); "
+                               "pass inputs the model accepts, on its device") from e
+        kinds = interpreter.kinds
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    position = {n: i for i, n in enumerate(nodes)}
+    position[output] = len(nodes)
+    anchors = [i for i, n in enumerate(nodes) if n.op == "call_module" and n.target in units]
+    single = _single_live_value(placeholders, nodes, position)
+
+    cuts = []
+    for a, b in zip(anchors, anchors[1:]):
+        valid = [p for p in range(a + 1, b + 1) if single[p] is not None]
+        if valid:
+            cuts.append(valid[-1])  # the ops after a unit stay with it
+    bounds = [0, *cuts, len(nodes)]
+    layers, names = [], []
+    for k, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        source = placeholders if k == 0 else single[start]
+        result = output if stop == len(nodes) else single[stop]
+        segment = nodes[start:stop]
+        names.append("+".join(n.target for n in segment if n.op == "call_module" and n.target in units) or kind)
+        layers.append(_bare_unit(gm, segment, source, result, kinds, units)
+                      or _segment_module(gm, segment, source, result, kinds, f"{kind}_{k}", model.training))
+    return layers, names
+
+
+def _single_live_value(placeholders, nodes, position) -> list[fx.Node | None]:
+    """For each cut position p (before ``nodes[p]``), the one value defined before it and
+    used at or after it, or None when there are several or none. Attributes (get_attr)
+    do not count: every layer that uses one reads it itself."""
+    n = len(nodes)
+    adds: list[list[fx.Node]] = [[] for _ in range(n + 2)]
+    removes: list[list[fx.Node]] = [[] for _ in range(n + 2)]
+    for v in [*placeholders, *nodes]:
+        if v.op == "get_attr" or not v.users:
+            continue
+        defined = -1 if v.op == "placeholder" else position[v]
+        last_use = max(position[u] for u in v.users)
+        if last_use > defined:
+            adds[defined + 1].append(v)
+            removes[last_use + 1].append(v)
+    live: dict[fx.Node, None] = {}
+    single: list[fx.Node | None] = []
+    for p in range(n + 1):
+        for v in removes[p]:
+            live.pop(v, None)
+        for v in adds[p]:
+            live[v] = None
+        single.append(next(iter(live)) if len(live) == 1 else None)
+    return single
+
+
+def _bare_unit(gm, segment, source, result, kinds, units) -> nn.Module | None:
+    """The unit itself when the segment is nothing but that unit called on the segment's input."""
+    work = [n for n in segment if n.op != "get_attr"]
+    if len(work) != 1 or work[0].op != "call_module" or work[0].target not in units or work[0].kwargs:
+        return None
+    call = work[0]
+    if isinstance(source, list):  # the first layer: the model's inputs, all passed positionally
+        if any(p.target.startswith("*") or p.args for p in source) or call.args != tuple(source):
+            return None
+    elif call.args != (source,) or (kinds is not None and kinds.get(source, -1) >= 0):
+        return None  # a tuple the unit takes whole, while the chain unpacks it
+    if result.op == "output":
+        if result.args[0] is not call:
+            return None
+    elif result is not call:
+        return None
+    return gm.get_submodule(call.target)
+
+
+def _segment_module(gm, segment, source, result, kinds, class_name, training) -> fx.GraphModule:
+    """A GraphModule computing ``segment``: from the model's inputs (first layer) or from
+    ``source`` passed with the calling convention, to ``result`` (the model's output for the last)."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    if isinstance(source, list):
+        for p in source:
+            env[p] = g.node_copy(p)
+    else:
+        length = None if kinds is None else kinds.get(source, -1)
+        if length is None:
+            args = g.placeholder("*args")
+            env[source] = g.call_function(_restore, (args,))
+        elif length < 0:
+            env[source] = g.placeholder(source.name)
+        else:
+            parts = [g.placeholder(f"{source.name}_{i}") for i in range(length)]
+            env[source] = g.call_function(_pack, tuple(parts))
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:  # an attribute first read in another layer
+            assert node.op == "get_attr", node
+            env[node] = g.node_copy(node)
+        return env[node]
+
+    for node in segment:
+        if node.op != "get_attr":  # read where used, so that no layer holds weights it does not use
+            env[node] = g.node_copy(node, lookup)
+    if result.op == "output":
+        g.output(fx.node.map_arg(result.args[0], lookup))
+    else:
+        g.output(lookup(result))
+    g.lint()
+    module = fx.GraphModule(gm, g, class_name)
+    module.training = training  # only the flag: the shared submodules keep theirs
+    return module
+
+
+# ---- common -------------------------------------------------------------------
+class _evaluating:
+    """Eval mode for the duration of a block, restoring every module's own flag."""
+
+    def __init__(self, modules):
+        self.modules = [m for root in modules for m in root.modules()]
+
+    def __enter__(self):
+        self.flags = [m.training for m in self.modules]
+        for m in self.modules:
+            m.training = False
+
+    def __exit__(self, *exc):
+        for m, flag in zip(self.modules, self.flags):
+            m.training = flag
+
+
+def _finish(layers: list[nn.Module], names: list[str], canonical: dict[int, str], model) -> Chain:
+    """Report the parameters layers share, and check every parameter of the model has a layer."""
+    owner: dict[int, int] = {}
+    tied: list[tuple[int, int, str]] = []
+    for i, layer in enumerate(layers):
+        for local, p in layer.named_parameters():
+            if id(p) in owner:
+                tied.append((owner[id(p)], i, canonical.get(id(p), f"{names[i]}.{local}")))
+            else:
+                owner[id(p)] = i
+    if model is not None:
+        orphans = [n for n, p in model.named_parameters() if id(p) not in owner]
+        if orphans:
+            shown = ", ".join(orphans[:5]) + (f" and {len(orphans) - 5} more" if len(orphans) > 5 else "")
+            raise HarmonyError(
+                f"parameters of {type(model).__name__} belong to no layer: {shown}. Its forward does not use "
+                f"them; remove them from the model, or {_HOW_TO} that holds them")
+    return Chain(layers=layers, names=names, tied=tied)

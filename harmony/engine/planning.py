@@ -1,0 +1,33 @@
+"""``plan="auto"``: profile the chain on the engine's device, then search."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import HarmonyError
+from ..plan import Plan
+from ..search import search
+from .profiler import profile
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+#: the planner plans for this share of the device: estimates of working memory
+#: from a profile are not exact, and a step that runs out is abandoned
+PLANNING_HEADROOM = 0.85
+
+
+def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
+    """The fastest single-device plan for ``engine``'s chain on its device."""
+    engine.profile = profile(engine.layers, inputs, target, engine.loss_fn, engine._optimizer_factory,
+                             device=engine.backend.torch_device, name=engine.spec.name)
+    hw = engine.hardware()
+    hw = replace(hw, gpu_memory=int(hw.gpu_memory * PLANNING_HEADROOM))
+    try:
+        df = search(engine.profile, hw, engine.minibatch_size, policies=("harmony-pp",), n_gpus=1, workers=1)
+    except HarmonyError as e:
+        raise HarmonyError(f"plan='auto' found no plan for this model on {engine.backend.kind}: {e}") from None
+    return df.iloc[0]["plan"]

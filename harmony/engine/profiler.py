@@ -1,0 +1,134 @@
+"""Measure a chain of layers on the device at hand: the ModelSpec the planner needs.
+
+For every layer and microbatch size ``u``: forward time without autograd,
+backward time *including the recompute forward* (the reference profiles'
+convention), the bytes the layer's output takes (``fwd_extra``), the bytes
+autograd saves during recompute (``bwd_extra``, counted the way the engine's
+ledger charges them), and the CPU time of the optimizer step. Layers are
+measured on copies, so the model's weights and BatchNorm statistics are left
+untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..spec import Curve, ModelSpec
+from .describe import describe, layer_inputs
+from .reference_loop import as_args
+
+
+def default_sizes(minibatch: int) -> list[int]:
+    sizes = [1 << i for i in range(minibatch.bit_length()) if (1 << i) <= minibatch]
+    return sorted(set(sizes + [minibatch]))
+
+
+def _median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up (allocations, lazy init)
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes of the tensors autograd saves, once per storage; weights
+    and inputs (leaves that require grad) are held elsewhere and not counted.
+    The engine passes ``charge`` to put each new storage on its device ledger."""
+
+    def __init__(self, charge: Callable[[int], None] | None = None):
+        self.seen: set = set()
+        self.total = 0
+
+        def pack(t: torch.Tensor):
+            if not (t.is_leaf and t.requires_grad):
+                key = (t.untyped_storage().data_ptr(), t.dtype)
+                if key not in self.seen:
+                    n = t.untyped_storage().nbytes()
+                    if charge is not None:
+                        charge(n)
+                    self.seen.add(key)
+                    self.total += n
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
+def _nbytes(values) -> int:
+    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
+
+
+def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: Callable,
+            optimizer: Callable | None = None, sizes: Sequence[int] | None = None, repeats: int = 3,
+            device: torch.device | str = "cpu", name: str = "model") -> ModelSpec:
+    """A measured :class:`~harmony.spec.ModelSpec` of ``layers`` on ``device``.
+
+    ``inputs``/``target``: an example minibatch (its size bounds ``sizes``).
+    ``optimizer``: the factory the engine will use (for the CPU update time)."""
+    inputs = as_args(inputs)
+    device = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    spec = describe(layers, inputs, target, name=name)
+    sizes = list(sizes or default_sizes(target.shape[0]))
+    copies = [copy.deepcopy(layer).to(device) for layer in layers]
+    times = {(i, phase): [] for i in range(len(layers)) for phase in ("fwd", "bwd", "fx", "bx")}
+    for u in sizes:
+        acts = layer_inputs(copies, tuple(t[:u].to(device) for t in inputs))
+        y = target[:u].to(device)
+        for i, layer in enumerate(copies):
+            x = acts[i]
+            last = i == len(copies) - 1
+
+            def fwd():
+                with torch.no_grad():
+                    layer(*x)
+
+            def bwd(meter: SavedBytes | None = None):
+                xs = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in x)
+                with meter if meter is not None else contextlib.nullcontext():
+                    out = as_args(layer(*xs))
+                    if last:
+                        out = (loss_fn(*out, y),)
+                floats = [o for o in out if o.requires_grad]
+                torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
+
+            times[(i, "fwd")].append(_median_time(fwd, repeats, sync))
+            times[(i, "bwd")].append(_median_time(bwd, repeats, sync))
+            meter = SavedBytes()
+            bwd(meter)
+            times[(i, "fx")].append(float(_nbytes(acts[i + 1])))
+            times[(i, "bx")].append(float(meter.total))
+            layer.zero_grad(set_to_none=True)
+    measured = tuple(
+        replace(cost,
+                fwd_time=Curve.table(sizes, times[(i, "fwd")]),
+                bwd_time=Curve.table(sizes, times[(i, "bwd")]),
+                fwd_extra=Curve.table(sizes, times[(i, "fx")]),
+                bwd_extra=Curve.table(sizes, times[(i, "bx")]),
+                update_time_s=_update_time(layers[i], optimizer, repeats) if optimizer else None)
+        for i, cost in enumerate(spec.layers)
+    )
+    return replace(spec, layers=measured, source=f"profiled on {device} ({repeats} repeats per point)")
+
+
+def _update_time(layer: nn.Module, optimizer: Callable, repeats: int) -> float:
+    """CPU time of one optimizer step on copies of the layer's parameters."""
+    params = [p.detach().clone().requires_grad_(True) for p in layer.parameters()]
+    if not params:
+        return 0.0
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = optimizer(params)
+    return _median_time(opt.step, repeats, lambda: None)
