@@ -79,6 +79,10 @@ class Engine:
     target)``: the loss of the last layer's output. ``device``: ``"cpu"``,
     ``"cuda:N"`` or :class:`~harmony.engine.devices.EmulatedDevice`. ``plan``:
     a :class:`~harmony.plan.Plan` or ``"auto"`` (profile, then search).
+    ``safe_updates``: a step that fails leaves weights, optimizer state and
+    BatchNorm statistics as they were (updates overlapping the rest of the
+    step are journaled and undone); off, a failed step may leave some packs
+    updated.
     """
 
     def __init__(self, model, optimizer: Callable, loss_fn: Callable, device="cpu", minibatch_size: int = 32,
@@ -202,7 +206,10 @@ class _StepRun:
         self.moved_by_link: dict[str, float] = defaultdict(float)  # "h2d" / "d2h"
         self.loss = 0.0
         self.lock = threading.Lock()
+        # Updates that start while device work is still pending are journaled, so a
+        # failure later in the step can undo them (safe_updates).
         self.journal: list[tuple[int, list, dict]] = []
+        self.device_tasks_left = sum(1 for t in graph.tasks if t.kind != UPD)
         self.buffers_before = ([b.detach().clone() for b in engine.model.buffers()]
                                if engine.safe_updates else None)
         self.backend.ledger.reset_peak()
@@ -216,6 +223,9 @@ class _StepRun:
             self.charged[buf] = n
 
     def finish(self, task: Task) -> None:
+        if task.kind != UPD:
+            with self.lock:
+                self.device_tasks_left -= 1
         for b in task.releases:
             with self.lock:
                 self.refs[b] -= 1
@@ -383,7 +393,9 @@ class _StepRun:
         opt = self.e.optimizers[task.pack]
         if opt is None:
             return
-        if self.e.safe_updates:
+        with self.lock:
+            pending = self.device_tasks_left > 0
+        if self.e.safe_updates and pending:
             self.journal.append((task.pack, [p.detach().clone() for p in _params(opt)],
                                  _clone_state(opt.state_dict())))
         opt.step()
