@@ -17,6 +17,7 @@ Three backends behind one small interface (:class:`Backend`):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -109,8 +110,9 @@ class Backend:
     def pace(self, nbytes: float, direction: str, started: float) -> None:
         """Make a copy of ``nbytes`` that began at ``started`` last as long as the link says."""
 
-    def synchronize(self) -> None:
-        pass
+    def lane(self, lane: str):
+        """Context for running one task of ``lane`` (its CUDA stream on a GPU)."""
+        return contextlib.nullcontext()
 
 
 class EmulatedBackend(Backend):
@@ -144,6 +146,8 @@ class CudaBackend(Backend):
                                "(use harmony.EmulatedDevice(...) or 'cpu')")
         self.torch_device = torch.device(device)
         self.ledger = Ledger(name, None)
+        self._streams: dict[str, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(self.torch_device, non_blocking=True)
@@ -151,8 +155,17 @@ class CudaBackend(Backend):
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu")
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.torch_device)
+    @contextlib.contextmanager
+    def lane(self, lane: str):
+        """Each lane issues on its own stream; a task ends when its stream has
+        drained, so dependencies between lanes hold on the host side."""
+        with self._lock:
+            stream = self._streams.get(lane)
+            if stream is None:
+                stream = self._streams[lane] = torch.cuda.Stream(self.torch_device)
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
 
 
 def make_backend(device) -> Backend:

@@ -247,7 +247,11 @@ class _StepRun:
 
         def run(task: Task) -> None:
             try:
-                handlers[task.kind](task)
+                if task.kind == UPD:
+                    handlers[task.kind](task)
+                else:
+                    with self.backend.lane(task.lane):
+                        handlers[task.kind](task)
             except HarmonyError as err:
                 raise type(err)(f"task {task.id} {task.kind} ({task.what}): {err}") from None
             self.finish(task)
