@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..errors import HarmonyError, OutOfMemoryError
 from ..hardware import GB, Hardware, parse_bytes, parse_rate
@@ -68,6 +69,8 @@ class Ledger:
         self.device, self.capacity = device, capacity
         self.in_use = 0.0
         self.peak = 0.0
+        self.history: list[tuple[float, float]] = []  # (seconds since reset, bytes in use)
+        self._t0 = time.perf_counter()
         self._lock = threading.Lock()
 
     def charge(self, nbytes: float, what: str) -> None:
@@ -80,14 +83,20 @@ class Ledger:
                 )
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
+            self.history.append((time.perf_counter() - self._t0, self.in_use))
 
     def release(self, nbytes: float) -> None:
-        with self._lock:
-            self.in_use -= nbytes
+        if nbytes:
+            with self._lock:
+                self.in_use -= nbytes
+                self.history.append((time.perf_counter() - self._t0, self.in_use))
 
-    def reset_peak(self) -> None:
+    def reset(self, t0: float) -> None:
+        """Start a new step: peak from what is in use now, history from ``t0``."""
         with self._lock:
             self.peak = self.in_use
+            self._t0 = t0
+            self.history = [(0.0, self.in_use)]
 
 
 class Backend:
@@ -113,6 +122,9 @@ class Backend:
     def lane(self, lane: str):
         """Context for running one task of ``lane`` (its CUDA stream on a GPU)."""
         return contextlib.nullcontext()
+
+    def prepare_host(self, module: nn.Module) -> None:
+        """Make the host copy of the weights suitable for this device's copies."""
 
 
 class EmulatedBackend(Backend):
@@ -151,6 +163,14 @@ class CudaBackend(Backend):
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(self.torch_device, non_blocking=True)
+
+    def prepare_host(self, module: nn.Module) -> None:
+        """Page-locked host weights: copies from them are asynchronous and run at
+        full link speed."""
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                if not t.is_pinned():
+                    t.data = t.data.pin_memory()
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu")

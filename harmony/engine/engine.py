@@ -97,6 +97,7 @@ class Engine:
         self.model = model
         self.loss_fn = loss_fn
         self.backend: Backend = make_backend(device)
+        self.backend.prepare_host(model if isinstance(model, nn.Module) else nn.ModuleList(self.layers))
         if not isinstance(minibatch_size, int) or minibatch_size < 1:
             raise HarmonyError(f"minibatch_size must be a positive integer, got {minibatch_size!r}")
         self.minibatch_size = minibatch_size
@@ -148,8 +149,7 @@ class Engine:
         self.plan = plan
         self._graphs.clear()
         self.optimizers = []
-        for s, e in plan.bwd_packs:
-            params = [p for layer in self.layers[s:e] for p in layer.parameters()]
+        for params in self._params_per_pack(plan):
             opt = self._optimizer_factory(params) if params else None
             if params and not isinstance(opt, torch.optim.Optimizer):
                 raise HarmonyError(
@@ -157,6 +157,28 @@ class Engine:
                     "pass e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)"
                 )
             self.optimizers.append(opt)
+
+    def _params_per_pack(self, plan: Plan) -> list[list[nn.Parameter]]:
+        """Each backward pack's parameters for its optimizer. A parameter shared by
+        layers in several packs (tied weights) belongs to the pack that runs
+        backward last, the one with the lowest layers: the packs after it only add
+        their gradient to the host copy, so it is stepped once, with the sum."""
+        owner: dict[int, int] = {}
+        for q, (s, e) in enumerate(plan.bwd_packs):
+            for layer in self.layers[s:e]:
+                for p in layer.parameters():
+                    owner.setdefault(id(p), q)
+        out: list[list[nn.Parameter]] = []
+        for q, (s, e) in enumerate(plan.bwd_packs):
+            seen: set[int] = set()
+            params = []
+            for layer in self.layers[s:e]:
+                for p in layer.parameters():
+                    if owner[id(p)] == q and id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+            out.append(params)
+        return out
 
     def _graph(self, inputs: tuple, target: torch.Tensor) -> TaskGraph:
         if self.spec is None:
@@ -212,7 +234,8 @@ class _StepRun:
         self.device_tasks_left = sum(1 for t in graph.tasks if t.kind != UPD)
         self.buffers_before = ([b.detach().clone() for b in engine.model.buffers()]
                                if engine.safe_updates else None)
-        self.backend.ledger.reset_peak()
+        self.t0 = time.perf_counter()
+        self.backend.ledger.reset(self.t0)
 
     # ---- bookkeeping --------------------------------------------------------------
     def put(self, buf: int, value, nbytes: int | None = None) -> None:
@@ -257,7 +280,7 @@ class _StepRun:
             self.finish(task)
 
         self.executor = Executor(self.graph, run)
-        self.wall_s = self.executor.run()
+        self.wall_s = self.executor.run(self.t0)
 
     def roll_back(self) -> None:
         """Undo a failed step: host weights, optimizer state and buffers as before it."""
@@ -308,7 +331,7 @@ class _StepRun:
                 for t in graph.tasks
             ]
 
-        return Trace(summary, {}, rows)
+        return Trace(summary, {self.backend.name: list(self.backend.ledger.history)}, rows)
 
     # ---- transfers -------------------------------------------------------------------
     def _copy(self, task: Task, value, to_device: bool):
@@ -406,14 +429,27 @@ class _StepRun:
         opt.zero_grad(set_to_none=True)
 
     # ---- compute ----------------------------------------------------------------------
-    def _run_layers(self, task: Task, weights: dict, h: tuple, stash: dict | None = None) -> tuple:
+    def _run_layers(self, task: Task, weights: dict, h: tuple, stash: dict | None = None,
+                    charge_intermediates: bool = False) -> tuple:
+        """Run the task's layers on ``h``. Without autograd, each layer's output is
+        charged to the ledger while the next layer computes (with autograd, the
+        saved-tensor meter charges what stays)."""
         s, e = task.layers
         device = self.backend.torch_device
-        for i in range(s, e):
-            if stash and i in stash:
-                self.put(stash[i], h)
-            seed_layer(self.e.seed, self.e.step_count, task.microbatch, i, device)
-            h = as_args(functional_call(self.e.layers[i], weights[i], h))
+        ledger, held = self.backend.ledger, 0
+        try:
+            for i in range(s, e):
+                if stash and i in stash:
+                    self.put(stash[i], h)
+                seed_layer(self.e.seed, self.e.step_count, task.microbatch, i, device)
+                h = as_args(functional_call(self.e.layers[i], weights[i], h))
+                if charge_intermediates and i < e - 1:
+                    n = _nbytes(h)
+                    ledger.charge(n, f"activations inside {task.what}")
+                    ledger.release(held)
+                    held = n
+        finally:
+            ledger.release(held)
         return h
 
     def _write_back_buffers(self, task: Task, weights: dict) -> None:
@@ -428,7 +464,7 @@ class _StepRun:
         weights = self.store[task.io["weights"]]
         h = _assemble(self.pieces(task.io["input"]), a, b)
         with torch.no_grad():
-            out = self._run_layers(task, weights, h, task.io.get("stash"))
+            out = self._run_layers(task, weights, h, task.io.get("stash"), charge_intermediates=True)
         self.put(task.io["output"], out)
         self._write_back_buffers(task, weights)
 

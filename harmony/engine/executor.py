@@ -60,15 +60,16 @@ class Executor:
                 self._done[pick] = True
                 self._cond.notify_all()
 
-    def run(self) -> float:
+    def run(self, t0: float | None = None) -> float:
         """Run every task; return the wall time. Raises the first task error.
+        Task times are seconds since ``t0`` (default: now).
 
         The first compute lane runs on the calling thread: torch runs measurably
         slower on a fresh thread (allocator arenas), and the main thread is what a
         plain training loop uses."""
         in_order = self.graph.in_order_lanes()
         lanes = sorted(self.graph.lanes().items(), key=lambda kv: kv[0] not in in_order)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if t0 is None else t0
         threads = [
             threading.Thread(target=self._lane, args=(ids, lane in in_order, t0), name=f"harmony-{lane}",
                              daemon=True)
