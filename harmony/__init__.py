@@ -7,7 +7,7 @@ giving a Trace. :func:`search` picks the plan.
 """
 
 from .catalog import known_models, model_spec
-from .engine import Chain, EmulatedDevice, Engine, decompose, reference_step
+from .engine import Chain, EmulatedDevice, EmulatedServer, Engine, decompose, reference_step
 from .errors import DeadlockError, HarmonyError, OutOfMemoryError
 from .graph import Task, TaskGraph
 from .hardware import PRESETS, Hardware, parse_bytes, parse_rate, preset
@@ -21,7 +21,7 @@ from .trace import Trace
 __version__ = "0.1.0"
 
 __all__ = [
-    "Chain", "EmulatedDevice", "Engine", "decompose", "reference_step",
+    "Chain", "EmulatedDevice", "EmulatedServer", "Engine", "decompose", "reference_step",
     "Curve", "DeadlockError", "Hardware", "HarmonyError", "LayerCost", "ModelSpec",
     "OutOfMemoryError", "POLICIES", "PRESETS", "Plan", "Task", "TaskGraph", "Trace",
     "build_graph", "known_models", "model_spec", "parse_bytes", "parse_rate", "preset",

@@ -147,8 +147,8 @@ def test_an_update_already_applied_is_rolled_back_when_a_later_task_fails():
     x, y = batches(1)[0]
     engine.step(x, y)
     before = [p.detach().clone() for p in model.parameters()]
-    states = [opt.state_dict()["state"][0]["exp_avg"].clone() for opt in engine.optimizers]
-    last_pack = engine.optimizers[2]
+    states = [opt.state_dict()["state"][0]["exp_avg"].clone() for opt in engine.optimizers.values()]
+    last_pack = engine.optimizers[(2, 0)]
     stepped = threading.Event()
     original_step = last_pack.step
 
@@ -171,7 +171,8 @@ def test_an_update_already_applied_is_rolled_back_when_a_later_task_fails():
         engine.step(x, y)
     handle.remove()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
-    assert all(torch.equal(opt.state_dict()["state"][0]["exp_avg"], s) for opt, s in zip(engine.optimizers, states))
+    assert all(torch.equal(opt.state_dict()["state"][0]["exp_avg"], s)
+               for opt, s in zip(engine.optimizers.values(), states))
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -180,7 +181,7 @@ def test_an_update_already_applied_is_rolled_back_when_a_later_task_fails():
     (dict(device="tpu"), "unknown device 'tpu'"),
     (dict(plan="fast"), "plan must be a harmony.Plan or 'auto'"),
     (dict(plan=Plan("harmony-pp", 1, B, 4, 4, (), ((0, 5),))), "must cover layers 0..8"),
-    (dict(plan=Plan("harmony-dp", 2, B, 4, 4, (), ((0, 9),))), "single-device engine"),
+    (dict(plan=Plan("harmony-dp", 2, B, 4, 4, (), ((0, 9),))), "plan is for 2 GPUs but the engine has 1"),
     (dict(plan=Plan("harmony-pp", 1, 8, 4, 4, (), ((0, 9),))), "plan is for minibatch 8"),
 ])
 def test_bad_settings_are_refused_up_front(bad, message):

@@ -1,8 +1,8 @@
 """The engine: runs a model as a chain of layers, pack by pack, on real devices."""
 
 from .decompose import Chain, decompose
-from .devices import EmulatedDevice
+from .devices import EmulatedDevice, EmulatedServer
 from .engine import Engine
 from .reference_loop import reference_step
 
-__all__ = ["Chain", "EmulatedDevice", "Engine", "decompose", "reference_step"]
+__all__ = ["Chain", "EmulatedDevice", "EmulatedServer", "Engine", "decompose", "reference_step"]

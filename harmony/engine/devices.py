@@ -62,6 +62,68 @@ class EmulatedDevice:
         )
 
 
+@dataclass(frozen=True)
+class EmulatedServer:
+    """Several emulated GPUs in one server: each with ``memory`` and its own
+    ``h2d``/``d2h`` link; ``gpus_per_switch`` of them share one host ``uplink``
+    per direction (default: as fast as all their links together, i.e. not a
+    limit); ``p2p`` paces GPU->GPU copies on a switch (None: through host memory)."""
+
+    gpus: int = 2
+    memory: str | int = "256MB"
+    h2d: str | float = "200MB/s"
+    d2h: str | float = "200MB/s"
+    uplink: str | float | None = None
+    p2p: str | float | None = None
+    gpus_per_switch: int | None = None
+
+    def device(self) -> EmulatedDevice:
+        return EmulatedDevice(self.memory, self.h2d, self.d2h)
+
+    def hardware(self, cpu_update_bandwidth: float = 5 * GB, gpu_flops: float = 1e10) -> Hardware:
+        if not isinstance(self.gpus, int) or self.gpus < 1:
+            raise HarmonyError(f"EmulatedServer needs gpus >= 1, got {self.gpus!r}")
+        one = self.device()
+        per_switch = self.gpus_per_switch or self.gpus
+        uplink = (parse_rate(self.uplink, "emulated uplink bandwidth") if self.uplink is not None
+                  else per_switch * max(one.h2d_rate, one.d2h_rate))
+        return Hardware(
+            name=f"emulated-{self.gpus}x{self.memory}", n_gpus=self.gpus, gpu_memory=one.capacity,
+            gpu_flops=gpu_flops, h2d=one.h2d_rate, d2h=one.d2h_rate, uplink=uplink, gpus_per_switch=per_switch,
+            p2p=None if self.p2p is None else parse_rate(self.p2p, "emulated p2p bandwidth"),
+            cpu_update_bandwidth=cpu_update_bandwidth, cpu_update_workers=self.gpus, host_memory=10**12,
+            notes="emulated GPUs: real CPU compute, ledger capacity, paced links",
+        )
+
+
+class LinkPacer:
+    """Paces copies to the bandwidth of the links on their route, shared by every
+    emulated GPU of a server. Each link is a queue of work: a copy of n bytes
+    takes n / bandwidth of each link on its route, after the work already
+    queued there, and ends when its slowest link is done (and no sooner than
+    its own rate cap allows); its thread sleeps until then. A shared uplink
+    therefore carries at most its bandwidth, while copies that are slow for
+    other reasons share it."""
+
+    def __init__(self, links: dict[str, float]):
+        self.bandwidth = dict(links)
+        self.free_at = {link: 0.0 for link in links}
+        self._lock = threading.Lock()
+
+    def wait(self, route: tuple[str, ...], nbytes: float, max_rate: float, started: float) -> None:
+        if not route or nbytes <= 0:
+            return
+        with self._lock:
+            end = started + nbytes / max_rate
+            for link in route:
+                done = max(started, self.free_at[link]) + nbytes / self.bandwidth[link]
+                self.free_at[link] = done
+                end = max(end, done)
+        left = end - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
 class Ledger:
     """Bytes in use on one device, with a peak and (optionally) a hard capacity."""
 
@@ -103,6 +165,7 @@ class Backend:
     """One device as the executor uses it."""
 
     kind = "cpu"
+    paced = False  # copies are paced to the emulated link bandwidths
 
     def __init__(self, name: str = "gpu0"):
         self.name = name
@@ -116,9 +179,6 @@ class Backend:
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
-    def pace(self, nbytes: float, direction: str, started: float) -> None:
-        """Make a copy of ``nbytes`` that began at ``started`` last as long as the link says."""
-
     def lane(self, lane: str):
         """Context for running one task of ``lane`` (its CUDA stream on a GPU)."""
         return contextlib.nullcontext()
@@ -129,23 +189,18 @@ class Backend:
 
 class EmulatedBackend(Backend):
     kind = "emulated"
+    paced = True
 
     def __init__(self, spec: EmulatedDevice, name: str = "gpu0"):
         super().__init__(name)
         self.spec = spec
         self.ledger = Ledger(name, spec.capacity)
-        self.rates = {"h2d": spec.h2d_rate, "d2h": spec.d2h_rate}
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone()
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone()
-
-    def pace(self, nbytes: float, direction: str, started: float) -> None:
-        left = started + nbytes / self.rates[direction] - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
 
 
 class CudaBackend(Backend):
@@ -188,17 +243,22 @@ class CudaBackend(Backend):
         stream.synchronize()
 
 
-def make_backend(device) -> Backend:
-    """``"cpu"``, ``"cuda:0"`` or an :class:`EmulatedDevice` -> a backend."""
+def make_backends(device) -> list[Backend]:
+    """``"cpu"``, ``"cuda:N"``, a list of CUDA devices, an :class:`EmulatedDevice`
+    or an :class:`EmulatedServer` -> one backend per GPU, named gpu0, gpu1, ..."""
     if isinstance(device, EmulatedDevice):
-        return EmulatedBackend(device)
-    if isinstance(device, Backend):
-        return device
-    if isinstance(device, str):
-        if device == "cpu":
-            return Backend()
-        if device.startswith("cuda"):
-            return CudaBackend(device)
+        return [EmulatedBackend(device)]
+    if isinstance(device, EmulatedServer):
+        device.hardware()  # validates
+        return [EmulatedBackend(device.device(), f"gpu{i}") for i in range(device.gpus)]
+    if isinstance(device, str) and device == "cpu":
+        return [Backend()]
+    if isinstance(device, str) and device.startswith("cuda"):
+        return [CudaBackend(device)]
+    if isinstance(device, (list, tuple)) and device and all(isinstance(d, str) and d.startswith("cuda")
+                                                            for d in device):
+        return [CudaBackend(d, f"gpu{i}") for i, d in enumerate(device)]
     raise HarmonyError(
-        f"unknown device {device!r}: use 'cpu', 'cuda:N' or harmony.EmulatedDevice(memory=..., h2d=..., d2h=...)"
+        f"unknown device {device!r}: use 'cpu', 'cuda:N', a list of 'cuda:N', harmony.EmulatedDevice(memory=..., "
+        "h2d=..., d2h=...) or harmony.EmulatedServer(gpus=..., ...)"
     )

@@ -21,13 +21,15 @@ PLANNING_HEADROOM = 0.85
 
 
 def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
-    """The fastest single-device plan for ``engine``'s chain on its device."""
+    """The fastest plan for ``engine``'s chain on its devices."""
     engine.profile = profile(engine.layers, inputs, target, engine.loss_fn, engine._optimizer_factory,
                              device=engine.backend.torch_device, name=engine.spec.name)
     hw = engine.hardware()
     hw = replace(hw, gpu_memory=int(hw.gpu_memory * PLANNING_HEADROOM))
     try:
-        df = search(engine.profile, hw, engine.minibatch_size, policies=("harmony-pp",), n_gpus=1, workers=1)
+        n = len(engine.backends)
+        policies = ("harmony-pp",) if n == 1 else ("harmony-pp", "harmony-dp")
+        df = search(engine.profile, hw, engine.minibatch_size, policies=policies, n_gpus=n, workers=1)
     except HarmonyError as e:
         raise HarmonyError(f"plan='auto' found no plan for this model on {engine.backend.kind}: {e}") from None
     return df.iloc[0]["plan"]

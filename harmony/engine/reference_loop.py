@@ -7,10 +7,10 @@ both share.
 * A minibatch is split into microbatches of ``microbatch_size`` samples (the
   last may be smaller); each microbatch's loss is scaled by its share of the
   minibatch, so the accumulated gradient is that of the minibatch mean.
-* Before running layer ``l`` on microbatch ``m`` of step ``s`` the CPU random
-  generator is seeded with :func:`layer_seed` (and the device's, on CUDA), so
-  dropout draws the same mask in the forward pass and in the engine's
-  recompute, whatever the packing.
+* Before running layer ``l`` on the microbatch that starts at sample ``a`` in
+  step ``s`` the CPU random generator is seeded with :func:`layer_seed` (and the
+  device's, on CUDA), so dropout draws the same mask in the forward pass and in
+  the engine's recompute, whatever the packing and whichever GPU runs it.
 """
 
 from __future__ import annotations
@@ -25,34 +25,36 @@ from ..plan import split_samples
 _PRIME = 1_000_003
 
 
-def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:
-    return (((seed * _PRIME + step) * _PRIME + microbatch) * _PRIME + layer) % (2**63 - 1)
+def layer_seed(seed: int, step: int, first_sample: int, layer: int) -> int:
+    return (((seed * _PRIME + step) * _PRIME + first_sample) * _PRIME + layer) % (2**63 - 1)
 
 
 def as_args(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
-def seed_layer(seed: int, step: int, microbatch: int, layer: int, device: torch.device | None = None) -> None:
-    s = layer_seed(seed, step, microbatch, layer)
+def seed_layer(seed: int, step: int, first_sample: int, layer: int, device: torch.device | None = None) -> None:
+    s = layer_seed(seed, step, first_sample, layer)
     torch.manual_seed(s)
     if device is not None and device.type == "cuda":
         torch.cuda.manual_seed(s)
 
 
 def reference_step(layers: Sequence[nn.Module], loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                   inputs, target: torch.Tensor, microbatch_size: int, step: int, seed: int = 0) -> float:
+                   inputs, target: torch.Tensor, microbatch_size: int | None, step: int, seed: int = 0,
+                   microbatches: Sequence[tuple[int, int]] | None = None) -> float:
     """One synchronous SGD step over ``inputs``/``target`` the plain way: microbatch
     by microbatch through the whole chain with gradient accumulation, then one
     optimizer step. Returns the minibatch loss. Use it to check that harmony
-    trains your model exactly as PyTorch would."""
+    trains your model exactly as PyTorch would. ``microbatches`` (sample
+    ranges) replaces ``microbatch_size`` to match a data-parallel split."""
     inputs = as_args(inputs)
     total = target.shape[0]
     loss_sum = 0.0
-    for m, (a, b) in enumerate(split_samples(total, microbatch_size)):
+    for a, b in microbatches or split_samples(total, microbatch_size):
         h = tuple(t[a:b] for t in inputs)
         for index, layer in enumerate(layers):
-            seed_layer(seed, step, m, index)
+            seed_layer(seed, step, a, index)
             h = as_args(layer(*h))
         loss = loss_fn(*h, target[a:b]) * ((b - a) / total)
         loss.backward()

@@ -77,6 +77,12 @@ class BwdGroup:
     grad_buffer: int = -1
 
 
+def layer_shard(layers: tuple[int, int], r: int, k: int) -> list[int]:
+    """Shard ``r`` of ``k`` of a pack's layers: every k-th layer from the r-th.
+    Whole layers, so the bytes of a shard are exact from the spec."""
+    return list(range(layers[0] + r, layers[1], k))
+
+
 @dataclass
 class _Group:
     """Ops back to back on one GPU that share one load of weights."""
@@ -156,14 +162,17 @@ class GraphBuilder:
         return t
 
     def update(self, pack: int, layers: tuple[int, int], deps: list[int], worker: int,
-               fraction: float = 1.0) -> Task:
-        """The CPU optimizer step of ``fraction`` of a pack's parameters."""
+               shard: tuple[int, int] = (0, 1)) -> Task:
+        """The CPU optimizer step of a pack's parameters, or of its ``shard``
+        ``(r, k)``: the layers :func:`layer_shard` gives."""
         deps = sorted(set(deps))
-        duration = fraction * self.spec.update_time(*layers, self.hw.cpu_update_bandwidth)
+        duration = sum(self.spec.update_time(i, i + 1, self.hw.cpu_update_bandwidth)
+                       for i in layer_shard(layers, *shard))
         lane = f"cpu{worker % self.hw.cpu_update_workers}"
         return self._add(Task(len(self.tasks), UPD, lane, "cpu", self._next_seq(deps, None), deps,
                               duration=duration, model=self.model, pack=pack, layers=layers,
-                              what=f"update {layers}", data=("update", *layers, fraction)))
+                              what=f"update {layers}" + (f" shard {shard[0]}/{shard[1]}" if shard[1] > 1 else ""),
+                              data=("update", *layers, *shard)))
 
     # ---- routes ----------------------------------------------------------------
     def h2d_route(self, g: int) -> tuple[str, ...]:
@@ -386,13 +395,17 @@ class GraphBuilder:
         return [t.id], list(t.allocs)
 
     # ---- gradients out -----------------------------------------------------------
-    def grad_out(self, group: BwdGroup, deps: list[int] | None = None, fraction: float = 1.0) -> Task:
-        """The group's gradient (or ``fraction`` of it) to host memory; frees the accumulator."""
+    def grad_out(self, group: BwdGroup, deps: list[int] | None = None, shard: tuple[int, int] = (0, 1),
+                 replicas: list[BwdGroup] | None = None) -> Task:
+        """The group's gradient to host memory, or for data parallel the ``shard``
+        ``(r, k)`` of it summed over the ``replicas`` (every replica's accumulator
+        is read, and freed once every shard is out)."""
         dev = f"gpu{group.gpu}"
-        return self.transfer(G_OUT, f"{dev}.d2h", dev, self.d2h_route(group.gpu),
-                             fraction * self.spec.grad_bytes(*group.layers),
+        replicas = replicas or [group]
+        nbytes = sum(self.spec.grad_bytes(i, i + 1) for i in layer_shard(group.layers, *shard))
+        return self.transfer(G_OUT, f"{dev}.d2h", dev, self.d2h_route(group.gpu), nbytes,
                              [group.ops[-1]] + list(deps or []), f"gradients {group.layers}",
-                             data=("grads", *group.layers, fraction), src=[group.grad_buffer],
+                             data=("grads", *group.layers, *shard), src=[g.grad_buffer for g in replicas],
                              pack=group.pack, layers=group.layers,
                              microbatch=self.tasks[group.ops[-1]].microbatch if len(group.ops) == 1 else -1)
 

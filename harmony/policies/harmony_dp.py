@@ -3,8 +3,8 @@
 Every GPU runs every pack, grouped over the microbatches of its share of the
 minibatch (see :mod:`.harmony_pp` for grouping). After a backward pack, the
 GPUs reduce-scatter its gradient over the peer links; each GPU sends its
-shard to the host and one CPU worker per GPU updates that shard, so updates
-run in parallel. (No all-gather is needed: next iteration's weights come
+shard (every k-th layer of the pack) to the host and one CPU worker per GPU
+updates that shard, so updates run in parallel. (No all-gather is needed: next iteration's weights come
 from the host anyway.)
 """
 
@@ -44,9 +44,9 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
                                          (k - 1) / k * spec.grad_bytes(*g.layers), done,
                                          f"reduce-scatter gradients {g.layers}", max_rate=rate,
                                          pack=pack, layers=g.layers).id)
-        for g in groups:
-            out = b.grad_out(g, deps=reduce, fraction=1 / k)
-            b.update(pack, g.layers, [out.id], worker=g.gpu, fraction=1 / k)
+        for r, g in enumerate(groups):
+            out = b.grad_out(g, deps=reduce, shard=(r, k), replicas=groups)
+            b.update(pack, g.layers, [out.id], worker=g.gpu, shard=(r, k))
     return b.graph(policy=NAME)
 
 

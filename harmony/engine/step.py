@@ -1,0 +1,406 @@
+"""One training step of the engine: what each kind of task does with real tensors.
+
+:class:`StepRun` keeps a step's state: the tensors each graph buffer holds on
+its device (charged to that device's ledger, dropped when the graph frees the
+buffer), the values sent to host memory (stashes, offloaded activations), the
+bytes moved, the loss, and a journal of updates to undo if the step fails.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import torch
+from torch.func import functional_call
+
+from ..errors import HarmonyError
+from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, REDUCE, STASH_IN, STASH_OUT, UPD,
+                     W_IN, Task, TaskGraph)
+from ..policies.builder import layer_shard
+from ..trace import Trace, summarize
+from .devices import Backend, LinkPacer
+from .executor import Executor
+from .profiler import SavedBytes
+from .reference_loop import as_args, seed_layer
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    return 0
+
+
+def _assemble(pieces: list[tuple[tuple[int, int], tuple]], a: int, b: int) -> tuple:
+    """The samples [a, b) of a value split in sample ranges (batch dimension 0)."""
+    pieces = sorted(pieces, key=lambda p: p[0][0])
+    if len(pieces) == 1 and pieces[0][0] == (a, b):
+        return pieces[0][1]
+    lo = pieces[0][0][0]
+    out = []
+    for i in range(len(pieces[0][1])):
+        parts = [p[1][i] for p in pieces]
+        if parts[0] is None:
+            out.append(None)
+            continue
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out.append(whole[a - lo:b - lo])
+    return tuple(out)
+
+
+class StepRun:
+    def __init__(self, engine: "Engine", graph: TaskGraph, inputs: tuple, target: torch.Tensor):
+        self.e, self.graph, self.inputs, self.target = engine, graph, inputs, target
+        self.backends: dict[str, Backend] = {b.name: b for b in engine.backends}
+        self.paced = any(b.paced for b in engine.backends)
+        self.pacer = LinkPacer(graph.links)
+        self.parallel_compute = len(graph.in_order_lanes()) > 1
+        self.store: dict[int, object] = {}  # buffer id -> what the device holds
+        self.charged: dict[int, int] = {}
+        self.refs = [b.refs for b in graph.buffers]
+        self.host: dict[tuple, list] = defaultdict(list)  # (kind, layer) -> [((a, b), value)]
+        self.moved: dict[str, float] = defaultdict(float)  # bytes by task kind
+        self.moved_task: dict[int, float] = {}
+        self.loss = 0.0
+        self.lock = threading.Lock()
+        # Updates that start while device work is still pending are journaled, so a
+        # failure later in the step can undo them (safe_updates).
+        self.journal: list[tuple[tuple[int, int], list, dict]] = []
+        self.device_tasks_left = sum(1 for t in graph.tasks if t.kind != UPD)
+        self.buffers_before = ([b.detach().clone() for b in engine.model.buffers()]
+                               if engine.safe_updates else None)
+        self.t0 = time.perf_counter()
+        for b in engine.backends:
+            b.ledger.reset(self.t0)
+
+    # ---- bookkeeping --------------------------------------------------------------
+    def backend(self, device: str) -> Backend:
+        return self.backends[device]
+
+    def put(self, buf: int, value, nbytes: int | None = None) -> None:
+        n = _nbytes(value) if nbytes is None else nbytes
+        b = self.graph.buffers[buf]
+        self.backends[b.device].ledger.charge(n, b.what)
+        with self.lock:
+            self.store[buf] = value
+            self.charged[buf] = n
+
+    def finish(self, task: Task) -> None:
+        if task.kind != UPD:
+            with self.lock:
+                self.device_tasks_left -= 1
+        for b in task.releases:
+            with self.lock:
+                self.refs[b] -= 1
+                last = self.refs[b] == 0
+                if last:
+                    self.store.pop(b, None)
+                    n = self.charged.pop(b, 0)
+            if last:
+                self.backends[self.graph.buffers[b].device].ledger.release(n)
+
+    def pieces(self, bufs: list[int]) -> list:
+        return [(self.graph.buffers[b].samples, self.store[b]) for b in bufs]
+
+    # ---- the step ------------------------------------------------------------------
+    def execute(self) -> None:
+        handlers = {W_IN: self.weights_in, DATA_IN: self.data_in, STASH_IN: self.host_in, ACT_IN: self.host_in,
+                    STASH_OUT: self.host_out, ACT_OUT: self.host_out, P2P: self.peer_in, REDUCE: self.reduce,
+                    G_OUT: self.grads_out, UPD: self.update, FWD: self.forward, FWDBWD: self.backward,
+                    BWD: self.backward}
+
+        def run(task: Task) -> None:
+            try:
+                if task.kind == UPD:
+                    handlers[task.kind](task)
+                else:
+                    with self.backends[task.device].lane(task.lane):
+                        handlers[task.kind](task)
+            except HarmonyError as err:
+                raise type(err)(f"task {task.id} {task.kind} ({task.what}): {err}") from None
+            self.finish(task)
+
+        self.executor = Executor(self.graph, run)
+        self.wall_s = self.executor.run(self.t0)
+
+    def roll_back(self) -> None:
+        """Undo a failed step: host weights, optimizer state and buffers as before it."""
+        for key, saved_params, saved_state in reversed(self.journal):
+            opt = self.e.optimizers[key]
+            with torch.no_grad():
+                for p, old in zip(_params(opt), saved_params):
+                    p.copy_(old)
+            opt.load_state_dict(saved_state)
+        if self.buffers_before is not None:
+            with torch.no_grad():
+                for b, old in zip(self.e.model.buffers(), self.buffers_before):
+                    b.copy_(old)
+        for p in self.e.model.parameters():
+            p.grad = None
+        for buf, n in self.charged.items():
+            self.backends[self.graph.buffers[buf].device].ledger.release(n)
+        self.store.clear()
+        self.charged.clear()
+
+    def trace(self) -> Trace:
+        ex, graph = self.executor, self.graph
+        compute: dict[str, float] = defaultdict(float)
+        link_bytes: dict[str, float] = defaultdict(float)
+        cpu = 0.0
+        for t in graph.tasks:
+            d = ex.end[t.id] - ex.start[t.id]
+            if t.kind == UPD:
+                cpu += d
+            elif t.is_transfer:
+                for link in t.links:
+                    link_bytes[link] += self.moved_task.get(t.id, 0.0)
+            else:
+                compute[t.device] += d
+        bounds = {f"compute:{k}": v for k, v in compute.items()}
+        bounds["cpu_update"] = cpu / max(1, graph.cpu_workers)
+        if self.paced:
+            bounds.update({f"link:{k}": v / graph.links[k] for k, v in link_bytes.items()})
+        peak = {name: b.ledger.peak for name, b in self.backends.items()}
+        cap = {name: float(b.ledger.capacity or float("inf")) for name, b in self.backends.items()}
+        summary = summarize(self.wall_s, graph.samples, dict(self.moved), peak, cap, bounds)
+        summary.update(policy=self.e.plan.policy, model=self.e.spec.name, hardware=self.e.backend.kind,
+                       executor="engine")
+        start, end, moved = list(ex.start), list(ex.end), dict(self.moved_task)
+
+        def rows():
+            return [
+                {"device": t.device, "lane": t.lane, "kind": t.kind, "model": t.model, "pack": t.pack,
+                 "microbatch": t.microbatch, "start_s": start[t.id], "end_s": end[t.id],
+                 "bytes": moved.get(t.id, 0.0), "layers": t.layers, "what": t.what}
+                for t in graph.tasks
+            ]
+
+        memory = {name: list(b.ledger.history) for name, b in self.backends.items()}
+        return Trace(summary, memory, rows)
+
+    # ---- transfers -------------------------------------------------------------------
+    def _moved(self, task: Task, n: float, started: float) -> None:
+        """Count ``n`` bytes for ``task`` and, emulated, make the copy last as long
+        as the links of its route allow."""
+        if self.paced:
+            self.pacer.wait(task.links, n, task.max_rate, started)
+        with self.lock:
+            self.moved[task.kind] += n
+            self.moved_task[task.id] = self.moved_task.get(task.id, 0.0) + n
+
+    def _copy(self, task: Task, value, to_device: bool):
+        started = time.perf_counter()
+        backend = self.backends[task.device]
+        conv = backend.to_device if to_device else backend.to_host
+        out = tuple(None if v is None else conv(v) for v in value)
+        self._moved(task, _nbytes(out), started)
+        return out
+
+    def weights_in(self, task: Task) -> None:
+        s, e = task.layers
+        backend = self.backends[task.device]
+        backward = "grads" in task.io
+        started = time.perf_counter()
+        weights = {}
+        for i in range(s, e):
+            tensors = {}
+            for name, p in self.e.host_params[i].items():
+                tensors[name] = backend.to_device(p).requires_grad_(backward and p.requires_grad)
+            for name, b in self.e.host_buffers[i].items():
+                tensors[name] = backend.to_device(b)
+            weights[i] = tensors
+        n = _nbytes(weights)
+        self._moved(task, n, started)
+        self.put(task.io["weights"], weights, n)
+        if backward:
+            leaves = {i: {k: v for k, v in w.items() if isinstance(v, torch.Tensor) and v.requires_grad}
+                      for i, w in weights.items()}
+            self.put(task.io["grads"], leaves, sum(_nbytes(list(d.values())) for d in leaves.values()))
+
+    def data_in(self, task: Task) -> None:
+        what, a, b = task.data
+        value = tuple(t[a:b] for t in self.inputs) if what == "inputs" else (self.target[a:b],)
+        self.put(task.io["dst"], self._copy(task, value, to_device=True))
+
+    def host_in(self, task: Task) -> None:
+        kind, layer, a, b = task.data
+        if kind == "stash" and layer == 0:
+            value = tuple(t[a:b] for t in self.inputs)
+        else:
+            with self.lock:
+                pieces = [p for p in self.host[(kind, layer)] if p[0][0] < b and a < p[0][1]]
+            value = _assemble(pieces, a, b)
+        self.put(task.io["dst"], self._copy(task, value, to_device=True))
+
+    def host_out(self, task: Task) -> None:
+        kind, layer, a, b = task.data
+        value = _assemble(self.pieces(task.io["src"]), a, b)
+        out = self._copy(task, value, to_device=False)
+        with self.lock:
+            self.host[(kind, layer)].append(((a, b), out))
+
+    def peer_in(self, task: Task) -> None:
+        _, _, a, b = task.data
+        value = _assemble(self.pieces(task.io["src"]), a, b)
+        self.put(task.io["dst"], self._copy(task, value, to_device=True))
+
+    def reduce(self, task: Task) -> None:
+        """One GPU's share of a reduce-scatter: its bytes cross the peer link here;
+        the sums themselves are formed, in GPU order, when each shard goes out."""
+        self._moved(task, task.nbytes, time.perf_counter())
+
+    def grads_out(self, task: Task) -> None:
+        """A pack's gradient (data parallel: one shard, summed over the GPUs in
+        order) into the host copy's ``.grad``."""
+        s, e, r, k = task.data[1:]
+        backend = self.backends[task.device]
+        started = time.perf_counter()
+        replicas = [self.store[b] for b in task.io["src"]]
+        n = 0
+        for i in layer_shard((s, e), r, k):
+            params = self.e.host_params[i]
+            for name in replicas[0][i]:
+                grads = [rep[i][name].grad for rep in replicas if rep[i][name].grad is not None]
+                if not grads:
+                    continue
+                g = grads[0]
+                for other in grads[1:]:
+                    g = g + backend.to_device(other)
+                g = backend.to_host(g)
+                n += g.numel() * g.element_size()
+                host = params[name]
+                if host.grad is None:
+                    host.grad = g if g is not grads[0] else g.clone()
+                else:
+                    host.grad += g
+        self._moved(task, n, started)
+
+    def update(self, task: Task) -> None:
+        _, _, _, r, _ = task.data
+        key = (task.pack, r)
+        opt = self.e.optimizers[key]
+        if opt is None:
+            return
+        with self.lock:
+            pending = self.device_tasks_left > 0
+        if self.e.safe_updates and pending:
+            self.journal.append((key, [p.detach().clone() for p in _params(opt)], _clone_state(opt.state_dict())))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # ---- compute ----------------------------------------------------------------------
+    def _run_layers(self, task: Task, weights: dict, h: tuple, stash: dict | None = None,
+                    charge_intermediates: bool = False) -> tuple:
+        """Run the task's layers on ``h``. Without autograd, each layer's output is
+        charged to the ledger while the next layer computes (with autograd, the
+        saved-tensor meter charges what stays)."""
+        s, e = task.layers
+        backend = self.backends[task.device]
+        gpu = int(task.device[3:])
+        ledger, held = backend.ledger, 0
+        try:
+            for i in range(s, e):
+                if stash and i in stash:
+                    self.put(stash[i], h)
+                module = self.e.replica(gpu, i)
+                if not self.parallel_compute:
+                    seed_layer(self.e.seed, self.e.step_count, task.samples[0], i, backend.torch_device)
+                    h = as_args(functional_call(module, weights[i], h))
+                elif i in self.e.random_layers:
+                    # several GPUs share the CPU generator: seed and draw without interleaving
+                    with self.e.rng_lock:
+                        seed_layer(self.e.seed, self.e.step_count, task.samples[0], i, backend.torch_device)
+                        h = as_args(functional_call(module, weights[i], h))
+                else:  # draws nothing, so must not reseed under another GPU's dropout
+                    h = as_args(functional_call(module, weights[i], h))
+                if charge_intermediates and i < e - 1:
+                    n = _nbytes(h)
+                    ledger.charge(n, f"activations inside {task.what}")
+                    ledger.release(held)
+                    held = n
+        finally:
+            ledger.release(held)
+        return h
+
+    def _write_back_buffers(self, task: Task, weights: dict) -> None:
+        """BatchNorm-like buffers changed by a real forward go back to the host copy
+        (data parallel: the first GPU's; every replica saw other samples)."""
+        if task.device != "gpu0":
+            return
+        with torch.no_grad():
+            for i in range(*task.layers):
+                for name, b in self.e.host_buffers[i].items():
+                    b.copy_(weights[i][name])
+
+    def forward(self, task: Task) -> None:
+        a, b = task.samples
+        weights = self.store[task.io["weights"]]
+        h = _assemble(self.pieces(task.io["input"]), a, b)
+        with torch.no_grad():
+            out = self._run_layers(task, weights, h, task.io.get("stash"), charge_intermediates=True)
+        self.put(task.io["output"], out)
+        self._write_back_buffers(task, weights)
+
+    def backward(self, task: Task) -> None:
+        s, e = task.layers
+        a, b = task.samples
+        weights = self.store[task.io["weights"]]
+        fused = task.kind == FWDBWD
+        h = _assemble(self.pieces(task.io["input" if fused else "stash_in"]), a, b)
+        if s > 0:
+            h = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in h)
+        saved_before = None if fused else {
+            (i, name): weights[i][name].clone() for i in range(s, e) for name in self.e.host_buffers[i]}
+        ledger = self.backends[task.device].ledger
+        meter = SavedBytes(lambda n: ledger.charge(n, f"autograd-saved tensors of {task.what}"))
+        try:
+            with meter, torch.enable_grad():
+                out = self._run_layers(task, weights, h)
+                if fused:
+                    y = self.store[task.io["labels"]][0]
+                    loss = self.e.loss_fn(*out, y) * ((b - a) / self.graph.samples)
+            if fused:
+                loss.backward()
+                with self.lock:
+                    self.loss += loss.item()
+            else:
+                grad_in = _assemble(self.pieces(task.io["grad_in"]), a, b)
+                pairs = [(o, g) for o, g in zip(out, grad_in) if g is not None and o.requires_grad]
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        finally:
+            ledger.release(meter.total)
+        if fused:
+            self._write_back_buffers(task, weights)
+        else:
+            with torch.no_grad():  # recompute must not count twice in running statistics
+                for (i, name), old in saved_before.items():
+                    weights[i][name].copy_(old)
+        if s > 0:
+            self.put(task.io["output"], tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+                                              for t in h))
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def _clone_state(state: dict) -> dict:
+    def clone(v):
+        if isinstance(v, torch.Tensor):
+            return v.detach().clone()
+        if isinstance(v, dict):
+            return {k: clone(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clone(x) for x in v]
+        return v
+
+    return clone(state)
