@@ -2,6 +2,7 @@
 
     harmony search   --model gpt2-xl --hardware paper-4x1080ti --minibatch 64
     harmony simulate --model gpt2-xl --hardware paper-4x1080ti --plan plan.json --chrome out.json
+    harmony train    --model gpt2-tiny --steps 20 --minibatch 16 --memory 2MB   (torchrun: one server per process)
     harmony models | presets | policies
     harmony reproduce --quick --out figures
 
@@ -66,6 +67,24 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--chrome", type=Path, default=None, help="write a Chrome/Perfetto trace JSON")
     m.add_argument("--timeline", type=Path, default=None, help="write a timeline figure (.svg and .png)")
     m.add_argument("--csv", type=Path, default=None, help="write the timeline as CSV")
+
+    t = sub.add_parser("train", help="train a zoo model on synthetic data with the engine (torchrun: across servers)")
+    t.add_argument("--model", default="gpt2-tiny", help="zoo model (see `harmony models`)")
+    t.add_argument("--steps", type=_positive_int, default=10)
+    t.add_argument("--minibatch", type=_positive_int, default=16, help="samples per step per server")
+    t.add_argument("--gpus", type=_positive_int, default=1, help="emulated GPUs in this server")
+    t.add_argument("--memory", default="4MB", help="memory of each emulated GPU")
+    t.add_argument("--h2d", default="200MB/s", help="host->GPU bandwidth of each emulated GPU")
+    t.add_argument("--d2h", default="200MB/s", help="GPU->host bandwidth of each emulated GPU")
+    t.add_argument("--uplink", default=None, help="shared host uplink of the emulated GPUs")
+    t.add_argument("--p2p", default=None, help="GPU->GPU bandwidth (default: through host memory)")
+    t.add_argument("--plan", default="auto", help="plan JSON file, or 'auto' (profile and search)")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a zoo config field, e.g. --set n_layer=4 --set dropout=0.0")
+    t.add_argument("--save", type=Path, default=None, help="write the final weights (torch.save state_dict)")
+    t.add_argument("--timeout", type=float, default=60.0, help="seconds before a lost server is an error")
 
     sub.add_parser("models", help="list models")
     sub.add_parser("presets", help="list hardware presets")
@@ -141,6 +160,33 @@ def _cmd_simulate(args) -> int:
     return 0
 
 
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise HarmonyError(f"--set expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _cmd_train(args) -> int:
+    from .plan import Plan
+    from .training import device_from_args, save_weights, train
+
+    device = device_from_args(args.gpus, args.memory, args.h2d, args.d2h, args.uplink, args.p2p)
+    plan = "auto" if args.plan == "auto" else Plan.from_json(Path(args.plan))
+    result = train(args.model, args.steps, args.minibatch, device, plan, lr=args.lr, seed=args.seed,
+                   timeout_s=args.timeout, **_overrides(args.set))
+    if args.save:
+        save_weights(result.engine, args.save)
+    print(f"{result.samples_per_s:.1f} samples/s after the first step; final loss {result.losses[-1]:.6f}")
+    return 0
+
+
 def _cmd_models(args) -> int:
     from . import reference, zoo
 
@@ -176,7 +222,7 @@ def _cmd_reproduce(args) -> int:
 
 
 _COMMANDS = {
-    "search": _cmd_search, "simulate": _cmd_simulate, "models": _cmd_models,
+    "search": _cmd_search, "simulate": _cmd_simulate, "train": _cmd_train, "models": _cmd_models,
     "presets": _cmd_presets, "policies": _cmd_policies, "reproduce": _cmd_reproduce,
 }
 

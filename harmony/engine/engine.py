@@ -56,11 +56,14 @@ class Engine:
     ``safe_updates``: a step that fails leaves weights, optimizer state and
     BatchNorm statistics as they were (updates overlapping the rest of the
     step are journaled and undone); off, a failed step may leave some packs
-    updated.
+    updated. ``distributed``: average gradients across the servers of the
+    default torch.distributed process group (default: when one with more than
+    one process is initialized); ``minibatch_size`` is then per server.
     """
 
     def __init__(self, model, optimizer: Callable, loss_fn: Callable, device="cpu", minibatch_size: int = 32,
-                 plan: Plan | str = "auto", seed: int = 0, safe_updates: bool = True):
+                 plan: Plan | str = "auto", seed: int = 0, safe_updates: bool = True,
+                 distributed: bool | None = None):
         self.chain = decompose(model)
         self.layers: list[nn.Module] = list(self.chain.layers)
         self.model = model
@@ -94,6 +97,15 @@ class Engine:
         self.profile = None  # measured costs, when plan="auto" profiled
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer | None] = {}  # (pack, shard) ->
         self._graph_cache: TaskGraph | None = None
+        if distributed is None:
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1
+        self.distributed = distributed
+        self.sync = None  # GradientSync across servers, once a plan is set
+        if distributed:
+            from .distributed import broadcast_weights
+
+            broadcast_weights(model if isinstance(model, nn.Module) else nn.ModuleList(self.layers))
         if isinstance(plan, Plan):
             self._set_plan(plan)
         elif plan != "auto":
@@ -145,6 +157,12 @@ class Engine:
                     "pass e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)"
                 )
             optimizers[key] = opt
+        if self.distributed:
+            from .distributed import GradientSync, check_same_plan
+
+            check_same_plan(plan)
+            order = sorted((k for k, opt in optimizers.items() if opt is not None), key=lambda k: (-k[0], k[1]))
+            self.sync = GradientSync(order)
         self.plan, self.optimizers, self._graph_cache = plan, optimizers, None
         for gpu in range(1, plan.n_gpus):  # made now, while no step is swapping weights in
             for index in range(len(self.layers)):
@@ -214,6 +232,8 @@ class Engine:
                 f"{[tuple(t.shape) for t in inputs]} and target {tuple(target.shape)}"
             )
         graph = self._graph(inputs, target)
+        if self.sync is not None:
+            self.sync.start_step()
         run = StepRun(self, graph, inputs, target)
         try:
             run.execute()

@@ -21,7 +21,20 @@ PLANNING_HEADROOM = 0.85
 
 
 def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
-    """The fastest plan for ``engine``'s chain on its devices."""
+    """The fastest plan for ``engine``'s chain on its devices (across servers:
+    rank 0's, which every server then runs)."""
+    if engine.distributed and torch.distributed.get_rank() != 0:
+        box = [None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        engine.profile = None
+        return Plan.from_dict(box[0])
+    plan = _search(engine, inputs, target)
+    if engine.distributed:
+        torch.distributed.broadcast_object_list([plan.to_dict()], src=0)
+    return plan
+
+
+def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
     engine.profile = profile(engine.layers, inputs, target, engine.loss_fn, engine._optimizer_factory,
                              device=engine.backend.torch_device, name=engine.spec.name)
     hw = engine.hardware()

@@ -290,6 +290,8 @@ class StepRun:
         opt = self.e.optimizers[key]
         if opt is None:
             return
+        if self.e.sync is not None:
+            self.e.sync.average(key, _params(opt))
         with self.lock:
             pending = self.device_tasks_left > 0
         if self.e.safe_updates and pending:

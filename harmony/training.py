@@ -1,0 +1,88 @@
+"""``harmony train``: train a zoo model with the engine on synthetic data, on one
+server or (launched by torchrun) data parallel across several.
+
+Synthetic minibatches are a pure function of (seed, step, rank), so a run is
+reproducible and a distributed run can be replayed on one process over the
+union of the servers' data.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import zoo
+from .engine import EmulatedDevice, EmulatedServer, Engine
+from .engine.distributed import init_from_env
+from .engine.reference_loop import layer_seed
+from .errors import HarmonyError
+from .plan import Plan
+
+
+def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.flatten(0, -2), target.flatten())
+
+
+def loss_for(name: str):
+    """Next-token loss for GPT-2, classification loss for the others."""
+    return lm_loss if name.startswith("gpt2") else nn.functional.cross_entropy
+
+
+def synthetic_batch(name: str, minibatch: int, step: int, rank: int = 0, seed: int = 0, **overrides):
+    """Random inputs and labels of the right kinds, the same for the same (seed, step, rank)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(layer_seed(seed, step, rank, 7))
+        return zoo.example_input(name, minibatch, **overrides)
+
+
+def build_model(name: str, seed: int = 0, **overrides) -> nn.Sequential:
+    """The zoo model on the CPU without its loss layer, initialised from ``seed``."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return nn.Sequential(*zoo.build(name, device="cpu", **overrides)[:-1])
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    samples_per_s: float
+    engine: Engine
+
+
+def train(name: str, steps: int, minibatch: int, device, plan: Plan | str = "auto", lr: float = 1e-3,
+          seed: int = 0, timeout_s: float = 60.0, log=print, **overrides) -> TrainResult:
+    """Train ``name`` for ``steps`` synthetic minibatches (per server)."""
+    distributed = init_from_env(timeout_s)
+    rank = torch.distributed.get_rank() if distributed else 0
+    model = build_model(name, seed, **overrides)
+    engine = Engine(model, lambda ps: torch.optim.AdamW(ps, lr=lr), loss_for(name), device=device,
+                    minibatch_size=minibatch, plan=plan, seed=seed)
+    losses, t0 = [], None
+    for step in range(steps):
+        inputs, target = synthetic_batch(name, minibatch, step, rank, seed, **overrides)
+        loss = engine.step(inputs, target)
+        if step == 0:
+            t0 = time.perf_counter()  # the first step profiles and plans
+            if rank == 0:
+                log(f"plan: {engine.plan.describe()}")
+        losses.append(loss)
+        if rank == 0:
+            log(f"step {step}: loss {loss:.6f}")
+    rate = (steps - 1) * minibatch / (time.perf_counter() - t0) if steps > 1 else float("nan")
+    return TrainResult(losses, rate, engine)
+
+
+def device_from_args(gpus: int, memory: str, h2d: str, d2h: str, uplink: str | None, p2p: str | None):
+    if gpus < 1:
+        raise HarmonyError(f"--gpus must be >= 1, got {gpus}")
+    if gpus == 1:
+        return EmulatedDevice(memory=memory, h2d=h2d, d2h=d2h)
+    return EmulatedServer(gpus=gpus, memory=memory, h2d=h2d, d2h=d2h, uplink=uplink, p2p=p2p)
+
+
+def save_weights(engine: Engine, path: Path) -> None:
+    torch.save({k: v.detach().clone() for k, v in engine.model.state_dict().items()}, path)
