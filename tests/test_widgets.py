@@ -1,0 +1,159 @@
+"""The explorers compute from their controls, never raise on infeasible settings,
+draw charts under Altair's row limit, re-draw on changes, and the notebook runs
+in batch."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("altair")
+
+from harmony.viz import MAX_ROWS  # noqa: E402
+from harmony.widgets import MAX_TASKS, PackExplorer, RunForReal, thin_memory  # noqa: E402
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_explorer.ipynb"
+
+
+def datasets(chart) -> list[list[dict]]:
+    return list(chart.to_dict()["datasets"].values())
+
+
+def test_comparison_against_virtual_memory():
+    ex = PackExplorer()
+    ex.minibatch.value, ex.fwd_microbatch.value, ex.bwd_microbatch.value, ex.pack_size.value = 32, 8, 4, 2
+    r = ex.compute()
+    assert r.problem is None and r.trace.summary["fits"]
+    assert r.plan.bwd_packs[0] == (0, 2) and r.plan.fwd_packs == r.plan.bwd_packs[:-1]
+    df = r.comparison.set_index("policy")
+    assert set(df.index) == {"harmony-pp", "harmony-dp", "virtual-memory"}
+    assert df.loc["harmony-pp", "chosen"] and df.chosen.sum() == 1
+    # the baseline runs each microbatch forward then backward: the backward size for both
+    assert (df.loc["virtual-memory", "fwd_microbatch"], df.loc["virtual-memory", "bwd_microbatch"]) == (4, 4)
+    assert df.loc["virtual-memory", "speedup_vs_vm"] == 1.0
+    assert df.loc["harmony-pp", "speedup_vs_vm"] == pytest.approx(
+        df.loc["virtual-memory", "iteration_s"] / df.loc["harmony-pp", "iteration_s"])
+    # 8 microbatches: virtual memory moves every pack's weights for every one of them
+    assert df.loc["harmony-pp", "swap_ratio_vs_vm"] > 1
+    assert df.loc["harmony-pp", "samples_per_s"] == pytest.approx(32 / df.loc["harmony-pp", "iteration_s"])
+    json.dumps(r.to_dict())
+
+
+def test_out_of_memory_names_the_gpu_and_the_gigabytes():
+    ex = PackExplorer(model="bert-large", hardware="paper-4x1080ti", n_gpus=1, minibatch=256,
+                      fwd_microbatch=256, bwd_microbatch=256, pack_size=14)
+    r = ex.compute()
+    assert "gpu0" in r.problem and "GB" in r.problem and "10.74 GB" in r.problem
+    assert r.trace is not None and not r.trace.summary["fits"]  # simulated all the same, to be seen
+    texts = [row["text"] for rows in datasets(ex.chart()) for row in rows if "text" in row]
+    assert any("gpu0" in t for t in texts)
+
+
+def test_an_invalid_plan_gives_the_validation_message_and_the_baselines():
+    ex = PackExplorer(minibatch=32, fwd_microbatch=64, bwd_microbatch=4)
+    r = ex.compute()
+    assert r.trace is None and "fwd_microbatch=64 is larger than the minibatch (32)" in r.problem
+    df = r.comparison.set_index("policy")
+    assert math.isnan(df.loc["harmony-pp", "iteration_s"])
+    assert df.loc["virtual-memory", "fits"]  # uses the backward microbatch, so it is valid
+    assert len(datasets(ex.chart())) == 2  # the problem and the bars
+
+
+def test_unknown_spec_and_huge_graphs_are_reported_not_raised():
+    ex = PackExplorer(model="gpt2-tiny", source="reference")
+    r = ex.compute()
+    assert "no reference profile for 'gpt2-tiny'" in r.problem and r.plan is None and r.comparison.empty
+    ex.chart().to_dict()
+    ex.source.value = "auto"
+    ex.minibatch.value, ex.fwd_microbatch.value, ex.bwd_microbatch.value, ex.pack_size.value = 4096, 1, 1, 1
+    r = ex.compute()
+    assert r.trace is None and f"{MAX_TASKS:,}" in r.problem
+
+
+def test_chart_shows_the_lanes_under_the_row_limit():
+    ex = PackExplorer(n_gpus=1, minibatch=32, fwd_microbatch=1, bwd_microbatch=1, pack_size=1)
+    r = ex.compute()
+    assert len(r.trace.memory_timeline()) > MAX_ROWS  # the memory chart has to be thinned
+    spec = ex.chart().to_dict()
+    rows = list(spec["datasets"].values())
+    assert all(len(d) <= MAX_ROWS for d in rows)
+    lanes = {row["lane"] for d in rows for row in d if "lane" in row}
+    assert lanes == set(r.trace.timeline.lane) and "gpu0.compute" in lanes
+    assert {row["policy"] for d in rows for row in d if "policy" in row} == {"harmony-pp", "harmony-dp",
+                                                                             "virtual-memory"}
+
+
+def test_thinned_memory_keeps_the_peaks():
+    r = PackExplorer(n_gpus=2, minibatch=32, fwd_microbatch=1, bwd_microbatch=1, pack_size=1).compute()
+    thin = thin_memory(r.trace, 500)
+    assert sum(len(s) for s in thin.memory.values()) <= 500
+    for device, steps in r.trace.memory.items():
+        assert max(b for _, b in thin.memory[device]) == max(b for _, b in steps)
+        assert thin.memory[device][-1][1] == steps[-1][1]
+
+
+def test_controls_stay_consistent():
+    ex = PackExplorer(hardware="paper-4x1080ti")
+    assert ex.n_gpus.max == 4 and ex.pack_size.max == 28
+    ex.hardware.value = "h100-pcie5"
+    assert ex.n_gpus.value == ex.n_gpus.max == 1
+    ex.model.value = "gpt2-tiny"
+    assert ex.pack_size.max < 28
+    ex.policy.value = "virtual-memory"
+    assert ex.fwd_microbatch.disabled
+    ex.fwd_microbatch.value, ex.bwd_microbatch.value = 8, 2
+    plan = ex.compute().plan
+    assert plan.fwd_microbatch == plan.bwd_microbatch == 2
+
+
+def test_changing_a_control_redraws_the_output():
+    ex = PackExplorer(minibatch=16)
+    assert not ex.output.outputs  # nothing is computed before the widget is shown
+    ex.widget()
+    first = ex.output.outputs
+    assert any(k.startswith(("text/html", "application/vnd.vegalite")) for k in first[0]["data"])
+    ex.pack_size.value = 4
+    assert ex.output.outputs != first and ex.result.plan.bwd_packs[0] == (0, 4)
+    assert len(ex.output.outputs) == 2  # chart and table, replaced, not appended
+    assert "application/vnd.jupyter.widget-view+json" in ex._repr_mimebundle_()
+
+
+def test_run_for_real_next_to_the_simulation():
+    real = RunForReal(minibatch=8, fwd_microbatch=4, bwd_microbatch=2, pack_size=2, steps=2)
+    r = real.compute()
+    assert r.problem is None and len(r.losses) == 2 and all(math.isfinite(x) for x in r.losses)
+    sim, run = r.simulated.timeline, r.measured.timeline
+    assert len(sim) == len(run) and list(sim.columns) == list(run.columns)
+    assert sorted(sim.kind) == sorted(run.kind)
+    assert list(r.comparison.executor) == ["simulated", "measured"]
+    assert r.comparison.swap_mb.iloc[0] == pytest.approx(r.comparison.swap_mb.iloc[1])
+    spec = real.chart().to_dict()
+    assert len(spec["vconcat"]) == 2 and all(len(d) <= MAX_ROWS for d in spec["datasets"].values())
+    json.dumps(r.to_dict())
+
+
+def test_run_for_real_reports_a_device_too_small():
+    real = RunForReal(memory="100KB", steps=1)
+    r = real.compute()
+    assert r.measured is None and "out of memory" in r.problem
+    real.memory.value = "lots"
+    assert "cannot read emulated device memory" in real.compute().problem
+    real.chart().to_dict()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("papermill") is None, reason="papermill is not installed")
+def test_notebook_runs_in_batch(tmp_path):
+    import papermill
+
+    out = tmp_path / "out"
+    papermill.execute_notebook(str(NOTEBOOK), str(tmp_path / "run.ipynb"), kernel_name="python3",
+                               parameters={"minibatch": 8, "out_dir": str(out)}, progress_bar=False)
+    results = json.loads((out / "results.json").read_text())
+    assert results["explorer"]["problem"] is None and len(results["explorer"]["comparison"]) == 3
+    assert len(results["run_for_real"]["losses"]) == 2
+    for name in ("explorer", "run_for_real"):
+        for suffix in ("svg", "png"):
+            assert (out / f"{name}.{suffix}").stat().st_size > 1000
