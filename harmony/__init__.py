@@ -8,6 +8,7 @@ giving a Trace. :func:`search` picks the plan.
 
 from .catalog import known_models, model_spec
 from .engine import Chain, EmulatedDevice, EmulatedServer, Engine, decompose, reference_step
+from .engine.profiler import profile
 from .errors import DeadlockError, HarmonyError, OutOfMemoryError
 from .graph import Task, TaskGraph
 from .hardware import PRESETS, Hardware, parse_bytes, parse_rate, preset
@@ -24,6 +25,6 @@ __all__ = [
     "Chain", "EmulatedDevice", "EmulatedServer", "Engine", "decompose", "reference_step",
     "Curve", "DeadlockError", "Hardware", "HarmonyError", "LayerCost", "ModelSpec",
     "OutOfMemoryError", "POLICIES", "PRESETS", "Plan", "Task", "TaskGraph", "Trace",
-    "build_graph", "known_models", "model_spec", "parse_bytes", "parse_rate", "preset",
+    "build_graph", "known_models", "profile", "model_spec", "parse_bytes", "parse_rate", "preset",
     "search", "simulate", "simulate_graph", "swap_volume",
 ]

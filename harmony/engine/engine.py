@@ -123,9 +123,26 @@ class Engine:
         if isinstance(self.backend, EmulatedBackend):
             return self.backend.spec.hardware()
         n = len(self.backends)
+        if self.backend.kind == "cuda":
+            return self._measured_cuda_hardware()
+        # the cpu backend moves nothing: links and memory are no limit
         return Hardware(name=self.backend.kind, n_gpus=n, gpu_memory=10**15, gpu_flops=1e12, h2d=100 * GB,
                         d2h=100 * GB, uplink=100 * GB * n, gpus_per_switch=n, p2p=100 * GB,
                         cpu_update_bandwidth=10 * GB, cpu_update_workers=n, host_memory=10**15)
+
+    def _measured_cuda_hardware(self) -> Hardware:
+        """The GPUs at hand: memory from the driver (90% usable: the CUDA context and
+        the caching allocator take the rest), link bandwidth measured; all GPUs
+        assumed behind one uplink of their summed bandwidth and with peer access."""
+        from .profiler import measure_link
+
+        dev = self.backend.torch_device
+        h2d, d2h = measure_link(dev)
+        props = torch.cuda.get_device_properties(dev)
+        n = len(self.backends)
+        return Hardware(name=f"{n}x {props.name}", n_gpus=n, gpu_memory=int(0.9 * props.total_memory),
+                        gpu_flops=1e13, h2d=h2d, d2h=d2h, uplink=n * max(h2d, d2h), gpus_per_switch=n,
+                        p2p=h2d, cpu_update_bandwidth=10 * GB, cpu_update_workers=n, host_memory=10**12)
 
     def _set_plan(self, plan: Plan) -> None:
         plan.validate(len(self.layers))

@@ -132,3 +132,14 @@ def _update_time(layer: nn.Module, optimizer: Callable, repeats: int) -> float:
         p.grad = torch.randn_like(p) * 1e-3
     opt = optimizer(params)
     return _median_time(opt.step, repeats, lambda: None)
+
+
+def measure_link(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 3) -> tuple[float, float]:
+    """Host->device and device->host bandwidth (bytes/s) of a CUDA device, with
+    page-locked host memory, medians of ``repeats`` copies of ``nbytes``."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+    h2d = _median_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
+    d2h = _median_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
+    return nbytes / h2d, nbytes / d2h
