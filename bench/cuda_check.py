@@ -11,9 +11,9 @@ import sys
 import time
 
 import torch
-from torch import nn
 
 import harmony
+from harmony.training import build_model, lm_loss
 from harmony import Engine, Plan, reference_step
 
 
@@ -39,12 +39,11 @@ def main() -> int:
     cfg = dict(hidden=args.hidden, n_layer=args.blocks, heads=16, seq_len=256, max_position=256, vocab=8192)
     B = args.minibatch
     (x,), y = harmony.zoo.example_input("gpt2-tiny", B, **cfg)
-    loss = lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    loss = lm_loss
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
 
     def build():
-        torch.manual_seed(0)
-        return nn.Sequential(*harmony.zoo.build("gpt2-tiny", device="cpu", dropout=0.0, **cfg)[:-1])
+        return build_model("gpt2-tiny", 0, dropout=0.0, **cfg)
 
     n = args.blocks + 3
     packs = tuple((i, min(i + 2, n)) for i in range(0, n, 2))

@@ -21,9 +21,9 @@ import statistics
 import time
 
 import torch
-from torch import nn
 
 import harmony
+from harmony.training import build_model, lm_loss
 from harmony import EmulatedDevice, Engine
 from harmony.engine.profiler import profile
 from harmony.search import search
@@ -51,10 +51,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = dict(hidden=args.hidden, n_layer=args.blocks, heads=4, seq_len=64, max_position=64, vocab=512)
-    torch.manual_seed(0)
-    layers = harmony.zoo.build("gpt2-tiny", device="cpu", dropout=0.0, **cfg)[:-1]
+    layers = list(build_model("gpt2-tiny", 0, dropout=0.0, **cfg))
     (x,), y = harmony.zoo.example_input("gpt2-tiny", args.minibatch, **cfg)
-    loss = lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    loss = lm_loss
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
 
     flops = cpu_flops()
@@ -77,7 +76,7 @@ def main() -> None:
 
     results = {}
     for policy, plan in plans.items():
-        model = nn.Sequential(*[layer for layer in harmony.zoo.build("gpt2-tiny", device="cpu", dropout=0.0, **cfg)[:-1]])
+        model = build_model("gpt2-tiny", 0, dropout=0.0, **cfg)
         engine = Engine(model, opt, loss, device=device, minibatch_size=args.minibatch, plan=plan)
         times = []
         for _ in range(args.steps):

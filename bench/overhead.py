@@ -21,14 +21,13 @@ import torch.utils.checkpoint
 from torch import nn
 
 import harmony
+from harmony.training import build_model, lm_loss
 from harmony import Engine, Plan, reference_step
 
 
 def build(hidden, blocks):
-    torch.manual_seed(0)
-    layers = harmony.zoo.build("gpt2-tiny", device="cpu", hidden=hidden, n_layer=blocks, heads=4,
-                               seq_len=64, max_position=64, vocab=512, dropout=0.0)[:-1]
-    return nn.Sequential(*layers)
+    return build_model("gpt2-tiny", 0, hidden=hidden, n_layer=blocks, heads=4, seq_len=64, max_position=64,
+                       vocab=512, dropout=0.0)
 
 
 def main() -> None:
@@ -43,7 +42,7 @@ def main() -> None:
     B, u = args.minibatch, args.microbatch
     (x,), y = harmony.zoo.example_input("gpt2-tiny", B, hidden=args.hidden, n_layer=args.blocks, heads=4,
                                         seq_len=64, max_position=64, vocab=512)
-    loss = lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    loss = lm_loss
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
     n = args.blocks + 3
     packs = tuple((i, i + 1) for i in range(n))  # a pack per layer: the most tasks, the most overhead

@@ -24,9 +24,9 @@ import time
 
 import pandas as pd
 import torch
-from torch import nn
 
 import harmony
+from harmony.training import build_model, lm_loss
 from harmony import EmulatedServer, Engine, Plan
 from harmony.engine.profiler import profile
 
@@ -35,12 +35,11 @@ def emulated(args) -> pd.DataFrame:
     cfg = dict(hidden=128, n_layer=6, heads=4, seq_len=64, max_position=64, vocab=512)
     B, u = 32, 4
     (x,), y = harmony.zoo.example_input("gpt2-tiny", B, **cfg)
-    loss = lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    loss = lm_loss
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
 
     def build():
-        torch.manual_seed(0)
-        return nn.Sequential(*harmony.zoo.build("gpt2-tiny", device="cpu", dropout=0.0, **cfg)[:-1])
+        return build_model("gpt2-tiny", 0, dropout=0.0, **cfg)
 
     spec = profile(list(build()), (x,), y, loss, opt, name="gpt2-scaling")
     n_layers = len(spec)

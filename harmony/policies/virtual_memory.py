@@ -13,7 +13,7 @@ input-batch grouping. Packs of one layer give the classic per-layer swapping.
 from __future__ import annotations
 
 from ..errors import HarmonyError
-from ..graph import BWD, FWD, FWDBWD, TaskGraph
+from ..graph import FWD, TaskGraph
 from ..hardware import Hardware
 from ..plan import Plan
 from ..spec import ModelSpec
