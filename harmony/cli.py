@@ -90,9 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("presets", help="list hardware presets")
     sub.add_parser("policies", help="list policies")
 
-    r = sub.add_parser("reproduce", help="run the main job: search + simulate the paper's models, write figures")
-    r.add_argument("--quick", action="store_true", help="CPU-sized run (minutes)")
-    r.add_argument("--out", type=Path, default=Path("figures"), help="output folder")
+    r = sub.add_parser("reproduce", help="run the experiments (notebooks through papermill), write figures")
+    r.add_argument("names", nargs="*", help="experiments to run, by name or unique prefix (default: all)")
+    size = r.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="CPU-sized parameters (the default)")
+    size.add_argument("--full", action="store_true", help="the paper-sized parameters")
+    r.add_argument("--force", action="store_true", help="re-run experiments already done with the same code")
+    r.add_argument("--out", type=Path, default=Path("figures"), help="where figures and their data go")
+    r.add_argument("--list", action="store_true", help="list the experiments and exit")
+    r.add_argument("--timeout", type=float, default=None, help="seconds allowed per notebook cell")
     return parser
 
 
@@ -215,10 +221,13 @@ def _cmd_policies(args) -> int:
 
 
 def _cmd_reproduce(args) -> int:
-    from .reproduce import main_job
+    from .reproduce import list_experiments, reproduce
 
-    main_job(args.out, quick=args.quick)
-    return 0
+    if args.list:
+        print(list_experiments())
+        return 0
+    report = reproduce(args.names or None, full=args.full, out=args.out, force=args.force, timeout=args.timeout)
+    return report.exit_code
 
 
 _COMMANDS = {

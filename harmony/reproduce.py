@@ -1,76 +1,365 @@
-"""The main job behind ``make figures``: plan and simulate the paper's models on
-the paper's server, print the best plans, write figures and their data.
+"""``harmony reproduce``: run the paper's experiments and collect their figures.
 
-Outputs (under ``out``): ``search_<model>.csv`` (every plan that fits, ranked),
-``timeline_<model>.{svg,png}`` (one iteration of the best Harmony plan, one
-row per lane) with its Chrome trace, and ``swap_volume.{csv,svg,png}``
-(Harmony vs the virtualized-memory baseline).
+Each ``experiments/<name>.yaml`` names a notebook, the paper's claim, the
+field of the notebook's ``results.json`` that holds our number (``summary``,
+a dotted path), and two parameter sets, ``quick`` (CPU, seconds to minutes)
+and ``full`` (the paper's set). :func:`reproduce` executes the chosen
+experiments with papermill, one after the other:
+
+* the executed notebook and everything it writes (``out_dir`` is set to the
+  run folder) go to ``experiments/runs/<name>/``;
+* its figures and data are copied to ``<out>/<name>.{svg,png,csv}`` (the
+  notebook's ``figure`` and ``data``; other files as ``<name>_<file>``);
+* an experiment whose notebook, parameters and ``harmony`` source are the
+  same as in its last successful run is skipped (``force`` runs it anyway);
+* a notebook that fails keeps its partial output notebook, is reported, and
+  the others still run.
+
+At the end a table gives, per experiment, the paper's number, ours, the
+status and the time; it is also written to ``<out>/summary.md`` and
+``<out>/summary.json``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
+from typing import Any, Sequence
 
-import pandas as pd
+from .errors import HarmonyError
 
-from .catalog import model_spec
-from .hardware import preset
-from .report import format_search, format_summary
-from .search import search
-from .simulate import simulate
-
-HARDWARE = "paper-4x1080ti"
-QUICK = {"models": ["gpt2-xl"], "minibatches": [64]}
-FULL = {"models": ["gpt2-xl", "bert-96", "vgg416", "resnet1026"], "minibatches": [16, 64, 256]}
-HARMONY = ("harmony-pp", "harmony-dp")
+PACKAGE_DIR = Path(__file__).resolve().parent
+ROOT = PACKAGE_DIR.parent
+EXPERIMENTS_DIR = ROOT / "experiments"
+KERNEL = "python3"
+STAMP = "run.json"  # next to each run: hash, status, time, our number
+REQUIRED_KEYS = ("notebook", "claim", "paper", "summary", "quick", "full")
 
 
-def best_per_policy(df: pd.DataFrame) -> dict[str, pd.Series]:
-    return {policy: rows.iloc[0] for policy, rows in df.groupby("policy", sort=False)}
+@dataclass(frozen=True)
+class Experiment:
+    """One ``experiments/<name>.yaml``."""
+
+    name: str
+    source: Path  # the YAML file
+    notebook: Path  # absolute
+    claim: str  # the paper's claim, one line, with its number
+    paper: str  # the paper's number, short (table column)
+    summary: str  # dotted path of our number in results.json
+    quick: dict[str, Any]
+    full: dict[str, Any]
+
+    @property
+    def root(self) -> Path:
+        """The folder relative paths in the YAML start from (the repository)."""
+        return self.source.parent.parent
+
+    def params(self, full: bool) -> dict[str, Any]:
+        return dict(self.full if full else self.quick)
 
 
-def main_job(out: Path, quick: bool = True) -> dict:
-    from .viz import bar_chart, save, timeline_chart
+def load_experiment(path: Path) -> Experiment:
+    import yaml
 
-    cfg = QUICK if quick else FULL
-    out = Path(out)
+    path = Path(path).resolve()
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise HarmonyError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise HarmonyError(f"{path}: expected a mapping with keys {', '.join(REQUIRED_KEYS)}")
+    missing = [k for k in REQUIRED_KEYS if k not in data]
+    if missing:
+        raise HarmonyError(f"{path}: missing key(s) {', '.join(missing)}")
+    for mode in ("quick", "full"):
+        if not isinstance(data[mode] or {}, dict):
+            raise HarmonyError(f"{path}: {mode!r} must be a mapping of notebook parameters")
+    return Experiment(name=path.stem, source=path, notebook=(path.parent.parent / data["notebook"]).resolve(),
+                      claim=str(data["claim"]).strip(), paper=str(data["paper"]).strip(),
+                      summary=str(data["summary"]), quick=dict(data["quick"] or {}), full=dict(data["full"] or {}))
+
+
+def load_experiments(directory: Path | None = None) -> dict[str, Experiment]:
+    """Every experiment in ``directory`` (default: the repository's ``experiments/``), by name."""
+    directory = Path(directory or EXPERIMENTS_DIR)
+    return {p.stem: load_experiment(p) for p in sorted(directory.glob("*.yaml"))}
+
+
+def select(experiments: dict[str, Experiment], names: Sequence[str] | None) -> list[Experiment]:
+    """The experiments named (exact name or a unique prefix such as ``"10"``), in order; all if None."""
+    if not names:
+        return list(experiments.values())
+    chosen = []
+    for name in names:
+        hits = [e for n, e in experiments.items() if n == name] or \
+               [e for n, e in experiments.items() if n.startswith(name)]
+        if len(hits) != 1:
+            why = "matches several" if hits else "is not one of"
+            raise HarmonyError(f"experiment {name!r} {why} the experiments: {', '.join(experiments)}")
+        if hits[0] not in chosen:
+            chosen.append(hits[0])
+    return chosen
+
+
+def list_experiments(directory: Path | None = None) -> str:
+    """One line per experiment: name, notebook, the paper's claim."""
+    return "\n".join(f"{e.name:24s} {e.notebook.name:28s} {e.claim}" for e in load_experiments(directory).values())
+
+
+# ---- what makes a run the same run ---------------------------------------------------
+@lru_cache(maxsize=None)
+def _package_hash(package_dir: Path = PACKAGE_DIR) -> str:
+    h = hashlib.sha256()
+    for p in sorted(package_dir.rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"):
+            h.update(str(p.relative_to(package_dir)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def run_hash(exp: Experiment, params: dict[str, Any], kernel_name: str = KERNEL) -> str:
+    """Hash of the notebook file, its parameters, the kernel and the ``harmony`` source."""
+    h = hashlib.sha256()
+    h.update(exp.notebook.read_bytes())
+    h.update(json.dumps(params, sort_keys=True, default=str).encode())
+    h.update(kernel_name.encode())
+    h.update(_package_hash().encode())
+    return h.hexdigest()
+
+
+# ---- outcomes -------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    name: str
+    claim: str
+    paper: str
+    ours: str  # our number, formatted
+    status: str  # ok / failed / skipped
+    seconds: float
+    mode: str  # quick / full
+    error: str = ""
+    run_dir: str = ""
+    files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    """What :func:`reproduce` did, one :class:`Outcome` per experiment."""
+
+    outcomes: list[Outcome]
+
+    @property
+    def failures(self) -> list[str]:
+        return [o.name for o in self.outcomes if o.status == "failed"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every experiment ran (or was up to date), 1 when any failed."""
+        return 0 if self.ok else 1
+
+    def table(self) -> str:
+        return _table(self.outcomes)
+
+    def __bool__(self) -> bool:  # truthy when all went well
+        return self.ok
+
+
+def _table(outcomes: Sequence[Outcome], markdown: bool = False) -> str:
+    head = ["experiment", "paper", "ours", "status", "time"]
+    rows = [[o.name, o.paper, o.ours, o.status, f"{o.seconds:.1f} s"] for o in outcomes]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        claims = [f"- **{o.name}** ({o.mode}): {o.claim}" + (f" — failed: {o.error}" if o.error else "")
+                  for o in outcomes]
+        return "\n".join(lines + [""] + claims) + "\n"
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = "  ".join(f"{{:{w}s}}" for w in widths)
+    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+    for o in outcomes:
+        if o.status == "failed":
+            lines.append(f"FAILED {o.name}: {o.error} (see {o.run_dir})")
+    return "\n".join(lines)
+
+
+def _lookup(results: dict, path: str) -> Any:
+    value: Any = results
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def _format(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        return "n/a" if math.isnan(value) else f"{value:.3g}"
+    return str(value)
+
+
+def _our_number(exp: Experiment, run_dir: Path) -> str:
+    path = run_dir / "results.json"
+    if not path.exists():
+        return "n/a"
+    try:
+        return _format(_lookup(json.loads(path.read_text()), exp.summary))
+    except (ValueError, OSError):
+        return "n/a"
+
+
+# ---- running ---------------------------------------------------------------------------
+def _copy_outputs(exp: Experiment, run_dir: Path, out: Path) -> list[str]:
+    """Figures and data of a run into ``out``: ``figure.*`` and ``data.csv`` as
+    ``<name>.*``, other SVG/PNG/CSV files as ``<name>_<file>``."""
     out.mkdir(parents=True, exist_ok=True)
-    hw = preset(HARDWARE)
-    volume_rows, results = [], {}
-    for name in cfg["models"]:
-        spec = model_spec(name)
-        for minibatch in cfg["minibatches"]:
-            df = search(spec, hw, minibatch, progress=False)
-            print(format_search(df, top=8), "\n")
-            best = best_per_policy(df)
-            harmony = min((best[p] for p in HARMONY if p in best), key=lambda r: r["iteration_s"])
-            baseline = best.get("virtual-memory")
-            volume_rows.append({
-                "model": name, "minibatch": minibatch,
-                "harmony_plan": harmony["plan"].describe(), "harmony_swap_gb": harmony["swap_gb"],
-                "harmony_iteration_s": harmony["iteration_s"],
-                "baseline_swap_gb": None if baseline is None else baseline["swap_gb"],
-                "baseline_iteration_s": None if baseline is None else baseline["iteration_s"],
-            })
-            if minibatch != cfg["minibatches"][len(cfg["minibatches"]) // 2]:
-                continue
-            df.assign(plan=df["plan"].map(lambda p: p.to_json())).to_csv(out / f"search_{name}.csv", index=False)
-            trace = simulate(spec, hw, harmony["plan"])
-            print(format_summary(harmony["plan"], trace), "\n")
-            trace.to_chrome(out / f"timeline_{name}.chrome.json")
-            save(timeline_chart(trace, title=f"{name} on {hw.name}, minibatch {minibatch}: "
-                                              f"{harmony['plan'].describe()}"), out / f"timeline_{name}")
-            results[name] = {"plan": harmony["plan"].to_dict(), "summary": trace.summary,
-                             "search_s": df.attrs["search_s"], "simulated": df.attrs["simulated"]}
-    volume = pd.DataFrame(volume_rows)
-    volume["swap_ratio"] = volume["baseline_swap_gb"] / volume["harmony_swap_gb"]
-    volume.to_csv(out / "swap_volume.csv", index=False)
-    print(volume.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    long = volume.melt(id_vars=["model", "minibatch"], value_vars=["harmony_swap_gb", "baseline_swap_gb"],
-                       var_name="system", value_name="swap_gb")
-    long["case"] = long["model"] + " / " + long["minibatch"].astype(str)
-    save(bar_chart(long, "case", "swap_gb", color="system", log=True,
-                   title=f"Host<->GPU bytes per iteration on {hw.name}"), out / "swap_volume")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    return results
+    kinds = (".svg", ".png", ".csv")
+    for old in list(out.glob(f"{exp.name}.*")) + list(out.glob(f"{exp.name}_*")):
+        if old.suffix in kinds and old.is_file():
+            old.unlink()
+    copied = []
+    for src in sorted(run_dir.iterdir()):
+        if not src.is_file() or src.suffix not in kinds:
+            continue
+        stem = exp.name if src.stem in ("figure", "data") else f"{exp.name}_{src.stem}"
+        dst = out / f"{stem}{src.suffix}"
+        shutil.copyfile(src, dst)
+        copied.append(str(dst))
+    return copied
+
+
+def _error_text(e: BaseException) -> str:
+    ename, evalue = getattr(e, "ename", None), getattr(e, "evalue", None)
+    text = f"{ename}: {evalue}" if ename else f"{type(e).__name__}: {e}"
+    return " ".join(text.split())[:300]
+
+
+def check_kernel(kernel_name: str = KERNEL) -> str | None:
+    """A warning if the Jupyter kernel ``kernel_name`` would not run this Python
+    (notebooks then may not import this ``harmony``); None if it does."""
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    except ImportError:
+        return "jupyter_client is not installed: pip install -e '.[notebooks]'"
+    try:
+        spec = KernelSpecManager().get_kernel_spec(kernel_name)
+    except NoSuchKernel:
+        return f"no Jupyter kernel named {kernel_name!r}: pip install ipykernel"
+    exe = spec.argv[0] if spec.argv else ""
+    if exe in ("python", f"python{sys.version_info[0]}", f"python{sys.version_info[0]}.{sys.version_info[1]}"):
+        return None  # jupyter_client starts this very interpreter
+    if Path(exe).resolve() != Path(sys.executable).resolve():
+        return (f"Jupyter kernel {kernel_name!r} runs {exe}, not this Python ({sys.executable}); "
+                "notebooks may not find harmony")
+    return None
+
+
+def run_experiment(exp: Experiment, full: bool, out: Path, runs_dir: Path, force: bool = False,
+                   kernel_name: str = KERNEL, timeout: float | None = None) -> Outcome:
+    """Run (or skip) one experiment; never raises for a failing notebook."""
+    mode = "full" if full else "quick"
+    run_dir = (runs_dir / exp.name).resolve()
+    stamp_path = run_dir / STAMP
+    base = dict(name=exp.name, claim=exp.claim, paper=exp.paper, mode=mode, run_dir=str(run_dir))
+    params = exp.params(full)
+    try:
+        digest = run_hash(exp, params, kernel_name)
+    except OSError as e:
+        return Outcome(**base, ours="n/a", status="failed", seconds=0.0, error=_error_text(e))
+    if not force and stamp_path.exists():
+        try:
+            stamp = json.loads(stamp_path.read_text())
+        except ValueError:
+            stamp = {}
+        if stamp.get("hash") == digest and stamp.get("status") == "ok" and (run_dir / "results.json").exists():
+            return Outcome(**base, ours=_our_number(exp, run_dir), status="skipped",
+                           seconds=float(stamp.get("seconds", 0.0)), files=_copy_outputs(exp, run_dir, out))
+
+    import papermill as pm
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    t0 = time.perf_counter()
+    error = ""
+    try:
+        pm.execute_notebook(str(exp.notebook), str(run_dir / f"{exp.name}.ipynb"),
+                            parameters={**params, "out_dir": str(run_dir)}, kernel_name=kernel_name,
+                            cwd=str(exp.root), progress_bar=False, log_output=False,
+                            execution_timeout=timeout)
+        if not (run_dir / "results.json").exists():
+            error = "the notebook wrote no results.json into out_dir"
+    except Exception as e:  # a failing notebook must not stop the others
+        error = _error_text(e)
+    seconds = time.perf_counter() - t0
+    status = "failed" if error else "ok"
+    files = [] if error else _copy_outputs(exp, run_dir, out)
+    ours = _our_number(exp, run_dir)
+    stamp_path.write_text(json.dumps({"hash": digest, "status": status, "mode": mode, "params": params,
+                                      "seconds": seconds, "ours": ours, "error": error,
+                                      "finished": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2, default=str))
+    return Outcome(**base, ours=ours, status=status, seconds=seconds, error=error, files=files)
+
+
+def _write_summary(out: Path, outcomes: list[Outcome]) -> None:
+    """Merge this run's outcomes into ``out/summary.json`` and rewrite ``summary.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "summary.json"
+    merged: dict[str, dict] = {}
+    if path.exists():
+        try:
+            merged = {d["name"]: d for d in json.loads(path.read_text())}
+        except (ValueError, KeyError, TypeError):
+            merged = {}
+    for o in outcomes:
+        merged[o.name] = {k: v for k, v in asdict(o).items() if k != "files"}
+    rows = [merged[k] for k in sorted(merged)]
+    path.write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "summary.md").write_text(_table([Outcome(**r) for r in rows], markdown=True))
+
+
+def reproduce(names: list[str] | None, full: bool, out: Path, force: bool = False, *,
+              experiments_dir: Path | None = None, runs_dir: Path | None = None, progress: bool = True,
+              kernel_name: str = KERNEL, timeout: float | None = None) -> Report:
+    """Run the experiments ``names`` (all if None; a unique prefix such as
+    ``"10"`` works) in quick or ``full`` mode, copy their figures and data into
+    ``out``, print and return the summary. ``runs_dir`` defaults to
+    ``<experiments_dir>/runs``; ``timeout`` is per notebook cell (seconds)."""
+    experiments_dir = Path(experiments_dir or EXPERIMENTS_DIR)
+    runs_dir = Path(runs_dir or experiments_dir / "runs")
+    out = Path(out)
+    chosen = select(load_experiments(experiments_dir), names)
+    if not chosen:
+        raise HarmonyError(f"no experiments in {experiments_dir}")
+    warning = check_kernel(kernel_name)
+    if warning:
+        print(f"harmony reproduce: warning: {warning}", file=sys.stderr)
+
+    from tqdm.auto import tqdm
+
+    outcomes = []
+    bar = tqdm(chosen, desc="experiments", unit="exp", disable=not progress, file=sys.stderr)
+    for exp in bar:
+        bar.set_postfix_str(exp.name)
+        o = run_experiment(exp, full, out, runs_dir, force=force, kernel_name=kernel_name, timeout=timeout)
+        outcomes.append(o)
+        bar.write(f"{o.name}: {o.status} ({o.seconds:.1f} s){': ' + o.error if o.error else ''}", file=sys.stderr)
+    bar.close()
+    report = Report(outcomes)
+    _write_summary(out, outcomes)
+    print(report.table())
+    return report

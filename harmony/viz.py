@@ -109,14 +109,21 @@ def memory_chart(trace: Trace, title: str = "", width: int = 900):
     return (line + rule).properties(title=title, width=width, height=200)
 
 
-def bar_chart(df: pd.DataFrame, x: str, y: str, color: str | None = None, title: str = "", log: bool = False):
+def bar_chart(df: pd.DataFrame, x: str, y: str, color: str | None = None, title: str = "", log: bool = False,
+              y_title: str | None = None):
+    """Bars of ``y`` per ``x``, side by side per ``color`` and never stacked (a log
+    scale needs every bar to start at the axis)."""
     alt = _altair()
-    enc = {"x": alt.X(f"{x}:N", title=x), "y": alt.Y(f"{y}:Q", title=y,
-                                                    scale=alt.Scale(type="log") if log else alt.Undefined)}
+    scale = alt.Scale(type="log") if log else alt.Scale(zero=True)
+    enc = {"x": alt.X(f"{x}:N", title=None, sort=None, axis=alt.Axis(labelAngle=0)),
+           "y": alt.Y(f"{y}:Q", title=y_title or y, scale=scale, stack=None), "tooltip": list(df.columns)}
+    groups = 1
     if color:
-        enc["color"] = alt.Color(f"{color}:N")
         enc["xOffset"] = alt.XOffset(f"{color}:N")
-    return alt.Chart(df).mark_bar().encode(**enc, tooltip=list(df.columns)).properties(title=title)
+        enc["color"] = alt.Color(f"{color}:N", title=None, legend=alt.Legend(orient="bottom", columns=2))
+        groups = max(1, df[color].nunique())
+    return alt.Chart(df).mark_bar().encode(**enc).properties(
+        title=title, width=max(240, 70 * df[x].nunique() * groups // 2))
 
 
 def save(chart, path: str | Path, formats: tuple[str, ...] = ("svg", "png")) -> list[Path]:

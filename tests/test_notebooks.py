@@ -1,0 +1,100 @@
+"""The notebooks run through papermill with smoke parameters, write their results
+and figures, and are committed clean (no outputs, a ``parameters`` cell)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+#: parameters smaller than quick mode where quick mode takes more than a few seconds
+SMOKE: dict[str, dict] = {
+    "00_quickstart": {"steps": 2, "run_baseline": False},
+    "10_swap_volume": {"models": ["gpt2-xl"], "minibatches": [16]},
+    "11_throughput": {"models": ["gpt2-xl"], "minibatches": [16]},
+    "12_pack_vs_microbatch": {"minibatch": 16, "pack_sizes": [1, 7], "microbatches": [1, 4, 16]},
+    "13_planner_table": {"models": ["gpt2-xl"], "minibatch": 16},
+    "14_scaling": {"models": ["gpt2-10b"], "gpu_counts": [1, 2], "minibatch": 4},
+    "15_exact_match": {"steps": 2},
+}
+#: notebooks that take long even with smoke parameters (run with -m slow)
+SLOW: set[str] = set()
+
+
+def parameters_cell(nb) -> nbformat.NotebookNode | None:
+    return next((c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
+
+
+def parameter_names(path: Path) -> set[str]:
+    """Names assigned in the notebook's ``parameters`` cell (parsed, not run)."""
+    cell = parameters_cell(nbformat.read(path, as_version=4))
+    names = set()
+    for node in ast.parse(cell.source).body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def _ids(paths):
+    return [p.stem for p in paths]
+
+
+def test_there_are_notebooks():
+    assert {"00_quickstart", "10_swap_volume", "15_exact_match"} <= {p.stem for p in NOTEBOOKS}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_committed_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    dirty = [i for i, c in enumerate(nb.cells)
+             if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
+    assert not dirty, f"{path.name}: cells {dirty} have outputs or execution counts; clear them before committing"
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", f"{path.name}: kernel must be python3"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_has_a_parameters_cell_with_out_dir(path):
+    nb = nbformat.read(path, as_version=4)
+    cell = parameters_cell(nb)
+    assert cell is not None and cell.cell_type == "code", f"{path.name}: no code cell tagged 'parameters'"
+    assert {"quick", "out_dir"} <= parameter_names(path)
+    assert nb.cells[0].cell_type == "markdown", f"{path.name}: the first cell should say what the paper claims"
+
+
+def _experiment(path: Path) -> dict:
+    import yaml
+
+    experiment = ROOT / "experiments" / f"{path.stem}.yaml"
+    return yaml.safe_load(experiment.read_text()) if experiment.exists() else {"quick": {"quick": True}}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p
+                                  for p in NOTEBOOKS], ids=_ids(NOTEBOOKS))
+def test_runs_with_smoke_parameters(path, tmp_path):
+    pm = pytest.importorskip("papermill")
+    experiment = _experiment(path)
+    params = {**experiment["quick"], **SMOKE.get(path.stem, {}), "out_dir": str(tmp_path / "out")}
+    pm.execute_notebook(str(path), str(tmp_path / path.name), parameters=params, kernel_name="python3",
+                        cwd=str(ROOT), progress_bar=False, log_output=False)
+    out = Path(params["out_dir"])
+    results = json.loads((out / "results.json").read_text())
+    assert results, "results.json is empty"
+    if "summary" in experiment:  # the field the experiment calls our number
+        value = results
+        for key in experiment["summary"].split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        assert value is not None, f"results.json has no {experiment['summary']!r} (the experiment's summary)"
+    assert list(out.glob("*.svg")) and list(out.glob("*.png")), f"no figures in {sorted(out.iterdir())}"
+    if path.stem in SMOKE:  # ours: the conventional main figure and data
+        assert (out / "figure.svg").exists() and (out / "figure.png").exists() and (out / "data.csv").exists()
+        executed = nbformat.read(tmp_path / path.name, as_version=4)
+        printed = "".join(o.get("text", "") for o in executed.cells[-1].outputs if o.output_type == "stream")
+        assert printed.strip(), "the last cell should print what this run measured"
