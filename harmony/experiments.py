@@ -31,6 +31,7 @@ from .hardware import Hardware, preset
 from .plan import Pack, Plan
 from .search import search
 from .simulate import simulate
+from .training import build_model, lm_loss, torch_threads
 from .viz import bar_chart, save
 
 HARDWARE = "paper-4x1080ti"
@@ -351,22 +352,9 @@ def scaling_chart(df: pd.DataFrame, title: str = ""):
 
 
 # ---- real training: the engine vs the plain loop ---------------------------------------
-def lm_loss(out, target):
-    """Cross-entropy of GPT-2 logits [b, s, vocab] against token ids [b, s]."""
-    import torch.nn.functional as F
-
-    return F.cross_entropy(out.flatten(0, 1), target.flatten())
-
-
 def gpt2_tiny(seed: int = 0, dropout: float = 0.0, **overrides):
     """The zoo's toy GPT-2 as an ``nn.Sequential`` of vLayers without the loss layer."""
-    import torch
-    from torch import nn
-
-    from . import zoo
-
-    torch.manual_seed(seed)
-    return nn.Sequential(*zoo.build("gpt2-tiny", device="cpu", dropout=dropout, **overrides)[:-1])
+    return build_model("gpt2-tiny", seed, dropout=dropout, **overrides)
 
 
 def synthetic_batches(n: int, minibatch: int, seed: int = 1, **overrides) -> list[tuple]:
@@ -383,29 +371,6 @@ def adamw(lr: float):
     import torch
 
     return lambda params: torch.optim.AdamW(params, lr=lr)
-
-
-class torch_threads:
-    """Run a block with ``n`` torch intra-op threads (None: leave as is). Toy
-    layers run fastest on one thread, and the engine's lanes are threads too:
-    more intra-op threads only oversubscribe a small CPU."""
-
-    def __init__(self, n: int | None):
-        self.n, self.before = n, None
-
-    def __enter__(self):
-        import torch
-
-        if self.n is not None:
-            self.before = torch.get_num_threads()
-            torch.set_num_threads(self.n)
-        return self
-
-    def __exit__(self, *exc):
-        import torch
-
-        if self.before is not None:
-            torch.set_num_threads(self.before)
 
 
 @dataclass

@@ -8,6 +8,7 @@ union of the servers' data.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,20 @@ from .engine.distributed import init_from_env
 from .engine.reference_loop import layer_seed
 from .errors import HarmonyError
 from .plan import Plan
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run a block with ``n`` torch intra-op threads (None: leave as is). Toy
+    layers run fastest on one thread, and the engine's lanes are threads too:
+    more intra-op threads only oversubscribe a small CPU."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

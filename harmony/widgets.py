@@ -38,7 +38,7 @@ from .policies import POLICIES
 from .simulate import simulate
 from .spec import ModelSpec
 from .trace import Trace
-from .training import lm_loss
+from .training import lm_loss, torch_threads
 from .viz import MAX_ROWS, _altair, bar_chart, memory_chart, timeline_chart
 
 try:
@@ -343,18 +343,6 @@ _COMPARISON_COLUMNS = ["policy", "chosen", "fwd_microbatch", "bwd_microbatch", "
 # ---- the real engine next to the simulator ------------------------------------------------
 def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None):
-    """Run with ``n`` intra-op threads (None: leave as is), restored after."""
-    before = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 _REAL_COLUMNS = ["executor", "iteration_s", "swap_mb", "peak_mb", "tasks"]
