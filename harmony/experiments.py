@@ -72,6 +72,10 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         "quick": {"steps": 6},
         "full": {"steps": 20},
     },
+    "16_simulator_fidelity": {
+        "quick": {"steps": 3, "pack_sizes": [1, 3], "microbatches": [2, 8]},
+        "full": {"steps": 6, "pack_sizes": [1, 2, 3, 6], "microbatches": [1, 2, 4, 8, 16]},
+    },
 }
 
 
@@ -569,6 +573,70 @@ def multi_gpu_engine_status(gpus: int = 2) -> str:
     except (HarmonyError, NotImplementedError, TypeError, ValueError) as e:
         return f"no: {type(e).__name__}: {e}"
     return f"yes: one harmony-dp step on {gpus} emulated GPUs ran (loss difference {run.max_loss_diff:.2g})"
+
+
+# ---- 16: simulator fidelity ------------------------------------------------------------
+def fidelity_grid(pack_sizes: Sequence[int], microbatches: Sequence[int], minibatch: int = 16, steps: int = 3,
+                  memory: str = "8MB", bandwidth: str = "50MB/s", seed: int = 0, threads: int | None = 1,
+                  **model_overrides) -> pd.DataFrame:
+    """Simulated vs measured iteration time and peak device memory of harmony-pp
+    plans (layers per backward pack x microbatch size) for the toy GPT-2 on an
+    emulated GPU. The simulator plays the plan on the model's profile measured
+    here; the engine runs it (median over ``steps`` after a warm-up step)."""
+    from .engine import EmulatedDevice, Engine
+    from .engine.profiler import profile
+
+    device = EmulatedDevice(memory=memory, h2d=bandwidth, d2h=bandwidth)
+    hw = device.hardware()
+    with torch_threads(threads):
+        model = gpt2_tiny(seed, **model_overrides)
+        (x,), y = synthetic_batches(1, minibatch, seed=seed + 1, **model_overrides)[0]
+        spec = profile(list(model), (x,), y, lm_loss, adamw(1e-3), name="gpt2-tiny")
+        rows = []
+        for size in pack_sizes:
+            for u in microbatches:
+                if u > minibatch:
+                    continue
+                plan = harmony_plan_for(len(spec), minibatch, u, size)
+                sim = simulate(spec, hw, plan).summary
+                row = {"layers_per_pack": size, "microbatch": u, "plan": plan.describe(),
+                       "simulated_s": sim["iteration_s"], "simulated_peak_mb": sim["peak_memory"]["gpu0"] / 1e6}
+                if not sim["fits"]:
+                    rows.append({**row, "status": "over memory (simulated)"})
+                    continue
+                engine = Engine(gpt2_tiny(seed, **model_overrides), adamw(1e-3), lm_loss, device=device,
+                                minibatch_size=minibatch, plan=plan, seed=seed)
+                times = []
+                for _ in range(steps + 1):
+                    t0 = time.perf_counter()
+                    engine.step(x, y)
+                    times.append(time.perf_counter() - t0)
+                rows.append({**row, "status": "ran", "measured_s": float(pd.Series(times[1:]).median()),
+                             "measured_peak_mb": engine.trace.summary["peak_memory"]["gpu0"] / 1e6})
+    df = pd.DataFrame(rows)
+    if "measured_s" in df:
+        df["time_ratio"] = df["measured_s"] / df["simulated_s"]
+        df["peak_ratio"] = df["measured_peak_mb"] / df["simulated_peak_mb"]
+    return df
+
+
+def fidelity_chart(df: pd.DataFrame, title: str = ""):
+    """Measured against simulated, time and peak memory, with the y = x line."""
+    import altair as alt
+
+    ran = df[df.status == "ran"]
+
+    def scatter(x: str, y: str, label: str):
+        top = float(max(ran[x].max(), ran[y].max())) * 1.1
+        line = alt.Chart(pd.DataFrame({"v": [0.0, top]})).mark_line(color="gray", strokeDash=[4, 4]).encode(
+            x=alt.X("v:Q", title=f"simulated {label}"), y=alt.Y("v:Q", title=f"measured {label}"))
+        dots = alt.Chart(ran).mark_circle(size=80).encode(
+            x=f"{x}:Q", y=f"{y}:Q", color=alt.Color("layers_per_pack:O", title="layers per pack"),
+            shape=alt.Shape("microbatch:O"), tooltip=list(ran.columns))
+        return (line + dots).properties(width=260, height=260, title=label)
+
+    return alt.hconcat(scatter("simulated_s", "measured_s", "iteration time (s)"),
+                       scatter("simulated_peak_mb", "measured_peak_mb", "peak memory (MB)")).properties(title=title)
 
 
 # ---- writing results -------------------------------------------------------------------
