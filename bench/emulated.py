@@ -17,6 +17,7 @@ both. Printed, measured side by side in one run (medians over steps):
 """
 
 import argparse
+from dataclasses import replace
 import statistics
 import time
 
@@ -25,7 +26,7 @@ import torch
 import harmony
 from harmony.training import build_model, lm_loss
 from harmony import EmulatedDevice, Engine
-from harmony.engine.profiler import profile
+from harmony.engine.profiler import measure_task_overhead, profile
 from harmony.search import search
 
 FLOP_PER_BYTE_1080TI = 11.3e12 / 12.3e9
@@ -67,7 +68,8 @@ def main() -> None:
           f"device {device.capacity / 1e6:.1f} MB; model {params:,} params, training footprint "
           f"{footprint / 1e6:.1f} MB = {footprint / device.capacity:.1f}x the device")
 
-    hw = device.hardware()
+    hw = replace(device.hardware(), task_overhead_s=measure_task_overhead(device))
+    print(f"engine cost per compute task on this device: {hw.task_overhead_s * 1e3:.2f} ms")
     plans = {}
     for policy in ("harmony-pp", "virtual-memory"):
         df = search(spec, hw, args.minibatch, policies=(policy,), n_gpus=1, workers=1)

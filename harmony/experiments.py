@@ -582,13 +582,16 @@ def fidelity_grid(pack_sizes: Sequence[int], microbatches: Sequence[int], miniba
     """Simulated vs measured iteration time and peak device memory of harmony-pp
     plans (layers per backward pack x microbatch size) for the toy GPT-2 on an
     emulated GPU. The simulator plays the plan on the model's profile measured
-    here; the engine runs it (median over ``steps`` after a warm-up step)."""
+    here and the engine's cost per task measured on the same device; the engine
+    runs it (median over ``steps`` after a warm-up step)."""
+    from dataclasses import replace
+
     from .engine import EmulatedDevice, Engine
-    from .engine.profiler import profile
+    from .engine.profiler import measure_task_overhead, profile
 
     device = EmulatedDevice(memory=memory, h2d=bandwidth, d2h=bandwidth)
-    hw = device.hardware()
     with torch_threads(threads):
+        hw = replace(device.hardware(), task_overhead_s=measure_task_overhead(device))
         model = gpt2_tiny(seed, **model_overrides)
         (x,), y = synthetic_batches(1, minibatch, seed=seed + 1, **model_overrides)[0]
         spec = profile(list(model), (x,), y, lm_loss, adamw(1e-3), name="gpt2-tiny")

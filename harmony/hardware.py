@@ -33,6 +33,10 @@ class Hardware:
     cpu_update_workers: int  # optimizer steps that can run in parallel on the host
     host_memory: int  # bytes of host RAM
     notes: str = ""
+    #: seconds of fixed cost per GPU compute task (launch, Python, synchronisation) on
+    #: top of its compute; the Harmony authors' simulator uses 40 ms (time_del), and
+    #: the engine's profiler measures it for the device at hand
+    task_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for fld in ("n_gpus", "gpus_per_switch", "cpu_update_workers"):
@@ -43,6 +47,8 @@ class Hardware:
             v = getattr(self, fld)
             if not v > 0:
                 raise HarmonyError(f"hardware {self.name!r}: {fld} must be positive, got {v!r}")
+        if not self.task_overhead_s >= 0:
+            raise HarmonyError(f"hardware {self.name!r}: task_overhead_s must be >= 0, got {self.task_overhead_s!r}")
         if self.p2p is not None and not self.p2p > 0:
             raise HarmonyError(f"hardware {self.name!r}: p2p must be positive or None, got {self.p2p!r}")
 

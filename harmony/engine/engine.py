@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -95,6 +96,7 @@ class Engine:
         self.plan: Plan | None = None
         self.spec = None  # sizes of the chain, from the first minibatch
         self.profile = None  # measured costs, when plan="auto" profiled
+        self.task_overhead_s = 0.0  # engine cost per compute task, measured when plan="auto" profiled
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer | None] = {}  # (pack, shard) ->
         self._graph_cache: TaskGraph | None = None
         if distributed is None:
@@ -118,6 +120,10 @@ class Engine:
 
     # ---- set-up -------------------------------------------------------------------
     def hardware(self) -> Hardware:
+        """The devices as the planner and the simulator see them."""
+        return replace(self._hardware(), task_overhead_s=self.task_overhead_s)
+
+    def _hardware(self) -> Hardware:
         if isinstance(self.device, EmulatedServer):
             return self.device.hardware()
         if isinstance(self.backend, EmulatedBackend):

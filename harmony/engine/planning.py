@@ -10,7 +10,8 @@ import torch
 from ..errors import HarmonyError
 from ..plan import Plan
 from ..search import search
-from .profiler import profile
+from .devices import EmulatedServer
+from .profiler import measure_task_overhead, profile
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -18,6 +19,13 @@ if TYPE_CHECKING:
 #: the planner plans for this share of the device: estimates of working memory
 #: from a profile are not exact, and a step that runs out is abandoned
 PLANNING_HEADROOM = 0.85
+
+
+def one_gpu(device):
+    """One GPU of ``device``, to measure on."""
+    if isinstance(device, EmulatedServer):
+        return device.device()
+    return device[0] if isinstance(device, (list, tuple)) else device
 
 
 def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
@@ -37,6 +45,7 @@ def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
 def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
     engine.profile = profile(engine.layers, inputs, target, engine.loss_fn, engine._optimizer_factory,
                              device=engine.backend.torch_device, name=engine.spec.name)
+    engine.task_overhead_s = measure_task_overhead(one_gpu(engine.device))
     hw = engine.hardware()
     hw = replace(hw, gpu_memory=int(hw.gpu_memory * PLANNING_HEADROOM))
     try:

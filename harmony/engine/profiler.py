@@ -143,3 +143,22 @@ def measure_link(device: torch.device, nbytes: int = 256 * 2**20, repeats: int =
     h2d = _median_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
     d2h = _median_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
     return nbytes / h2d, nbytes / d2h
+
+
+def measure_task_overhead(device, repeats: int = 3) -> float:
+    """Seconds the engine spends per GPU compute task beyond the compute itself,
+    on ``device`` (anything :class:`~harmony.engine.Engine` accepts as one GPU):
+    a chain of tiny layers with a pack per layer, step time over compute tasks.
+    The simulator adds it to every compute task (``Hardware.task_overhead_s``)."""
+    from ..plan import Plan
+    from .engine import Engine
+
+    layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+    packs = tuple((i, i + 1) for i in range(len(layers)))
+    plan = Plan("harmony-pp", 1, 8, 2, 2, packs[:-1], packs)
+    engine = Engine(layers, lambda ps: torch.optim.SGD(ps, lr=0.0), nn.functional.mse_loss, device=device,
+                    minibatch_size=8, plan=plan, safe_updates=False)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    step = _median_time(lambda: engine.step(x, y), repeats, lambda: None)
+    computes = sum(1 for t in engine._graph_cache.tasks if not t.is_transfer and t.kind != "UPD")
+    return step / computes

@@ -300,11 +300,11 @@ class GraphBuilder:
         key = (forward, s, e, n)
         cost = self._costs.get(key)
         if cost is None:
-            spec, flops = self.spec, self.hw.gpu_flops
+            spec, flops, fixed = self.spec, self.hw.gpu_flops, self.hw.task_overhead_s
             if forward:
-                cost = (spec.fwd_time(s, e, n, flops), spec.fwd_work_bytes(s, e, n))
+                cost = (fixed + spec.fwd_time(s, e, n, flops), spec.fwd_work_bytes(s, e, n))
             else:
-                cost = (spec.bwd_time(s, e, n, flops), spec.bwd_work_bytes(s, e, n))
+                cost = (fixed + spec.bwd_time(s, e, n, flops), spec.bwd_work_bytes(s, e, n))
             self._costs[key] = cost
         return cost
 
