@@ -90,7 +90,8 @@ def main() -> None:
         volume = harmony.swap_volume(spec, plan)
         results[policy] = (statistics.median(times[1:]), measured, sim, volume)
         it = statistics.median(times[1:])
-        print(f"\n{policy}: measured {it:.3f} s/step (median of {args.steps - 1}), simulated {sim['iteration_s']:.3f} s")
+        print(f"\n{policy}: measured {it:.3f} s/step (median of {args.steps - 1}), "
+              f"simulated {sim['iteration_s']:.3f} s")
         print(f"  measured / lower bound       {measured['iteration_s'] / measured['lower_bound_s']:.3f}"
               f"  (bound {measured['lower_bound_s']:.3f} s, {measured['lower_bound_by']})")
         print(f"  measured / simulated time    {it / sim['iteration_s']:.3f}")

@@ -64,7 +64,8 @@ def fwd_pack_bytes(spec: ModelSpec, a: int, b: int, u: int) -> float:
     return spec.weight_bytes(a, b) + spec.fwd_work_bytes(a, b, u) + 2 * spec.input_bytes(a, u) + spec.input_bytes(b, u)
 
 
-def greedy_packs(spec: ModelSpec, start: int, stop: int, u: int, budget: float, backward: bool) -> tuple[Pack, ...] | None:
+def greedy_packs(spec: ModelSpec, start: int, stop: int, u: int, budget: float,
+                 backward: bool) -> tuple[Pack, ...] | None:
     """Largest packs under ``budget`` bytes each; backward packs fill from the last
     layer. None when a single layer does not fit."""
     size = bwd_pack_bytes if backward else fwd_pack_bytes
@@ -212,7 +213,8 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
             found += run(stage_b)
             # ... and activations through host memory for the best plans, where that changes anything.
             if _offload_matters(policy, n):
-                run([_Candidate(replace(r["plan"], options={**dict(r["plan"].options), "offload_activations": True}), "C")
+                run([_Candidate(replace(r["plan"], options={**dict(r["plan"].options), "offload_activations": True}),
+                                "C")
                      for r in _fastest(found, top_k)])
     bar.close()
     pool.close()

@@ -86,13 +86,19 @@ class StepRun:
     def backend(self, device: str) -> Backend:
         return self.backends[device]
 
-    def put(self, buf: int, value, nbytes: int | None = None) -> None:
-        n = _nbytes(value) if nbytes is None else nbytes
+    def reserve(self, buf: int, nbytes: int) -> None:
+        """Charge a buffer before it is filled, as an allocator would before a copy."""
         b = self.graph.buffers[buf]
-        self.backends[b.device].ledger.charge(n, b.what)
+        self.backends[b.device].ledger.charge(nbytes, b.what)
+        with self.lock:
+            self.charged[buf] = nbytes
+
+    def put(self, buf: int, value) -> None:
+        """Keep ``value`` in ``buf``; charge it unless it was reserved."""
+        if buf not in self.charged:
+            self.reserve(buf, _nbytes(value))
         with self.lock:
             self.store[buf] = value
-            self.charged[buf] = n
 
     def finish(self, task: Task) -> None:
         if task.kind != UPD:
@@ -198,8 +204,12 @@ class StepRun:
             self.moved_task[task.id] = self.moved_task.get(task.id, 0.0) + n
 
     def _copy(self, task: Task, value, to_device: bool):
+        """``value`` copied to the task's device (or to host); a copy to the device
+        charges its destination buffer before it starts."""
         started = time.perf_counter()
         backend = self.backends[task.device]
+        if to_device:
+            self.reserve(task.io["dst"], _nbytes(value))
         conv = backend.to_device if to_device else backend.to_host
         out = tuple(None if v is None else conv(v) for v in value)
         self._moved(task, _nbytes(out), started)
@@ -210,6 +220,11 @@ class StepRun:
         backend = self.backends[task.device]
         backward = "grads" in task.io
         started = time.perf_counter()
+        self.reserve(task.io["weights"], sum(_nbytes(self.e.host_params[i]) + _nbytes(self.e.host_buffers[i])
+                                             for i in range(s, e)))
+        if backward:
+            self.reserve(task.io["grads"], sum(_nbytes({k: p for k, p in self.e.host_params[i].items()
+                                                        if p.requires_grad}) for i in range(s, e)))
         weights = {}
         for i in range(s, e):
             tensors = {}
@@ -218,13 +233,12 @@ class StepRun:
             for name, b in self.e.host_buffers[i].items():
                 tensors[name] = backend.to_device(b)
             weights[i] = tensors
-        n = _nbytes(weights)
-        self._moved(task, n, started)
-        self.put(task.io["weights"], weights, n)
+        self._moved(task, _nbytes(weights), started)
+        self.put(task.io["weights"], weights)
         if backward:
             leaves = {i: {k: v for k, v in w.items() if isinstance(v, torch.Tensor) and v.requires_grad}
                       for i, w in weights.items()}
-            self.put(task.io["grads"], leaves, sum(_nbytes(list(d.values())) for d in leaves.values()))
+            self.put(task.io["grads"], leaves)
 
     def data_in(self, task: Task) -> None:
         what, a, b = task.data
