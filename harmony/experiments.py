@@ -558,21 +558,37 @@ def baseline_comparison(engine, device, batch: tuple, run_engine: bool = True, t
     return pd.DataFrame(rows)
 
 
-def multi_gpu_engine_status(gpus: int = 2) -> str:
-    """Whether this engine trains on several emulated GPUs: one tiny harmony-dp
-    step on an EmulatedServer, or the reason it cannot."""
-    from . import engine as engine_module
+def emulated_throughput(gpus: int = 2, minibatch: int = 16, microbatch: int = 2, layers_per_pack: int = 1,
+                        steps: int = 2, memory: str = "4MB", bandwidth: str = "20MB/s", seed: int = 0,
+                        threads: int | None = 1, **model_overrides) -> pd.DataFrame:
+    """Samples/s of the toy GPT-2 measured by the engine on an emulated server
+    of ``gpus`` GPUs (per-GPU links of ``bandwidth``, one uplink as fast as two
+    of them), for Harmony-PP, Harmony-DP and the virtual-memory baseline on
+    the same packs and microbatches (median step after a warm-up)."""
+    from .engine import EmulatedServer, Engine
 
-    server_cls = getattr(engine_module, "EmulatedServer", None)
-    if server_cls is None:
-        return "no: this engine has no EmulatedServer (multi-GPU emulation)"
-    try:
-        n = len(gpt2_tiny())
-        run = train_side_by_side(1, 4, server_cls(gpus=gpus, memory="4MB", h2d="1GB/s", d2h="1GB/s"),
-                                 plan=harmony_plan_for(n, 4, 1, 2, policy="harmony-dp", n_gpus=gpus))
-    except (HarmonyError, NotImplementedError, TypeError, ValueError) as e:
-        return f"no: {type(e).__name__}: {e}"
-    return f"yes: one harmony-dp step on {gpus} emulated GPUs ran (loss difference {run.max_loss_diff:.2g})"
+    server = EmulatedServer(gpus=gpus, memory=memory, h2d=bandwidth, d2h=bandwidth, p2p=bandwidth)
+    rows = []
+    with torch_threads(threads):
+        n = len(gpt2_tiny(seed, **model_overrides))
+        (x,), y = synthetic_batches(1, minibatch, seed=seed + 1, **model_overrides)[0]
+        for policy in ("harmony-pp", "harmony-dp", BASELINE):
+            plan = harmony_plan_for(n, minibatch, microbatch, layers_per_pack, policy=policy, n_gpus=gpus)
+            engine = Engine(gpt2_tiny(seed, **model_overrides), adamw(1e-3), lm_loss, device=server,
+                            minibatch_size=minibatch, plan=plan, seed=seed)
+            times = []
+            for _ in range(steps + 1):
+                t0 = time.perf_counter()
+                engine.step(x, y)
+                times.append(time.perf_counter() - t0)
+            step_s = float(pd.Series(times[1:]).median())
+            rows.append({"policy": policy, "gpus": gpus, "plan": plan.describe(), "step_s": step_s,
+                         "samples_per_s": minibatch / step_s,
+                         "swap_mb": engine.trace.summary["swap_bytes"] / 1e6})
+    df = pd.DataFrame(rows)
+    base = df.loc[df.policy == BASELINE, "samples_per_s"].iloc[0]
+    df["speedup_vs_baseline"] = df["samples_per_s"] / base
+    return df
 
 
 # ---- 16: simulator fidelity ------------------------------------------------------------
