@@ -558,6 +558,16 @@ def baseline_comparison(engine, device, batch: tuple, run_engine: bool = True, t
     return pd.DataFrame(rows)
 
 
+def median_step_s(engine, inputs: tuple, target, steps: int) -> float:
+    """Median wall time of ``steps`` engine steps after a warm-up step."""
+    times = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        engine.step(inputs, target)
+        times.append(time.perf_counter() - t0)
+    return float(pd.Series(times[1:]).median())
+
+
 def emulated_throughput(gpus: int = 2, minibatch: int = 16, microbatch: int = 2, layers_per_pack: int = 1,
                         steps: int = 2, memory: str = "4MB", bandwidth: str = "20MB/s", seed: int = 0,
                         threads: int | None = 1, **model_overrides) -> pd.DataFrame:
@@ -576,12 +586,7 @@ def emulated_throughput(gpus: int = 2, minibatch: int = 16, microbatch: int = 2,
             plan = harmony_plan_for(n, minibatch, microbatch, layers_per_pack, policy=policy, n_gpus=gpus)
             engine = Engine(gpt2_tiny(seed, **model_overrides), adamw(1e-3), lm_loss, device=server,
                             minibatch_size=minibatch, plan=plan, seed=seed)
-            times = []
-            for _ in range(steps + 1):
-                t0 = time.perf_counter()
-                engine.step(x, y)
-                times.append(time.perf_counter() - t0)
-            step_s = float(pd.Series(times[1:]).median())
+            step_s = median_step_s(engine, (x,), y, steps)
             rows.append({"policy": policy, "gpus": gpus, "plan": plan.describe(), "step_s": step_s,
                          "samples_per_s": minibatch / step_s,
                          "swap_mb": engine.trace.summary["swap_bytes"] / 1e6})
@@ -625,12 +630,7 @@ def fidelity_grid(pack_sizes: Sequence[int], microbatches: Sequence[int], miniba
                     continue
                 engine = Engine(gpt2_tiny(seed, **model_overrides), adamw(1e-3), lm_loss, device=device,
                                 minibatch_size=minibatch, plan=plan, seed=seed)
-                times = []
-                for _ in range(steps + 1):
-                    t0 = time.perf_counter()
-                    engine.step(x, y)
-                    times.append(time.perf_counter() - t0)
-                rows.append({**row, "status": "ran", "measured_s": float(pd.Series(times[1:]).median()),
+                rows.append({**row, "status": "ran", "measured_s": median_step_s(engine, (x,), y, steps),
                              "measured_peak_mb": engine.trace.summary["peak_memory"]["gpu0"] / 1e6})
     df = pd.DataFrame(rows)
     if "measured_s" in df:
