@@ -145,7 +145,7 @@ def measure_link(device: torch.device, nbytes: int = 256 * 2**20, repeats: int =
     return nbytes / h2d, nbytes / d2h
 
 
-def measure_task_overhead(device, repeats: int = 3) -> float:
+def measure_task_overhead(device, repeats: int = 9) -> float:
     """Seconds the engine spends per GPU compute task beyond the compute itself,
     on ``device`` (anything :class:`~harmony.engine.Engine` accepts as one GPU):
     a chain of tiny layers with a pack per layer, step time over compute tasks.
