@@ -198,6 +198,18 @@ def test_a_minibatch_of_the_wrong_size_is_refused():
         engine.step(torch.randn(5, 16), torch.zeros(5, dtype=torch.long))
 
 
+def test_inputs_the_model_cannot_take_get_a_clear_error_before_anything_runs():
+    engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=Plan("harmony-pp", 1, B, 4, 4, (), ((0, 9),)))
+    with pytest.raises(HarmonyError, match=r"cannot run on the given inputs \(\(12, 7\) torch.float32\)"):
+        engine.step(torch.randn(B, 7), torch.zeros(B, dtype=torch.long))
+    x, y = batches(1)[0]  # the same engine then takes a good minibatch
+    engine.step(x, y)
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    with pytest.raises(HarmonyError, match=r"engine was set up for \[B, 16\] torch.float32"):
+        engine.step(x.double(), y)
+    assert all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), before))
+
+
 def test_auto_plan_trains_a_gpt2_larger_than_the_device():
     layers = harmony.zoo.build("gpt2-tiny", device="cpu", dropout=0.0)[:-1]
     model = nn.Sequential(*layers)

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..errors import HarmonyError
 from ..spec import LayerCost, ModelSpec
 from .reference_loop import as_args
 
@@ -59,6 +60,12 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
         layer.eval()  # a forward for sizes must not touch BatchNorm statistics
     try:
         acts = layer_inputs(layers, one)
+    except Exception as e:  # the model's own error, about the user's inputs
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
+        raise HarmonyError(
+            f"the model cannot run on the given inputs ({shapes}): {type(e).__name__}: {e}. "
+            "Pass inputs of the shape and dtype its first layer expects."
+        ) from None
     finally:
         for layer, mode in zip(layers, was_training):
             layer.train(mode)

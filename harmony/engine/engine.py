@@ -99,6 +99,7 @@ class Engine:
         self.task_overhead_s = 0.0  # engine cost per compute task, measured when plan="auto" profiled
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer | None] = {}  # (pack, shard) ->
         self._graph_cache: TaskGraph | None = None
+        self._batch_kinds: tuple | None = None  # shapes and dtypes of the first minibatch
         if distributed is None:
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1
@@ -244,6 +245,18 @@ class Engine:
         return self._graph_cache
 
     # ---- one step -----------------------------------------------------------------
+    def _check_like_first(self, inputs: tuple, target: torch.Tensor) -> None:
+        """Every minibatch must look like the first (the plan and the graph were
+        made for its shapes); say so before anything runs."""
+        kinds = _kinds(inputs, target)
+        first = self._batch_kinds
+        if first is not None and kinds != first:
+            def show(ks):
+                return ", ".join(f"[B, {', '.join(map(str, shape))}] {dtype}" for shape, dtype in ks)
+
+            raise HarmonyError(f"this minibatch's inputs and target are {show(kinds)}, but the engine was set up "
+                               f"for {show(first)}; give every step minibatches of the same shapes and dtypes")
+
     def step(self, inputs, target: torch.Tensor) -> float:
         """One synchronous SGD iteration over a minibatch; returns its mean loss."""
         from .step import StepRun
@@ -254,7 +267,10 @@ class Engine:
                 f"expected a minibatch of {self.minibatch_size} samples (dimension 0), got inputs "
                 f"{[tuple(t.shape) for t in inputs]} and target {tuple(target.shape)}"
             )
+        self._check_like_first(inputs, target)
         graph = self._graph(inputs, target)
+        if self._batch_kinds is None:  # the model ran on it: later minibatches must look the same
+            self._batch_kinds = _kinds(inputs, target)
         if self.sync is not None:
             self.sync.start_step()
         run = StepRun(self, graph, inputs, target)
@@ -266,3 +282,8 @@ class Engine:
         self.step_count += 1
         self.trace = run.trace()
         return run.loss
+
+
+def _kinds(inputs: tuple, target: torch.Tensor) -> tuple:
+    """Per-sample shapes and dtypes of a minibatch."""
+    return tuple((tuple(t.shape[1:]), t.dtype) for t in (*inputs, target))
