@@ -693,10 +693,3 @@ def write_outputs(out_dir: str | Path, results: dict[str, Any], tables: dict[str
     for name, chart in (charts or {}).items():
         paths += save(chart, out / name)
     return paths
-
-
-def fmt(value: Any, digits: int = 3) -> str:
-    """A number with ``digits`` significant digits; anything else as text."""
-    if isinstance(value, float):
-        return "n/a" if math.isnan(value) else f"{value:.{digits}g}"
-    return str(value)

@@ -83,9 +83,6 @@ class StepRun:
             b.ledger.reset(self.t0)
 
     # ---- bookkeeping --------------------------------------------------------------
-    def backend(self, device: str) -> Backend:
-        return self.backends[device]
-
     def reserve(self, buf: int, nbytes: int) -> None:
         """Charge a buffer before it is filled, as an allocator would before a copy."""
         b = self.graph.buffers[buf]
