@@ -9,7 +9,8 @@ giving a Trace. :func:`search` picks the plan.
 from .catalog import known_models, model_spec
 from .engine import Chain, EmulatedDevice, EmulatedServer, Engine, decompose, reference_step
 from .engine.profiler import profile
-from .errors import DeadlockError, HarmonyError, OutOfMemoryError
+from .engine.checkpoint import CheckpointDir, CheckpointError
+from .errors import DeadlockError, HarmonyError, NonFiniteError, OutOfMemoryError
 from .graph import Task, TaskGraph
 from .hardware import PRESETS, Hardware, parse_bytes, parse_rate, preset
 from .plan import Plan
@@ -23,8 +24,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Chain", "EmulatedDevice", "EmulatedServer", "Engine", "decompose", "reference_step",
-    "Curve", "DeadlockError", "Hardware", "HarmonyError", "LayerCost", "ModelSpec",
-    "OutOfMemoryError", "POLICIES", "PRESETS", "Plan", "Task", "TaskGraph", "Trace",
+    "CheckpointDir", "CheckpointError", "Curve", "DeadlockError", "Hardware", "HarmonyError", "LayerCost", "ModelSpec",
+    "NonFiniteError", "OutOfMemoryError", "POLICIES", "PRESETS", "Plan", "Task", "TaskGraph", "Trace",
     "build_graph", "known_models", "profile", "model_spec", "parse_bytes", "parse_rate", "preset",
     "search", "simulate", "simulate_graph", "swap_volume",
 ]

@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a zoo config field, e.g. --set n_layer=4 --set dropout=0.0")
     t.add_argument("--save", type=Path, default=None, help="write the final weights (torch.save state_dict)")
+    t.add_argument("--checkpoint-dir", type=Path, default=None, help="directory for checkpoints of this run")
+    t.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
+                   help="write a checkpoint every N steps (needs --checkpoint-dir)")
+    t.add_argument("--keep", type=_positive_int, default=3, help="checkpoints to keep (the newest)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the newest good checkpoint in --checkpoint-dir (if there is one)")
     t.add_argument("--timeout", type=float, default=60.0, help="seconds before a lost server is an error")
 
     sub.add_parser("models", help="list models")
@@ -181,15 +187,21 @@ def _overrides(pairs: list[str]) -> dict:
 
 def _cmd_train(args) -> int:
     from .plan import Plan
+    from .engine.checkpoint import CheckpointDir
     from .training import device_from_args, save_weights, train
 
     device = device_from_args(args.gpus, args.memory, args.h2d, args.d2h, args.uplink, args.p2p)
     plan = "auto" if args.plan == "auto" else Plan.from_json(Path(args.plan))
+    checkpoints = CheckpointDir(args.checkpoint_dir, keep=args.keep) if args.checkpoint_dir else None
     result = train(args.model, args.steps, args.minibatch, device, plan, lr=args.lr, seed=args.seed,
-                   timeout_s=args.timeout, **_overrides(args.set))
+                   timeout_s=args.timeout, checkpoints=checkpoints, checkpoint_every=args.checkpoint_every or 0,
+                   resume=args.resume, **_overrides(args.set))
     if args.save:
         save_weights(result.engine, args.save)
-    print(f"{result.samples_per_s:.1f} samples/s after the first step; final loss {result.losses[-1]:.6f}")
+    if result.losses:
+        print(f"{result.samples_per_s:.1f} samples/s after the first step; final loss {result.losses[-1]:.6f}")
+    else:
+        print(f"nothing to do: the run had already done its {args.steps} steps")
     return 0
 
 

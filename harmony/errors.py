@@ -12,3 +12,7 @@ class OutOfMemoryError(HarmonyError):
 
 class DeadlockError(HarmonyError):
     """A task graph whose tasks wait on each other forever."""
+
+
+class NonFiniteError(HarmonyError):
+    """A loss or gradient that is NaN or infinite, found before it was applied."""

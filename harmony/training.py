@@ -18,6 +18,7 @@ from torch import nn
 
 from . import zoo
 from .engine import EmulatedDevice, EmulatedServer, Engine
+from .engine.checkpoint import CheckpointDir
 from .engine.distributed import init_from_env
 from .engine.reference_loop import layer_seed
 from .errors import HarmonyError
@@ -69,25 +70,50 @@ class TrainResult:
 
 
 def train(name: str, steps: int, minibatch: int, device, plan: Plan | str = "auto", lr: float = 1e-3,
-          seed: int = 0, timeout_s: float = 60.0, log=print, **overrides) -> TrainResult:
-    """Train ``name`` for ``steps`` synthetic minibatches (per server)."""
+          seed: int = 0, timeout_s: float = 60.0, log=print, checkpoints: CheckpointDir | None = None,
+          checkpoint_every: int = 0, resume: bool = False, **overrides) -> TrainResult:
+    """Train ``name`` until ``steps`` synthetic minibatches (per server) are done.
+
+    With ``checkpoints``, a checkpoint is written every ``checkpoint_every``
+    steps and after the last; ``resume`` continues from the newest good one
+    (the minibatches are a function of the step, so the run ends exactly as an
+    uninterrupted one would)."""
+    if checkpoint_every and checkpoints is None:
+        raise HarmonyError("checkpoint_every needs a checkpoint directory (--checkpoint-dir)")
+    if resume and checkpoints is None:
+        raise HarmonyError("resume needs a checkpoint directory (--checkpoint-dir)")
     distributed = init_from_env(timeout_s)
     rank = torch.distributed.get_rank() if distributed else 0
     model = build_model(name, seed, **overrides)
-    engine = Engine(model, lambda ps: torch.optim.AdamW(ps, lr=lr), loss_for(name), device=device,
-                    minibatch_size=minibatch, plan=plan, seed=seed)
-    losses, t0 = [], None
-    for step in range(steps):
+    optimizer, loss_fn = (lambda ps: torch.optim.AdamW(ps, lr=lr)), loss_for(name)
+    found = checkpoints.latest(log) if resume else None
+    if found:
+        path, state = found
+        engine = Engine(model, optimizer, loss_fn, device=device, minibatch_size=minibatch,
+                        plan=plan if isinstance(plan, Plan) else "auto", seed=seed)
+        engine.load_state_dict(state)
+        log(f"resumed from {path} at step {engine.step_count}")
+    else:
+        if resume:
+            log(f"no checkpoint in {checkpoints.directory}: starting at step 0")
+        engine = Engine(model, optimizer, loss_fn, device=device, minibatch_size=minibatch, plan=plan, seed=seed)
+    losses, t0, timed = [], None, 0
+    for step in range(engine.step_count, steps):
         inputs, target = synthetic_batch(name, minibatch, step, rank, seed, **overrides)
         loss = engine.step(inputs, target)
-        if step == 0:
+        if t0 is None:
             t0 = time.perf_counter()  # the first step profiles and plans
             if rank == 0:
                 log(f"plan: {engine.plan.describe()}")
+        else:
+            timed += 1
         losses.append(loss)
         if rank == 0:
             log(f"step {step}: loss {loss:.6f}")
-    rate = (steps - 1) * minibatch / (time.perf_counter() - t0) if steps > 1 else float("nan")
+            if checkpoints is not None and checkpoint_every and ((step + 1) % checkpoint_every == 0
+                                                                 or step + 1 == steps):
+                log(f"checkpoint {checkpoints.save(engine.state_dict(), engine.step_count)}")
+    rate = timed * minibatch / (time.perf_counter() - t0) if timed else float("nan")
     return TrainResult(losses, rate, engine)
 
 
@@ -100,4 +126,8 @@ def device_from_args(gpus: int, memory: str, h2d: str, d2h: str, uplink: str | N
 
 
 def save_weights(engine: Engine, path: Path) -> None:
-    torch.save({k: v.detach().clone() for k, v in engine.model.state_dict().items()}, path)
+    """The final weights as a plain state_dict file, written atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({k: v.detach().clone() for k, v in engine.host_module.state_dict().items()}, tmp)
+    tmp.replace(path)

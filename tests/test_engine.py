@@ -132,7 +132,7 @@ def test_out_of_memory_leaves_the_engine_unchanged_and_a_feasible_plan_then_work
 
     # the same engine, given a plan that fits, trains as the reference would
     small = Plan("harmony-pp", 1, B, 4, 4, ((0, 3), (3, 6)), ((0, 3), (3, 6), (6, 9)))
-    engine._set_plan(small)
+    engine.set_plan(small)
     engine.step(*data[0])
     expected, _ = reference(ADAMW, data[:1], microbatch=4)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expected.parameters()))

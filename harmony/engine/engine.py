@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
-from ..errors import HarmonyError
+from ..errors import HarmonyError, NonFiniteError
 from ..graph import TaskGraph
 from ..hardware import GB, Hardware
 from ..plan import Plan
@@ -34,11 +36,16 @@ from ..policies import build_graph
 from ..policies.builder import layer_shard
 from ..policies.common import replica_shares
 from ..trace import Trace
+from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from .decompose import decompose
 from .describe import describe
+from .host_memory import check_host_memory
 from .devices import Backend, EmulatedBackend, EmulatedServer, make_backends
 from .reference_loop import as_args
+from .state import FORMAT as STATE_FORMAT
+from .state import apply_state, check_state, engine_state, load_optimizer_state, optimizer_state, param_names
 
+NONFINITE = ("raise", "skip")
 POLICIES = ("harmony-pp", "harmony-dp", "virtual-memory")
 
 
@@ -60,18 +67,38 @@ class Engine:
     updated. ``distributed``: average gradients across the servers of the
     default torch.distributed process group (default: when one with more than
     one process is initialized); ``minibatch_size`` is then per server.
+    ``nonfinite``: what a step whose loss or gradient is NaN or infinite does,
+    found before that gradient is applied: ``"raise"`` a
+    :class:`~harmony.errors.NonFiniteError` with the state as before the step,
+    or ``"skip"`` the step (state as before it, the step counted in
+    ``skipped_steps``, ``step`` returns nan).
+
+    Checkpoints: :meth:`save` / :meth:`load` (atomic, checksummed files) and
+    :meth:`state_dict` / :meth:`load_state_dict`. A run resumed from a
+    checkpoint continues bitwise as if it had never stopped.
     """
 
     def __init__(self, model, optimizer: Callable, loss_fn: Callable, device="cpu", minibatch_size: int = 32,
                  plan: Plan | str = "auto", seed: int = 0, safe_updates: bool = True,
-                 distributed: bool | None = None):
+                 distributed: bool | None = None, nonfinite: str = "raise"):
+        if nonfinite not in NONFINITE:
+            raise HarmonyError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise HarmonyError(f"seed must be a non-negative integer, got {seed!r}")
+        if not callable(optimizer):
+            raise HarmonyError(f"optimizer must be a factory such as lambda params: torch.optim.AdamW(params, "
+                               f"lr=3e-4), got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise HarmonyError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
         self.chain = decompose(model)
         self.layers: list[nn.Module] = list(self.chain.layers)
         self.model = model
+        # the module whose state_dict holds every host weight and buffer
+        self.host_module = model if isinstance(model, nn.Module) else nn.ModuleList(self.layers)
         self.loss_fn = loss_fn
         self.device = device
         self.backends: list[Backend] = make_backends(device)
-        self.backends[0].prepare_host(model if isinstance(model, nn.Module) else nn.ModuleList(self.layers))
+        self.backends[0].prepare_host(self.host_module)
         # The host tensors of every layer, looked up once: while a compute thread runs
         # torch.func.functional_call on a layer, the layer's attributes point at device
         # tensors, so other threads must never read them from the module.
@@ -90,7 +117,9 @@ class Engine:
         self.minibatch_size = minibatch_size
         self.seed = seed
         self.safe_updates = safe_updates
+        self.nonfinite = nonfinite
         self.step_count = 0
+        self.skipped_steps = 0
         self.trace: Trace | None = None
         self._optimizer_factory = optimizer
         self.plan: Plan | None = None
@@ -108,9 +137,9 @@ class Engine:
         if distributed:
             from .distributed import broadcast_weights
 
-            broadcast_weights(model if isinstance(model, nn.Module) else nn.ModuleList(self.layers))
+            broadcast_weights(self.host_module)
         if isinstance(plan, Plan):
-            self._set_plan(plan)
+            self.set_plan(plan)
         elif plan != "auto":
             raise HarmonyError(f"plan must be a harmony.Plan or 'auto', got {plan!r}")
 
@@ -151,7 +180,11 @@ class Engine:
                         gpu_flops=1e13, h2d=h2d, d2h=d2h, uplink=n * max(h2d, d2h), gpus_per_switch=n,
                         p2p=h2d, cpu_update_bandwidth=10 * GB, cpu_update_workers=n, host_memory=10**12)
 
-    def _set_plan(self, plan: Plan) -> None:
+    def set_plan(self, plan: Plan) -> None:
+        """Run the next steps with ``plan`` (e.g. a smaller one after an
+        out-of-memory error). Optimizer state carries over whatever the packing."""
+        if not isinstance(plan, Plan):
+            raise HarmonyError(f"plan must be a harmony.Plan, got {type(plan).__name__}")
         plan.validate(len(self.layers))
         if plan.policy not in POLICIES:
             raise HarmonyError(f"the engine runs the policies {POLICIES}; got {plan.policy!r}")
@@ -181,6 +214,7 @@ class Engine:
                     "pass e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)"
                 )
             optimizers[key] = opt
+        load_optimizer_state(optimizers, optimizer_state(self.optimizers, param_names(self)), param_names(self))
         if self.distributed:
             from .distributed import GradientSync, check_same_plan
 
@@ -239,8 +273,9 @@ class Engine:
         if self.plan is None:
             from .planning import auto_plan
 
-            self._set_plan(auto_plan(self, inputs, target))
+            self.set_plan(auto_plan(self, inputs, target))
         if self._graph_cache is None:
+            check_host_memory(self)
             self._graph_cache = build_graph(self.spec, self.hardware(), self.plan)
         return self._graph_cache
 
@@ -276,12 +311,56 @@ class Engine:
         run = StepRun(self, graph, inputs, target)
         try:
             run.execute()
+        except NonFiniteError as err:
+            run.roll_back()
+            if self.nonfinite == "raise":
+                raise
+            warnings.warn(f"step {self.step_count} skipped, weights unchanged: {err}", stacklevel=2)
+            self.step_count += 1
+            self.skipped_steps += 1
+            return float("nan")
         except BaseException:
             run.roll_back()
             raise
         self.step_count += 1
         self.trace = run.trace()
         return run.loss
+
+    # ---- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything needed to continue this run: host weights and buffers,
+        optimizer state (per parameter name), step counter, seed, torch's random
+        state, plan. Tensors are the live ones, as ``nn.Module.state_dict`` gives."""
+        return engine_state(self)
+
+    def load_state_dict(self, state: dict, plan: Plan | None = None) -> None:
+        """Continue the run ``state`` was taken from. The plan is ``plan``, else the
+        engine's own, else the one in ``state``. Checked before anything changes."""
+        check_state(self, state, "the state")
+        if plan is None and self.plan is None and state["plan"] is not None:
+            plan = Plan.from_dict(state["plan"])
+        apply_state(self, state, plan)
+
+    def save(self, path) -> Path:
+        """Write a checkpoint to ``path`` atomically (a crash never leaves a half-written file)."""
+        return write_checkpoint(path, self.state_dict())
+
+    @classmethod
+    def load(cls, path, model, optimizer: Callable, loss_fn: Callable, device="cpu",
+             plan: Plan | None = None, **kwargs) -> "Engine":
+        """An engine that continues the run saved in ``path`` with ``model`` (built
+        the same way as the saved one; its weights are overwritten), the same
+        minibatch size and seed, and the saved plan unless ``plan`` is given."""
+        state = read_checkpoint(path)
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise CheckpointError(f"{path} is a checkpoint but not of an engine's state")
+        engine = cls(model, optimizer, loss_fn, device=device, minibatch_size=state["minibatch_size"],
+                     plan="auto", seed=state["seed"], **kwargs)
+        check_state(engine, state, str(path))
+        if plan is None and state["plan"] is not None:
+            plan = Plan.from_dict(state["plan"])
+        apply_state(engine, state, plan)
+        return engine
 
 
 def _kinds(inputs: tuple, target: torch.Tensor) -> tuple:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.func import functional_call
 
-from ..errors import HarmonyError
+from ..errors import HarmonyError, NonFiniteError, OutOfMemoryError
 from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, REDUCE, STASH_IN, STASH_OUT, UPD,
                      W_IN, Task, TaskGraph)
 from ..policies.builder import layer_shard
@@ -72,10 +72,11 @@ class StepRun:
         self.moved_task: dict[int, float] = {}
         self.loss = 0.0
         self.lock = threading.Lock()
-        # Updates that start while device work is still pending are journaled, so a
-        # failure later in the step can undo them (safe_updates).
+        # Updates that start while other tasks are still pending are journaled, so a
+        # failure later in the step (an error, a non-finite gradient of another
+        # pack) can undo them (safe_updates).
         self.journal: list[tuple[tuple[int, int], list, dict]] = []
-        self.device_tasks_left = sum(1 for t in graph.tasks if t.kind != UPD)
+        self.tasks_left = len(graph.tasks)
         self.buffers_before = ([b.detach().clone() for b in engine.model.buffers()]
                                if engine.safe_updates else None)
         self.t0 = time.perf_counter()
@@ -98,9 +99,8 @@ class StepRun:
             self.store[buf] = value
 
     def finish(self, task: Task) -> None:
-        if task.kind != UPD:
-            with self.lock:
-                self.device_tasks_left -= 1
+        with self.lock:
+            self.tasks_left -= 1
         for b in task.releases:
             with self.lock:
                 self.refs[b] -= 1
@@ -130,6 +130,10 @@ class StepRun:
                         handlers[task.kind](task)
             except HarmonyError as err:
                 raise type(err)(f"task {task.id} {task.kind} ({task.what}): {err}") from None
+            except torch.OutOfMemoryError as err:  # a real GPU's
+                raise OutOfMemoryError(
+                    f"task {task.id} {task.kind} ({task.what}): {task.device} out of memory ({err}). "
+                    "Use a plan with smaller microbatches or more (smaller) packs.") from None
             self.finish(task)
 
         self.executor = Executor(self.graph, run)
@@ -303,8 +307,9 @@ class StepRun:
             return
         if self.e.sync is not None:
             self.e.sync.average(key, _params(opt))
+        _check_finite_gradients(task, opt)
         with self.lock:
-            pending = self.device_tasks_left > 0
+            pending = self.tasks_left > 1  # tasks other than this one
         if self.e.safe_updates and pending:
             self.journal.append((key, [p.detach().clone() for p in _params(opt)], _clone_state(opt.state_dict())))
         opt.step()
@@ -382,6 +387,8 @@ class StepRun:
                     y = self.store[task.io["labels"]][0]
                     loss = self.e.loss_fn(*out, y) * ((b - a) / self.graph.samples)
             if fused:
+                if not torch.isfinite(loss.detach()).all():
+                    raise NonFiniteError(f"the loss of samples {a}..{b - 1} is {loss.item()}")
                 loss.backward()
                 with self.lock:
                     self.loss += loss.item()
@@ -400,6 +407,18 @@ class StepRun:
         if s > 0:
             self.put(task.io["output"], tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
                                               for t in h))
+
+
+def _check_finite_gradients(task: Task, opt: torch.optim.Optimizer) -> None:
+    """Refuse to apply a gradient with a NaN or an infinity."""
+    grads = [p.grad for p in _params(opt) if p.grad is not None]
+    if not grads:
+        return
+    largest = torch.stack(torch._foreach_norm(grads, float("inf")))
+    if not torch.isfinite(largest).all():
+        bad = next(i for i, g in enumerate(grads) if not torch.isfinite(largest[i]))
+        raise NonFiniteError(f"the gradient of layers {task.layers[0]}..{task.layers[1] - 1} is not finite "
+                             f"(a tensor of shape {tuple(grads[bad].shape)} holds NaN or infinity)")
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -1,0 +1,77 @@
+"""Will the host hold what the engine keeps there? Checked before the first
+step of a plan, so a run that cannot fit says so instead of being killed by
+the operating system halfway through a step.
+
+Beyond the model's own weights (already in memory), the engine keeps on the
+host the gradients, the optimizer state (allocated by the first update) and,
+during a step, the stashed pack inputs and offloaded activations of the
+whole minibatch. On CUDA the weights are also page-locked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import HarmonyError
+from ..policies.common import boundary_bytes
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def available_host_bytes() -> int | None:
+    """Memory the kernel says can be allocated without swapping (None: unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _state_slots(opt: torch.optim.Optimizer) -> int:
+    """Tensors of the parameter's size the optimizer keeps per parameter."""
+    if opt is None or any(opt.state.get(p) for g in opt.param_groups for p in g["params"]):
+        return 0  # already allocated, part of what is in use now
+    if isinstance(opt, torch.optim.SGD):
+        return 1 if any(g.get("momentum", 0) for g in opt.param_groups) else 0
+    if isinstance(opt, (torch.optim.Adagrad, torch.optim.RMSprop)):
+        return 1
+    return 2  # Adam and most others keep two moments
+
+
+def host_bytes_needed(engine: "Engine") -> dict[str, float]:
+    """Bytes the engine will add to host memory for its plan, by what."""
+    plan, spec = engine.plan, engine.spec
+    grads = optimizer = 0.0
+    for opt in engine.optimizers.values():
+        if opt is None:
+            continue
+        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        size = sum(p.numel() * p.element_size() for p in params)
+        grads += 0 if all(p.grad is not None for p in params) else size
+        optimizer += _state_slots(opt) * size
+    samples = plan.minibatch
+    stash = sum(spec.input_bytes(l, samples) for l in plan.stash_layers() if l > 0)
+    offloaded = boundary_bytes(spec, plan, samples) if plan.option("offload_activations") else 0.0
+    return {"gradients": grads, "optimizer state": optimizer, "stashed inputs": stash,
+            "offloaded activations": offloaded}
+
+
+def check_host_memory(engine: "Engine", available: int | None = None) -> None:
+    available = available_host_bytes() if available is None else available
+    if available is None:
+        return
+    need = host_bytes_needed(engine)
+    total = sum(need.values())
+    if total > available:
+        parts = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in need.items() if v)
+        raise HarmonyError(
+            f"host memory: this plan needs {total / 1e9:.2f} GB more host memory ({parts}) but only "
+            f"{available / 1e9:.2f} GB are available. Free host memory, use an optimizer with less state "
+            "(e.g. SGD), or a plan that stashes less (fewer backward packs)."
+        )

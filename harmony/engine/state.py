@@ -1,0 +1,117 @@
+"""The engine's training state as plain data, independent of the plan.
+
+Optimizer state is kept per parameter *name* (its name in the host model), not
+per optimizer: the engine has one optimizer per backward pack, so a state keyed
+by pack would only fit the packing that wrote it. Keyed by name, a checkpoint
+resumes under another plan, and :meth:`Engine.set_plan` keeps the optimizer
+state when the packing changes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import HarmonyError
+from ..plan import Plan
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+FORMAT = 1
+
+
+def param_names(engine: "Engine") -> dict[int, str]:
+    """id(parameter) -> its name in the host model (tied weights: the first name)."""
+    return {id(p): name for name, p in engine.host_module.named_parameters()}
+
+
+def optimizer_state(optimizers: dict, names: dict[int, str]) -> dict:
+    """{"state": name -> per-parameter state, "groups": name -> its group's hyperparameters}."""
+    state, groups = {}, {}
+    for opt in optimizers.values():
+        if opt is None:
+            continue
+        for group in opt.param_groups:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                groups[names[id(p)]] = hyper
+                if p in opt.state and opt.state[p]:
+                    state[names[id(p)]] = opt.state[p]
+    return {"state": state, "groups": groups}
+
+
+def load_optimizer_state(optimizers: dict, saved: dict, names: dict[int, str]) -> None:
+    """Give each optimizer the saved state and hyperparameters of its parameters
+    (through ``load_state_dict``, which casts state to each parameter's device)."""
+    for opt in optimizers.values():
+        if opt is None:
+            continue
+        ordered = [p for group in opt.param_groups for p in group["params"]]
+        index = {id(p): i for i, p in enumerate(ordered)}
+        groups = []
+        for group in opt.param_groups:
+            first = names[id(group["params"][0])] if group["params"] else None
+            hyper = saved["groups"].get(first, {k: v for k, v in group.items() if k != "params"})
+            groups.append({**hyper, "params": [index[id(p)] for p in group["params"]]})
+        state = {i: saved["state"][names[id(p)]] for i, p in enumerate(ordered) if names[id(p)] in saved["state"]}
+        opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def engine_state(engine: "Engine") -> dict:
+    names = param_names(engine)
+    return {
+        "format": FORMAT,
+        "step": engine.step_count,
+        "skipped_steps": engine.skipped_steps,
+        "seed": engine.seed,
+        "minibatch_size": engine.minibatch_size,
+        "plan": engine.plan.to_dict() if engine.plan is not None else None,
+        "task_overhead_s": engine.task_overhead_s,
+        "model": engine.host_module.state_dict(),
+        "optimizer": optimizer_state(engine.optimizers, names),
+        "torch_rng": torch.get_rng_state(),
+    }
+
+
+def check_state(engine: "Engine", state: dict, source: str) -> None:
+    """Raise a clear error, before anything changes, if ``state`` does not fit ``engine``."""
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise HarmonyError(f"{source} is not an engine state of format {FORMAT}")
+    if state["minibatch_size"] != engine.minibatch_size:
+        raise HarmonyError(f"{source} was written with minibatch {state['minibatch_size']}, the engine's is "
+                           f"{engine.minibatch_size}; make the engine with minibatch_size={state['minibatch_size']}")
+    if state["seed"] != engine.seed:
+        raise HarmonyError(f"{source} was written with seed {state['seed']}, the engine's is {engine.seed}: "
+                           f"dropout would draw other masks; make the engine with seed={state['seed']}")
+    ours = engine.host_module.state_dict()
+    theirs = state["model"]
+    missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    if missing or unexpected:
+        raise HarmonyError(f"{source} is for another model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, t in ours.items():
+        if theirs[name].shape != t.shape or theirs[name].dtype != t.dtype:
+            raise HarmonyError(f"{source} is for another model: {name} is {tuple(theirs[name].shape)} "
+                               f"{theirs[name].dtype} there but {tuple(t.shape)} {t.dtype} here")
+    names = set(param_names(engine).values())
+    strangers = sorted(set(state["optimizer"]["state"]) - names)
+    if strangers:
+        raise HarmonyError(f"{source} has optimizer state for parameters this model lacks: {strangers[:5]}")
+
+
+def apply_state(engine: "Engine", state: dict, plan: Plan | None) -> None:
+    """Make ``engine`` continue the run ``state`` was taken from (checked first)."""
+    if plan is not None:
+        engine.set_plan(plan)
+    with torch.no_grad():
+        own = engine.host_module.state_dict()
+        for name, t in state["model"].items():
+            own[name].copy_(t)
+    for p in engine.host_module.parameters():
+        p.grad = None
+    load_optimizer_state(engine.optimizers, state["optimizer"], param_names(engine))
+    engine.step_count = state["step"]
+    engine.skipped_steps = state["skipped_steps"]
+    engine.task_overhead_s = state["task_overhead_s"]
+    torch.set_rng_state(state["torch_rng"])

@@ -1,0 +1,300 @@
+"""Checkpoints survive crashes and resume bitwise; faults never cost state."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from harmony import (CheckpointDir, CheckpointError, EmulatedDevice, Engine, HarmonyError, NonFiniteError, Plan,
+                     decompose)
+from harmony.engine import host_memory
+from harmony.engine.checkpoint import read_checkpoint, write_checkpoint
+from harmony.training import build_model
+
+from test_engine import ADAMW, SGD_MOMENTUM, B, batches, loss_fn, make_model
+
+PLAN = Plan("harmony-pp", 1, B, 4, 4, ((0, 3), (3, 6)), ((0, 3), (3, 6), (6, 9)))
+OTHER_PLAN = Plan("harmony-pp", 1, B, 4, 4, ((0, 2), (2, 5)), ((0, 1), (1, 4), (4, 5), (5, 9)))
+EMULATED = EmulatedDevice(memory="4MB", h2d="400MB/s", d2h="400MB/s")
+
+
+def weights(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def uninterrupted(optimizer, data, plan=PLAN):
+    engine = Engine(make_model(), optimizer, loss_fn, minibatch_size=B, plan=plan)
+    for x, y in data:
+        engine.step(x, y)
+    return weights(engine.model)
+
+
+@pytest.mark.parametrize("optimizer", [ADAMW, SGD_MOMENTUM], ids=["adamw", "sgd-momentum"])
+@pytest.mark.parametrize("resume_plan", [PLAN, OTHER_PLAN], ids=["same-plan", "other-plan"])
+def test_save_and_load_resume_bitwise(tmp_path, optimizer, resume_plan):
+    data = batches(5)
+    engine = Engine(make_model(), optimizer, loss_fn, device=EMULATED, minibatch_size=B, plan=PLAN, seed=3)
+    for x, y in data[:2]:
+        engine.step(x, y)
+    path = engine.save(tmp_path / "run.ckpt")
+
+    fresh = make_model()
+    with torch.no_grad():  # other weights than the saved ones: load must overwrite them
+        for p in fresh.parameters():
+            p.add_(1.0)
+    resumed = Engine.load(path, fresh, optimizer, loss_fn, device=EMULATED, plan=resume_plan)
+    assert resumed.step_count == 2 and resumed.seed == 3 and resumed.plan == resume_plan
+    for x, y in data[2:]:
+        resumed.step(x, y)
+
+    whole = Engine(make_model(), optimizer, loss_fn, minibatch_size=B, plan=PLAN, seed=3)
+    for x, y in data:
+        whole.step(x, y)
+    assert same(weights(resumed.model), weights(whole.model))
+
+
+def test_a_plan_change_keeps_the_optimizer_state():
+    data = batches(4)
+    engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
+    for step, (x, y) in enumerate(data):
+        if step == 2:
+            engine.set_plan(OTHER_PLAN)
+        engine.step(x, y)
+    assert same(weights(engine.model), uninterrupted(ADAMW, data))
+
+
+def test_state_dict_round_trip_in_memory():
+    data = batches(3)
+    engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
+    engine.step(*data[0])
+    state = engine.state_dict()
+    other = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
+    other.load_state_dict(state)
+    for x, y in data[1:]:
+        other.step(x, y)
+    assert same(weights(other.model), uninterrupted(ADAMW, data))
+
+
+def test_a_state_for_another_model_or_run_is_refused_before_anything_changes(tmp_path):
+    engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
+    engine.step(*batches(1)[0])
+    path = engine.save(tmp_path / "a.ckpt")
+    small = nn.Sequential(nn.Linear(16, 5))
+    with pytest.raises(HarmonyError, match="for another model"):
+        Engine.load(path, small, ADAMW, loss_fn)
+    target = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN, seed=1)
+    before = weights(target.model)
+    with pytest.raises(HarmonyError, match="seed=0"):
+        target.load_state_dict(read_checkpoint(path))
+    assert same(before, weights(target.model)) and target.step_count == 0
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) * 2 // 3])
+    elif how == "flipped":
+        middle = len(data) // 2
+        path.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:])
+    elif how == "header":
+        path.write_bytes(data[:30])
+    else:
+        path.write_bytes(b"PK\x03\x04 not ours")
+
+
+@pytest.mark.parametrize("how, message", [("truncated", "truncated"), ("flipped", "checksum"),
+                                          ("header", "truncated|header"), ("foreign", "not a harmony checkpoint")])
+def test_a_damaged_checkpoint_is_rejected_naming_the_file_and_the_previous_one_resumes(tmp_path, how, message):
+    data = batches(3)
+    engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
+    run = CheckpointDir(tmp_path / "run", keep=2)
+    for x, y in data[:2]:
+        engine.step(x, y)
+        run.save(engine.state_dict(), engine.step_count)
+    newest = run.paths()[-1]
+    _damage(newest, how)
+    with pytest.raises(CheckpointError, match=f"{newest.name}.*({message})|({message}).*{newest.name}"):
+        read_checkpoint(newest)
+    logged = []
+    path, state = run.latest(logged.append)
+    assert path.name == "step-00000001.ckpt" and state["step"] == 1
+    assert newest.name in logged[0] and newest.exists()  # reported, left for inspection
+
+
+def test_checkpoint_dir_keeps_the_last_k_and_writes_atomically(tmp_path, monkeypatch):
+    engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
+    run = CheckpointDir(tmp_path, keep=2)
+    for step in range(4):
+        run.save(engine.state_dict(), step)
+    assert [p.name for p in run.paths()] == ["step-00000002.ckpt", "step-00000003.ckpt"]
+
+    def crash(*args, **kwargs):  # the disk fills up in the middle of the write
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError):
+        run.save(engine.state_dict(), 4)
+    monkeypatch.undo()
+    assert [p.name for p in run.paths()] == ["step-00000002.ckpt", "step-00000003.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002.ckpt", "step-00000003.ckpt"]
+    read_checkpoint(run.paths()[-1])
+
+
+def test_checkpoint_errors_are_clear(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_checkpoint(tmp_path / "missing.ckpt")
+    with pytest.raises(CheckpointError, match="is a directory"):
+        write_checkpoint(tmp_path, {})
+    with pytest.raises(CheckpointError, match="keep must be a positive"):
+        CheckpointDir(tmp_path, keep=0)
+
+
+# ---- faults during a step -------------------------------------------------------------
+class Poison(nn.Module):
+    """Identity, until told to produce ``value`` (a NaN or infinity) in step ``at``."""
+
+    def __init__(self):
+        super().__init__()
+        self.value, self.where = None, "output"
+
+    def forward(self, x):
+        if self.value is None:
+            return x
+        if self.where == "output":
+            return x * self.value
+        return PoisonGrad.apply(x, self.value)
+
+
+class PoisonGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, value):
+        ctx.value = value
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.value, None
+
+
+def poisoned_model():
+    model = make_model()
+    return nn.Sequential(*model[:4], Poison(), *model[4:])
+
+
+NAN_PLAN = Plan("harmony-pp", 1, B, 4, 4, ((0, 3), (3, 7)), ((0, 3), (3, 7), (7, 10)))
+
+
+@pytest.mark.parametrize("where", ["output", "gradient"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_loss_or_gradient_stops_before_any_weight_changes(where, value):
+    data = batches(2)
+    model = poisoned_model()
+    engine = Engine(model, ADAMW, loss_fn, minibatch_size=B, plan=NAN_PLAN)
+    engine.step(*data[0])
+    before = weights(model)
+    states = [opt.state_dict()["state"][0]["exp_avg"].clone() for opt in engine.optimizers.values()]
+    model[4].value, model[4].where = value, where
+    with pytest.raises(NonFiniteError, match="loss of samples|gradient of layers"):
+        engine.step(*data[1])
+    assert same(before, weights(model))
+    assert all(torch.equal(opt.state_dict()["state"][0]["exp_avg"], s)
+               for opt, s in zip(engine.optimizers.values(), states))
+    assert engine.step_count == 1 and all(p.grad is None for p in model.parameters())
+
+
+def test_skip_policy_skips_the_bad_step_and_goes_on():
+    data = batches(3)
+    model = poisoned_model()
+    engine = Engine(model, ADAMW, loss_fn, minibatch_size=B, plan=NAN_PLAN, nonfinite="skip")
+    engine.step(*data[0])
+    before = weights(model)
+    model[4].value, model[4].where = float("nan"), "gradient"
+    with pytest.warns(UserWarning, match="step 1 skipped"):
+        loss = engine.step(*data[1])
+    assert loss != loss and same(before, weights(model))
+    assert engine.step_count == 2 and engine.skipped_steps == 1
+    model[4].value = None
+    assert torch.isfinite(torch.tensor(engine.step(*data[2])))  # trains again
+    assert not same(before, weights(model)) and engine.step_count == 3
+
+
+def test_not_enough_host_memory_is_said_before_the_first_step(monkeypatch):
+    engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1000)
+    before = weights(engine.model)
+    with pytest.raises(HarmonyError, match=r"host memory: this plan needs .* GB more host memory \(gradients"):
+        engine.step(*batches(1)[0])
+    assert same(before, weights(engine.model)) and engine.step_count == 0
+    monkeypatch.undo()
+    engine.step(*batches(1)[0])
+
+
+def test_host_memory_estimate_counts_gradients_optimizer_state_and_stash():
+    engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
+    engine.step(*batches(1)[0])  # plan, spec and optimizer state now exist
+    fresh = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
+    fresh.spec = engine.spec
+    need = host_memory.host_bytes_needed(fresh)
+    weight_bytes = sum(p.numel() * 4 for p in fresh.model.parameters())
+    assert need["gradients"] == weight_bytes and need["optimizer state"] == 2 * weight_bytes
+    assert need["stashed inputs"] == engine.spec.input_bytes(3, B)  # layer 0: the minibatch itself; 6: fused
+    assert host_memory.host_bytes_needed(engine)["optimizer state"] == 0  # already allocated
+
+
+# ---- a run killed with SIGKILL, resumed ---------------------------------------------------
+def _train_args(tmp_path: Path, plan: Path, out: Path, checkpoints: bool) -> list[str]:
+    args = [sys.executable, "-m", "harmony", "train", "--model", "gpt2-tiny", "--steps", "8", "--minibatch", "8",
+            "--memory", "4MB", "--h2d", "4MB/s", "--d2h", "4MB/s", "--plan", str(plan), "--save", str(out)]
+    if checkpoints:
+        args += ["--checkpoint-dir", str(tmp_path / "run"), "--checkpoint-every", "1", "--keep", "2", "--resume"]
+    return args
+
+
+def test_a_run_killed_at_random_moments_resumes_to_bitwise_the_same_weights(tmp_path):
+    n = len(decompose(build_model("gpt2-tiny")).layers)
+    plan = tmp_path / "plan.json"
+    Plan("harmony-pp", 1, 8, 4, 4, ((0, 2),), ((0, 2), (2, n))).to_json(plan)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    subprocess.run(_train_args(tmp_path, plan, tmp_path / "whole.pt", False), check=True, env=env,
+                   capture_output=True, timeout=120)
+
+    rng = random.Random(7)
+    kills, launches = 0, 0
+    while True:
+        launches += 1
+        assert launches <= 12, "the run never finished"
+        proc = subprocess.Popen(_train_args(tmp_path, plan, tmp_path / "resumed.pt", True), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = rng.randint(1, 4)  # kill after a random number of lines and a random delay
+        for _ in range(lines):
+            if not proc.stdout.readline():
+                break
+        time.sleep(rng.uniform(0.0, 0.3))
+        if kills < 3 and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+            proc.stdout.close()
+            kills += 1
+            for path in CheckpointDir(tmp_path / "run").paths():
+                read_checkpoint(path)  # every checkpoint on disk is whole
+            continue
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        break
+    assert kills == 3
+    whole, resumed = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
