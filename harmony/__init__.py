@@ -13,6 +13,8 @@ from .engine.checkpoint import CheckpointDir, CheckpointError
 from .errors import DeadlockError, HarmonyError, NonFiniteError, OutOfMemoryError
 from .graph import Task, TaskGraph
 from .hardware import PRESETS, Hardware, parse_bytes, parse_rate, preset
+from .multi_model import Job, compare_schedules, simulate_many, train_many
+from .optim import FlatAdamW
 from .plan import Plan
 from .policies import POLICIES, build_graph, swap_volume
 from .search import search
@@ -24,8 +26,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Chain", "EmulatedDevice", "EmulatedServer", "Engine", "decompose", "reference_step",
-    "CheckpointDir", "CheckpointError", "Curve", "DeadlockError", "Hardware", "HarmonyError", "LayerCost", "ModelSpec",
+    "CheckpointDir", "CheckpointError", "Curve", "DeadlockError", "FlatAdamW", "Hardware", "HarmonyError", "LayerCost",
+    "ModelSpec",
     "NonFiniteError", "OutOfMemoryError", "POLICIES", "PRESETS", "Plan", "Task", "TaskGraph", "Trace",
     "build_graph", "known_models", "profile", "model_spec", "parse_bytes", "parse_rate", "preset",
     "search", "simulate", "simulate_graph", "swap_volume",
+    "Job", "compare_schedules", "simulate_many", "train_many",
 ]

@@ -15,4 +15,9 @@ class DeadlockError(HarmonyError):
 
 
 class NonFiniteError(HarmonyError):
-    """A loss or gradient that is NaN or infinite, found before it was applied."""
+    """A loss or gradient that is NaN or infinite, found before it was applied.
+    ``what`` says which: ``"loss"`` or ``"gradient"``."""
+
+    def __init__(self, message: str, what: str = "gradient"):
+        super().__init__(message)
+        self.what = what

@@ -9,6 +9,7 @@ uplink to the host that its GPUs share. A host<->GPU copy is limited by both.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import asdict, dataclass, replace
 
@@ -43,13 +44,16 @@ class Hardware:
             v = getattr(self, fld)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HarmonyError(f"hardware {self.name!r}: {fld} must be >= 1, got {getattr(self, fld)}")
+        def number(v) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
         for fld in ("gpu_memory", "gpu_flops", "h2d", "d2h", "uplink", "cpu_update_bandwidth", "host_memory"):
             v = getattr(self, fld)
-            if not v > 0:
-                raise HarmonyError(f"hardware {self.name!r}: {fld} must be positive, got {v!r}")
-        if not self.task_overhead_s >= 0:
+            if not number(v) or not v > 0:
+                raise HarmonyError(f"hardware {self.name!r}: {fld} must be a positive number, got {v!r}")
+        if not number(self.task_overhead_s) or not self.task_overhead_s >= 0:
             raise HarmonyError(f"hardware {self.name!r}: task_overhead_s must be >= 0, got {self.task_overhead_s!r}")
-        if self.p2p is not None and not self.p2p > 0:
+        if self.p2p is not None and (not number(self.p2p) or not self.p2p > 0):
             raise HarmonyError(f"hardware {self.name!r}: p2p must be positive or None, got {self.p2p!r}")
 
     def switch_of(self, gpu: int) -> int:

@@ -2,10 +2,11 @@
 
 Candidates come from a small grid that covers what matters:
 
-* policy and number of GPUs (the caller's lists);
+* policy (those in :data:`SEARCHABLE`) and number of GPUs (the caller's lists);
 * backward microbatch size ``uB`` (powers of two up to the minibatch, or the
   per-GPU share in data parallel, capped at the largest measured size of a
-  profiled model), first each with its largest packs that fit;
+  profiled model), first each with its largest packs that fit (karma: with
+  the packs of its performance model, :func:`~harmony.policies.karma.model_packs`);
 * for the best sizes, every backward packing: greedy by memory at several
   fractions of the GPU (filled from the last layer, so the fused pack is as
   large as it can be) and balanced by backward time;
@@ -28,93 +29,22 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import pandas as pd
 
 from .errors import HarmonyError, OutOfMemoryError
 from .hardware import Hardware
+from .packing import BUDGETS, balanced_packs, bwd_pack_bytes, greedy_packs, microbatch_sizes
 from .plan import Pack, Plan
-from .policies import build_graph, get_policy
+from .policies import build_graph, get_policy, karma
 from .reference import max_profiled
 from .simulate import simulate_graph
 from .spec import ModelSpec
 
 DEFAULT_POLICIES = ("harmony-pp", "harmony-dp", "virtual-memory")
-_BUDGETS = (0.5, 0.3, 0.15)  # fractions of GPU memory for one backward pack
-
-
-def microbatch_sizes(limit: int, cap: int | None) -> list[int]:
-    top = min(limit, cap) if cap else limit
-    sizes = {1 << i for i in range(top.bit_length()) if (1 << i) <= top}
-    sizes.add(top)
-    return sorted(sizes)
-
-
-# ---- packers --------------------------------------------------------------------
-def bwd_pack_bytes(spec: ModelSpec, a: int, b: int, u: int) -> float:
-    """Estimated device bytes of a backward pack [a, b) on ``u`` samples: weights,
-    gradients, recompute + backward working memory, its input (stashed one in
-    flight too) and the incoming output gradient."""
-    return (spec.weight_bytes(a, b) + spec.grad_bytes(a, b) + spec.bwd_work_bytes(a, b, u)
-            + 2 * spec.input_bytes(a, u) + spec.input_bytes(b, u))
-
-
-def fwd_pack_bytes(spec: ModelSpec, a: int, b: int, u: int) -> float:
-    return spec.weight_bytes(a, b) + spec.fwd_work_bytes(a, b, u) + 2 * spec.input_bytes(a, u) + spec.input_bytes(b, u)
-
-
-def greedy_packs(spec: ModelSpec, start: int, stop: int, u: int, budget: float,
-                 backward: bool) -> tuple[Pack, ...] | None:
-    """Largest packs under ``budget`` bytes each; backward packs fill from the last
-    layer. None when a single layer does not fit."""
-    size = bwd_pack_bytes if backward else fwd_pack_bytes
-    packs: list[Pack] = []
-    if backward:
-        b = stop
-        while b > start:
-            a = b - 1
-            if size(spec, a, b, u) > budget:
-                return None
-            while a > start and size(spec, a - 1, b, u) <= budget:
-                a -= 1
-            packs.append((a, b))
-            b = a
-        return tuple(reversed(packs))
-    a = start
-    while a < stop:
-        b = a + 1
-        if size(spec, a, b, u) > budget:
-            return None
-        while b < stop and size(spec, a, b + 1, u) <= budget:
-            b += 1
-        packs.append((a, b))
-        a = b
-    return tuple(packs)
-
-
-def balanced_packs(costs: Sequence[float], k: int, offset: int = 0) -> tuple[Pack, ...]:
-    """Split ``costs`` into at most ``k`` contiguous packs minimising the largest sum."""
-    k = max(1, min(k, len(costs)))
-    lo, hi = max(costs), sum(costs)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if len(_cut(costs, mid)) <= k:
-            hi = mid
-        else:
-            lo = mid
-    return tuple((a + offset, b + offset) for a, b in _cut(costs, hi))
-
-
-def _cut(costs: Sequence[float], limit: float) -> list[Pack]:
-    packs, a, acc = [], 0, 0.0
-    for i, c in enumerate(costs):
-        if acc + c > limit and i > a:
-            packs.append((a, i))
-            a, acc = i, 0.0
-        acc += c
-    packs.append((a, len(costs)))
-    return packs
+#: policies the search plans; the others choose their plans themselves (their module's ``choose_plan``)
+SEARCHABLE = (*DEFAULT_POLICIES, karma.NAME)
 
 
 # ---- the search -----------------------------------------------------------------
@@ -145,7 +75,9 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
     minibatch_size = int(minibatch_size)
     policies = list(policies)
     for p in policies:
-        get_policy(p)
+        if get_policy(p).NAME not in SEARCHABLE:
+            raise HarmonyError(f"the search plans {', '.join(SEARCHABLE)}; for {p} use "
+                               f"{get_policy(p).__name__}.choose_plan")
     if n_gpus is None:
         gpu_counts = [hardware.n_gpus]
     else:
@@ -195,7 +127,7 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
                 return _Candidate(Plan(policy, n, minibatch_size, ub, ub, bwd[:-1], bwd, options), "A")
 
             # Stage A: the backward microbatch size, with the largest packs that fit ...
-            packings = {ub: _bwd_packings(spec, ub, hardware, n) for ub in microbatch_sizes(share, bcap)}
+            packings = {ub: _bwd_packings(spec, ub, hardware, n, policy) for ub in microbatch_sizes(share, bcap)}
             found = run([plan_for(ub, ps[0]) for ub, ps in packings.items() if ps])
             # ... then every backward packing for the best sizes.
             sizes = [r["plan"].bwd_microbatch for r in _fastest(found, top_k)]
@@ -207,7 +139,7 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
                 p: Plan = r["plan"]
                 # Forward needs no autograd memory, so only sizes >= uB are worth trying.
                 ufs = [u for u in microbatch_sizes(share, fcap) if u >= p.bwd_microbatch]
-                for uf in (ufs if policy != "virtual-memory" else [p.bwd_microbatch]):
+                for uf in ([p.bwd_microbatch] if get_policy(policy).PER_MICROBATCH else ufs):
                     for fwd in _fwd_packings(spec, p, uf, hardware):
                         stage_b.append(_Candidate(replace(p, fwd_microbatch=uf, fwd_packs=fwd), "B"))
             found += run(stage_b)
@@ -233,13 +165,18 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
     return df
 
 
-def _bwd_packings(spec: ModelSpec, u: int, hw: Hardware, n: int) -> list[tuple[tuple[Pack, ...], dict]]:
-    """Backward packings for microbatch ``u``, largest packs first, with the plan
-    options they need."""
+def _bwd_packings(spec: ModelSpec, u: int, hw: Hardware, n: int,
+                  policy: str) -> list[tuple[tuple[Pack, ...], dict]]:
+    """Backward packings for microbatch ``u``, largest packs first (karma: its
+    performance model's packing first), with the plan options they need."""
     L = len(spec)
     times = [spec.bwd_time(i, i + 1, u, hw.gpu_flops) for i in range(L)]
     out: list[tuple[tuple[Pack, ...], dict]] = []
-    for frac in _BUDGETS:
+    if policy == karma.NAME:
+        packs = karma.model_packs(spec, hw, u, n, BUDGETS[0] * hw.gpu_memory)
+        if packs is not None:
+            out.append((packs, {}))
+    for frac in BUDGETS:
         packs = greedy_packs(spec, 0, L, u, frac * hw.gpu_memory, backward=True)
         if packs is None:
             continue
@@ -262,7 +199,7 @@ def _fwd_packings(spec: ModelSpec, plan: Plan, u: int, hw: Hardware) -> list[tup
     if stop == 0:
         return [()]
     out = [plan.bwd_packs[:-1]]
-    for frac in _BUDGETS:
+    for frac in BUDGETS:
         packs = greedy_packs(spec, 0, stop, u, frac * hw.gpu_memory, backward=False)
         if packs is not None:
             out.append(packs)

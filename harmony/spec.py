@@ -21,6 +21,7 @@ Where a spec comes from:
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Sequence
@@ -56,6 +57,14 @@ class Curve:
     values: tuple[float, ...] = ()
     per_sample: float = 0.0
     fixed: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, v in (("per_sample", self.per_sample), ("fixed", self.fixed), *(("value", v) for v in self.values)):
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise HarmonyError(f"a cost curve's {name} must be a finite number >= 0, got {v!r}")
+        if len(self.us) != len(self.values) or any(not isinstance(u, int) or u < 1 for u in self.us):
+            raise HarmonyError(f"a measured curve needs one value per microbatch size >= 1, got sizes {self.us} "
+                               f"and {len(self.values)} values")
 
     @classmethod
     def linear(cls, per_sample: float, fixed: float = 0.0) -> "Curve":
@@ -130,6 +139,27 @@ class LayerCost:
     bwd_extra: Curve = field(default_factory=Curve)
     #: measured CPU optimizer step for this layer (s); None: derive from bytes
     update_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        def bad(what: str, v) -> HarmonyError:
+            return HarmonyError(f"layer {self.name!r}: {what} must be a finite number >= 0, got {v!r}")
+
+        for name in ("param_numel", "buffer_numel"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise HarmonyError(f"layer {self.name!r}: {name} must be an integer >= 0, got {v!r}")
+        for name in ("input_numel_per_sample", "input_fixed_bytes_per_sample", "fwd_flops_per_sample",
+                     "bwd_flops_per_sample"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise bad(name, v)
+        if self.update_time_s is not None and (not isinstance(self.update_time_s, (int, float))
+                                               or not math.isfinite(self.update_time_s) or self.update_time_s < 0):
+            raise bad("update_time_s", self.update_time_s)
+        for name in ("fwd_time", "bwd_time", "fwd_extra", "bwd_extra"):
+            v = getattr(self, name)
+            if not isinstance(v, Curve) and not (v is None and name.endswith("time")):
+                raise HarmonyError(f"layer {self.name!r}: {name} must be a harmony.Curve, got {type(v).__name__}")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from .engine.profiler import default_sizes, profile
 from .errors import HarmonyError
 from .hardware import PRESETS, Hardware, preset
 from .plan import DEFAULT_OPTIONS, Plan, uniform_packs
-from .policies import POLICIES
+from .policies import POLICIES, get_policy
 from .simulate import simulate
 from .spec import ModelSpec
 from .trace import Trace
@@ -268,9 +268,9 @@ class PackExplorer(_Explorer):
             self.pack_size.max = len(_spec(self.model.value, self.source.value))
 
     def _policy_changed(self, _=None) -> None:
-        vm = self.policy.value == VIRTUAL_MEMORY
-        self.fwd_microbatch.disabled = vm
-        self.fwd_microbatch.tooltip = "virtual-memory uses the bwd microbatch for both" if vm else ""
+        one_size = get_policy(self.policy.value).PER_MICROBATCH
+        self.fwd_microbatch.disabled = one_size
+        self.fwd_microbatch.tooltip = f"{self.policy.value} uses the bwd microbatch for both" if one_size else ""
 
     def _wire(self) -> None:
         for control in self.controls():
@@ -279,9 +279,10 @@ class PackExplorer(_Explorer):
 
     # ---- compute and draw ------------------------------------------------------------------
     def plan_for(self, policy: str, num_layers: int) -> Plan:
-        """The controls' plan under ``policy`` (virtual-memory: both microbatches = the backward one)."""
+        """The controls' plan under ``policy`` (one microbatch size per policy
+        that runs each microbatch forward then backward: the backward one)."""
         ub = self.bwd_microbatch.value
-        uf = ub if policy == VIRTUAL_MEMORY else self.fwd_microbatch.value
+        uf = ub if get_policy(policy).PER_MICROBATCH else self.fwd_microbatch.value
         return make_plan(policy, self.n_gpus.value, self.minibatch.value, uf, ub, num_layers,
                          self.pack_size.value, self.offload_activations.value, self.prefetch_packs.value)
 

@@ -7,6 +7,7 @@ one simulation takes milliseconds and property tests can afford many examples.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import strategies as st
@@ -102,13 +103,26 @@ def plans(draw, policy: str, num_layers: int, max_gpus: int, max_minibatch: int 
     fwd = draw(contiguous_packs(0, bwd[-1][0]))
     B = draw(minibatch if minibatch is not None else st.integers(1, max_minibatch))
     uf = draw(st.integers(1, B))  # need not divide the minibatch
-    ub = uf if policy == "virtual-memory" else draw(st.integers(1, B))
+    ub = uf if harmony.policies.get_policy(policy).PER_MICROBATCH else draw(st.integers(1, B))
     options = draw(st.one_of(
         st.just({}),
         st.fixed_dictionaries({"offload_activations": st.booleans(),
                                "prefetch_packs": st.integers(1, 3)}),
     ))
-    return Plan(policy, draw(st.integers(1, max_gpus)), B, uf, ub, fwd, bwd, options)
+    return fit_to_policy(Plan(policy, draw(st.integers(1, max_gpus)), B, uf, ub, fwd, bwd, options))
+
+
+def fit_to_policy(plan: Plan) -> Plan:
+    """``plan`` made acceptable to its policy: hydra runs on one GPU, gpipe-swap
+    needs a backward pack (stage) per GPU, zero-offload the same number of
+    microbatches on every GPU (a minibatch divisible by the GPUs)."""
+    if plan.policy == "hydra":
+        return replace(plan, n_gpus=1)
+    if plan.policy == "gpipe-swap":
+        return replace(plan, n_gpus=min(plan.n_gpus, len(plan.bwd_packs)))
+    if plan.policy == "zero-offload":
+        return replace(plan, minibatch=-(-plan.minibatch // plan.n_gpus) * plan.n_gpus)
+    return plan
 
 
 @st.composite

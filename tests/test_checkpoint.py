@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import os
-import random
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from harmony import (CheckpointDir, CheckpointError, EmulatedDevice, Engine, HarmonyError, NonFiniteError, Plan,
-                     decompose)
+from harmony import CheckpointDir, CheckpointError, EmulatedDevice, Engine, HarmonyError, NonFiniteError, Plan
 from harmony.engine import host_memory
 from harmony.engine.checkpoint import read_checkpoint, write_checkpoint
-from harmony.training import build_model
 
 from test_engine import ADAMW, SGD_MOMENTUM, B, batches, loss_fn, make_model
 
@@ -255,46 +249,9 @@ def test_host_memory_estimate_counts_gradients_optimizer_state_and_stash():
 
 
 # ---- a run killed with SIGKILL, resumed ---------------------------------------------------
-def _train_args(tmp_path: Path, plan: Path, out: Path, checkpoints: bool) -> list[str]:
-    args = [sys.executable, "-m", "harmony", "train", "--model", "gpt2-tiny", "--steps", "8", "--minibatch", "8",
-            "--memory", "4MB", "--h2d", "4MB/s", "--d2h", "4MB/s", "--plan", str(plan), "--save", str(out)]
-    if checkpoints:
-        args += ["--checkpoint-dir", str(tmp_path / "run"), "--checkpoint-every", "1", "--keep", "2", "--resume"]
-    return args
-
-
 def test_a_run_killed_at_random_moments_resumes_to_bitwise_the_same_weights(tmp_path):
-    n = len(decompose(build_model("gpt2-tiny")).layers)
-    plan = tmp_path / "plan.json"
-    Plan("harmony-pp", 1, 8, 4, 4, ((0, 2),), ((0, 2), (2, n))).to_json(plan)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    subprocess.run(_train_args(tmp_path, plan, tmp_path / "whole.pt", False), check=True, env=env,
-                   capture_output=True, timeout=120)
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from reliability import kill_and_resume
 
-    rng = random.Random(7)
-    kills, launches = 0, 0
-    while True:
-        launches += 1
-        assert launches <= 12, "the run never finished"
-        proc = subprocess.Popen(_train_args(tmp_path, plan, tmp_path / "resumed.pt", True), env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines = rng.randint(1, 4)  # kill after a random number of lines and a random delay
-        for _ in range(lines):
-            if not proc.stdout.readline():
-                break
-        time.sleep(rng.uniform(0.0, 0.3))
-        if kills < 3 and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            proc.stdout.close()
-            kills += 1
-            for path in CheckpointDir(tmp_path / "run").paths():
-                read_checkpoint(path)  # every checkpoint on disk is whole
-            continue
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, out
-        break
-    assert kills == 3
-    whole, resumed = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
-    assert whole.keys() == resumed.keys()
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    result = kill_and_resume(tmp_path, kills=3, seed=7)
+    assert result["kills"] == 3 and result["bitwise_equal"]

@@ -62,6 +62,8 @@ PLANS = [  # (policy, fwd packs, bwd packs)
     ("harmony-pp", ((0, 2), (2, 5)), ((0, 1), (1, 4), (4, 5), (5, 9))),
     ("harmony-pp", (), ((0, 9),)),
     ("virtual-memory", ((0, 4),), ((0, 4), (4, 9))),
+    # one pack reloaded per microbatch: the next load is prefetched before BatchNorm's write-back
+    ("virtual-memory", (), ((0, 9),)),
 ]
 DEVICES = ["cpu", EmulatedDevice(memory="4MB", h2d="400MB/s", d2h="400MB/s")]
 

@@ -18,7 +18,8 @@ def server(n: int, **kw) -> EmulatedServer:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("fwd, bwd", [(FWD, BWD), (((0, 2), (2, 5)), ((0, 1), (1, 4), (4, 5), (5, 9)))])
+@pytest.mark.parametrize("fwd, bwd", [(FWD, BWD), (((0, 2), (2, 5)), ((0, 1), (1, 4), (4, 5), (5, 9))),
+                                      (((0, 1), (1, 5)), ((0, 1), (1, 5), (5, 9)))])  # BatchNorm off gpu0
 def test_pipeline_over_gpus_is_bitwise_identical_to_one_device(n, fwd, bwd):
     data = batches(4)
     expected, ref_losses = reference(ADAMW, data, microbatch=4)  # with dropout and BatchNorm

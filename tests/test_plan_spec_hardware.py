@@ -391,13 +391,13 @@ def test_parse_rate():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(h2d=-1.0), r"hardware 'paper-4x1080ti': h2d must be positive, got -1.0"),
-    (dict(uplink=0.0), r"uplink must be positive"),
-    (dict(d2h=float("nan")), r"d2h must be positive, got nan"),
+    (dict(h2d=-1.0), r"hardware 'paper-4x1080ti': h2d must be a positive number, got -1.0"),
+    (dict(uplink=0.0), r"uplink must be a positive number"),
+    (dict(d2h=float("nan")), r"d2h must be a positive number, got nan"),
     (dict(n_gpus=0), r"n_gpus must be >= 1, got 0"),
     (dict(gpus_per_switch=0), r"gpus_per_switch must be >= 1"),
     (dict(cpu_update_workers=0), r"cpu_update_workers must be >= 1"),
-    (dict(gpu_memory=0), r"gpu_memory must be positive"),
+    (dict(gpu_memory=0), r"gpu_memory must be a positive number"),
     (dict(p2p=0.0), r"p2p must be positive or None, got 0.0"),
 ])
 def test_invalid_hardware(change, message):

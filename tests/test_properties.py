@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import harmony
 from harmony import DeadlockError, OutOfMemoryError, Plan, build_graph, simulate_graph, swap_volume
 from harmony.graph import COMPUTE_KINDS, FWDBWD, TRANSFER_KINDS, W_IN, Task, TaskGraph
+from harmony.search import SEARCHABLE
 from harmony.simulate import fair_rates, play
 
 from conftest import (POLICY_NAMES, hardwares, model_specs, plans, scenarios, simple_hardware,
@@ -181,7 +182,7 @@ def search_cases(draw):
     memory = st.just(max(1, int(need * factor)))
     hw = draw(hardwares(max_gpus=3, memory=memory))
     minibatch = draw(st.integers(1, 12))
-    policies = draw(st.lists(st.sampled_from(POLICY_NAMES), min_size=1, max_size=3, unique=True))
+    policies = draw(st.lists(st.sampled_from(SEARCHABLE), min_size=1, max_size=3, unique=True))
     return spec, hw, minibatch, policies
 
 

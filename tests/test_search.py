@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import harmony
 from harmony import HarmonyError, OutOfMemoryError
 from harmony.reference import max_profiled
-from harmony.search import balanced_packs, bwd_pack_bytes, fwd_pack_bytes, greedy_packs, microbatch_sizes
+from harmony.packing import balanced_packs, bwd_pack_bytes, fwd_pack_bytes, greedy_packs, microbatch_sizes
 
 from conftest import simple_hardware, tiny_spec
 
@@ -85,8 +85,9 @@ def test_layer_larger_than_gpu_raises_out_of_memory():
     (dict(minibatch_size=0), r"minibatch size must be a positive integer, got 0"),
     (dict(minibatch_size=-4), r"minibatch size must be a positive integer, got -4"),
     (dict(minibatch_size=2.5), r"minibatch size must be a positive integer, got 2.5"),
-    (dict(policies=["harmony-pp", "zero-offload"]),
-     r"unknown policy 'zero-offload'; known policies: harmony-pp, harmony-dp, virtual-memory"),
+    (dict(policies=["harmony-pp", "zero-infinity"]),
+     r"unknown policy 'zero-infinity'; known policies: harmony-pp, harmony-dp, virtual-memory"),
+    (dict(policies=["hydra"]), r"for hydra use harmony.policies.hydra.choose_plan"),
     (dict(n_gpus=3), r"n_gpus=3 is outside 1..2 for hardware 'simple-2'"),
     (dict(n_gpus=[1, 0]), r"n_gpus=0 is outside 1..2"),
 ])

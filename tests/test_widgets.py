@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("ipywidgets")
 pytest.importorskip("altair")
 
+import harmony  # noqa: E402
 from harmony.viz import MAX_ROWS  # noqa: E402
 from harmony.widgets import MAX_TASKS, PackExplorer, RunForReal, thin_memory  # noqa: E402
 
@@ -29,7 +30,7 @@ def test_comparison_against_virtual_memory():
     assert r.problem is None and r.trace.summary["fits"]
     assert r.plan.bwd_packs[0] == (0, 2) and r.plan.fwd_packs == r.plan.bwd_packs[:-1]
     df = r.comparison.set_index("policy")
-    assert set(df.index) == {"harmony-pp", "harmony-dp", "virtual-memory"}
+    assert set(df.index) == set(harmony.POLICIES)
     assert df.loc["harmony-pp", "chosen"] and df.chosen.sum() == 1
     # the baseline runs each microbatch forward then backward: the backward size for both
     assert (df.loc["virtual-memory", "fwd_microbatch"], df.loc["virtual-memory", "bwd_microbatch"]) == (4, 4)
@@ -82,8 +83,7 @@ def test_chart_shows_the_lanes_under_the_row_limit():
     assert all(len(d) <= MAX_ROWS for d in rows)
     lanes = {row["lane"] for d in rows for row in d if "lane" in row}
     assert lanes == set(r.trace.timeline.lane) and "gpu0.compute" in lanes
-    assert {row["policy"] for d in rows for row in d if "policy" in row} == {"harmony-pp", "harmony-dp",
-                                                                             "virtual-memory"}
+    assert {row["policy"] for d in rows for row in d if "policy" in row} == set(harmony.POLICIES)
 
 
 def test_thinned_memory_keeps_the_peaks():
@@ -152,7 +152,7 @@ def test_notebook_runs_in_batch(tmp_path):
     papermill.execute_notebook(str(NOTEBOOK), str(tmp_path / "run.ipynb"), kernel_name="python3",
                                parameters={"minibatch": 8, "out_dir": str(out)}, progress_bar=False)
     results = json.loads((out / "results.json").read_text())
-    assert results["explorer"]["problem"] is None and len(results["explorer"]["comparison"]) == 3
+    assert results["explorer"]["problem"] is None and len(results["explorer"]["comparison"]) == len(harmony.POLICIES)
     assert len(results["run_for_real"]["losses"]) == 2
     for name in ("explorer", "run_for_real"):
         for suffix in ("svg", "png"):

@@ -40,6 +40,9 @@ class EmulatedDevice:
     h2d: str | float = "200MB/s"
     d2h: str | float = "200MB/s"
 
+    def __post_init__(self):
+        self.hardware()  # a bad size or rate is said now, not at the first step
+
     @property
     def capacity(self) -> int:
         return parse_bytes(self.memory, "emulated device memory")
@@ -77,12 +80,19 @@ class EmulatedServer:
     p2p: str | float | None = None
     gpus_per_switch: int | None = None
 
+    def __post_init__(self):
+        self.hardware()  # bad settings are said now, not at the first step
+
     def device(self) -> EmulatedDevice:
         return EmulatedDevice(self.memory, self.h2d, self.d2h)
 
     def hardware(self, cpu_update_bandwidth: float = 5 * GB, gpu_flops: float = 1e10) -> Hardware:
-        if not isinstance(self.gpus, int) or self.gpus < 1:
+        if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 1:
             raise HarmonyError(f"EmulatedServer needs gpus >= 1, got {self.gpus!r}")
+        if self.gpus_per_switch is not None and (not isinstance(self.gpus_per_switch, int)
+                                                 or not 1 <= self.gpus_per_switch <= self.gpus):
+            raise HarmonyError(f"gpus_per_switch must be between 1 and gpus ({self.gpus}), "
+                               f"got {self.gpus_per_switch!r}")
         one = self.device()
         per_switch = self.gpus_per_switch or self.gpus
         uplink = (parse_rate(self.uplink, "emulated uplink bandwidth") if self.uplink is not None

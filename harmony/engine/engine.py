@@ -32,9 +32,8 @@ from ..errors import HarmonyError, NonFiniteError
 from ..graph import TaskGraph
 from ..hardware import GB, Hardware
 from ..plan import Plan
-from ..policies import build_graph
+from ..policies import build_graph, update_shards
 from ..policies.builder import layer_shard
-from ..policies.common import replica_shares
 from ..trace import Trace
 from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from .decompose import decompose
@@ -46,7 +45,9 @@ from .state import FORMAT as STATE_FORMAT
 from .state import apply_state, check_state, engine_state, load_optimizer_state, optimizer_state, param_names
 
 NONFINITE = ("raise", "skip")
-POLICIES = ("harmony-pp", "harmony-dp", "virtual-memory")
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+GROWTH_INTERVAL = 2000
+POLICIES = ("harmony-pp", "harmony-dp", "virtual-memory", "karma", "hydra", "zero-offload", "gpipe-swap")
 
 
 class Engine:
@@ -72,6 +73,11 @@ class Engine:
     :class:`~harmony.errors.NonFiniteError` with the state as before the step,
     or ``"skip"`` the step (state as before it, the step counted in
     ``skipped_steps``, ``step`` returns nan).
+    ``precision``: ``"fp32"``, or mixed precision ``"bf16"`` / ``"fp16"``:
+    weights, activations and gradients cross the links and are computed in
+    that dtype (under ``torch.autocast``), master weights and optimizer state
+    stay float32 on the host; fp16 adds dynamic loss scaling (an overflowing
+    step is skipped and the scale halved, as ``torch.amp.GradScaler`` does).
 
     Checkpoints: :meth:`save` / :meth:`load` (atomic, checksummed files) and
     :meth:`state_dict` / :meth:`load_state_dict`. A run resumed from a
@@ -80,9 +86,11 @@ class Engine:
 
     def __init__(self, model, optimizer: Callable, loss_fn: Callable, device="cpu", minibatch_size: int = 32,
                  plan: Plan | str = "auto", seed: int = 0, safe_updates: bool = True,
-                 distributed: bool | None = None, nonfinite: str = "raise"):
+                 distributed: bool | None = None, nonfinite: str = "raise", precision: str = "fp32"):
         if nonfinite not in NONFINITE:
             raise HarmonyError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        if precision not in PRECISIONS:
+            raise HarmonyError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise HarmonyError(f"seed must be a non-negative integer, got {seed!r}")
         if not callable(optimizer):
@@ -118,6 +126,12 @@ class Engine:
         self.seed = seed
         self.safe_updates = safe_updates
         self.nonfinite = nonfinite
+        self.precision = precision
+        self.compute_dtype: torch.dtype | None = PRECISIONS[precision]
+        # fp16: dynamic loss scaling as torch.amp.GradScaler does it (an overflowing
+        # step is skipped and the scale halved; it doubles after GROWTH_INTERVAL good steps)
+        self.loss_scale = 2.0**16 if precision == "fp16" else 1.0
+        self.good_steps = 0
         self.step_count = 0
         self.skipped_steps = 0
         self.trace: Trace | None = None
@@ -234,8 +248,7 @@ class Engine:
         in several packs (tied weights) belongs to the pack that runs backward
         last, the one with the lowest layers: the packs before it only add their
         gradient to the host copy, so it is stepped once, with the sum."""
-        k = sum(1 for a, b in replica_shares(plan.minibatch, plan.n_gpus) if b > a) \
-            if plan.policy == "harmony-dp" else 1
+        k = update_shards(plan)
         units = [((q, r), layer_shard(pack, r, k)) for q, pack in enumerate(plan.bwd_packs) for r in range(k)]
         owner: dict[int, tuple[int, int]] = {}
         for key, layers in units:
@@ -269,7 +282,7 @@ class Engine:
 
     def _graph(self, inputs: tuple, target: torch.Tensor) -> TaskGraph:
         if self.spec is None:
-            self.spec = describe(self.layers, inputs, target, name=type(self.model).__name__)
+            self.spec = self.in_precision(describe(self.layers, inputs, target, name=type(self.model).__name__))
         if self.plan is None:
             from .planning import auto_plan
 
@@ -297,6 +310,10 @@ class Engine:
         from .step import StepRun
 
         inputs = as_args(inputs)
+        if not isinstance(target, torch.Tensor) or not all(isinstance(t, torch.Tensor) for t in inputs):
+            given = ", ".join(type(t).__name__ for t in (*inputs, target))
+            raise HarmonyError(f"step(inputs, target) takes torch tensors (inputs: a tensor or a tuple of "
+                               f"tensors), got {given}; convert with torch.as_tensor")
         if target.shape[0] != self.minibatch_size or any(t.shape[0] != self.minibatch_size for t in inputs):
             raise HarmonyError(
                 f"expected a minibatch of {self.minibatch_size} samples (dimension 0), got inputs "
@@ -313,6 +330,12 @@ class Engine:
             run.execute()
         except NonFiniteError as err:
             run.roll_back()
+            if self.loss_scale != 1.0 and err.what == "gradient":  # fp16 overflow: a smaller scale next time
+                self.loss_scale /= 2
+                self.good_steps = 0
+                self.step_count += 1
+                self.skipped_steps += 1
+                return float("nan")
             if self.nonfinite == "raise":
                 raise
             warnings.warn(f"step {self.step_count} skipped, weights unchanged: {err}", stacklevel=2)
@@ -323,8 +346,20 @@ class Engine:
             run.roll_back()
             raise
         self.step_count += 1
+        if self.loss_scale != 1.0:
+            self.good_steps += 1
+            if self.good_steps == GROWTH_INTERVAL:
+                self.loss_scale *= 2
+                self.good_steps = 0
         self.trace = run.trace()
         return run.loss
+
+    def in_precision(self, spec):
+        """``spec`` with the bytes this engine moves: the compute dtype under mixed precision."""
+        if self.compute_dtype is None:
+            return spec
+        name = str(self.compute_dtype).removeprefix("torch.")
+        return spec.with_dtypes(param_dtype=name, act_dtype=name)
 
     # ---- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -354,6 +389,7 @@ class Engine:
         state = read_checkpoint(path)
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise CheckpointError(f"{path} is a checkpoint but not of an engine's state")
+        kwargs.setdefault("precision", state["precision"])
         engine = cls(model, optimizer, loss_fn, device=device, minibatch_size=state["minibatch_size"],
                      plan="auto", seed=state["seed"], **kwargs)
         check_state(engine, state, str(path))

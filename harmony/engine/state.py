@@ -69,6 +69,9 @@ def engine_state(engine: "Engine") -> dict:
         "minibatch_size": engine.minibatch_size,
         "plan": engine.plan.to_dict() if engine.plan is not None else None,
         "task_overhead_s": engine.task_overhead_s,
+        "precision": engine.precision,
+        "loss_scale": engine.loss_scale,
+        "good_steps": engine.good_steps,
         "model": engine.host_module.state_dict(),
         "optimizer": optimizer_state(engine.optimizers, names),
         "torch_rng": torch.get_rng_state(),
@@ -82,6 +85,9 @@ def check_state(engine: "Engine", state: dict, source: str) -> None:
     if state["minibatch_size"] != engine.minibatch_size:
         raise HarmonyError(f"{source} was written with minibatch {state['minibatch_size']}, the engine's is "
                            f"{engine.minibatch_size}; make the engine with minibatch_size={state['minibatch_size']}")
+    if state["precision"] != engine.precision:
+        raise HarmonyError(f"{source} was written with precision {state['precision']!r}, the engine's is "
+                           f"{engine.precision!r}; make the engine with precision={state['precision']!r}")
     if state["seed"] != engine.seed:
         raise HarmonyError(f"{source} was written with seed {state['seed']}, the engine's is {engine.seed}: "
                            f"dropout would draw other masks; make the engine with seed={state['seed']}")
@@ -114,4 +120,5 @@ def apply_state(engine: "Engine", state: dict, plan: Plan | None) -> None:
     engine.step_count = state["step"]
     engine.skipped_steps = state["skipped_steps"]
     engine.task_overhead_s = state["task_overhead_s"]
+    engine.loss_scale, engine.good_steps = state["loss_scale"], state["good_steps"]
     torch.set_rng_state(state["torch_rng"])

@@ -8,6 +8,7 @@ bytes moved, the loss, and a journal of updates to undo if the step fails.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
@@ -62,6 +63,13 @@ class StepRun:
         self.e, self.graph, self.inputs, self.target = engine, graph, inputs, target
         self.backends: dict[str, Backend] = {b.name: b for b in engine.backends}
         self.paced = any(b.paced for b in engine.backends)
+        self.dtype = engine.compute_dtype  # None: float32 throughout
+        self.buffer_writers = self._buffer_writers()
+        # BatchNorm-like buffers: how often each layer's host copy was written back in
+        # this step, and which version each weight group loaded (a group prefetched
+        # before the previous forward of its layers wrote back must refresh them)
+        self.buffer_version: dict[int, int] = defaultdict(int)
+        self.loaded_version: dict[int, dict[int, int]] = {}
         self.pacer = LinkPacer(graph.links)
         self.parallel_compute = len(graph.in_order_lanes()) > 1
         self.store: dict[int, object] = {}  # buffer id -> what the device holds
@@ -114,30 +122,53 @@ class StepRun:
     def pieces(self, bufs: list[int]) -> list:
         return [(self.graph.buffers[b].samples, self.store[b]) for b in bufs]
 
+    # ---- mixed precision --------------------------------------------------------------
+    def low(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as it crosses a link or waits in a buffer: floating point in the
+        compute dtype under mixed precision, unchanged otherwise."""
+        if self.dtype is None or not t.is_floating_point() or t.dtype == self.dtype:
+            return t
+        return t.detach().to(self.dtype)
+
+    def wire(self, value: tuple) -> tuple:
+        return value if self.dtype is None else tuple(None if t is None else self.low(t) for t in value)
+
+    def wire_bytes(self, t: torch.Tensor) -> int:
+        size = self.dtype.itemsize if self.dtype is not None and t.is_floating_point() else t.element_size()
+        return t.numel() * size
+
+    def autocast(self, task: Task):
+        """Forward computation in the compute dtype, as ``torch.autocast`` runs it."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.backends[task.device].torch_device.type, dtype=self.dtype)
+
     # ---- the step ------------------------------------------------------------------
     def execute(self) -> None:
+        self.executor = Executor(self.graph, self.run_task)
+        self.wall_s = self.executor.run(self.t0)
+
+    def run_task(self, task: Task) -> None:
+        """Do one task of the graph, then release what it frees (called on the task's
+        lane by an executor: this step's own, or one playing several models' steps)."""
         handlers = {W_IN: self.weights_in, DATA_IN: self.data_in, STASH_IN: self.host_in, ACT_IN: self.host_in,
                     STASH_OUT: self.host_out, ACT_OUT: self.host_out, P2P: self.peer_in, REDUCE: self.reduce,
                     G_OUT: self.grads_out, UPD: self.update, FWD: self.forward, FWDBWD: self.backward,
                     BWD: self.backward}
-
-        def run(task: Task) -> None:
-            try:
-                if task.kind == UPD:
+        try:
+            if task.kind == UPD:
+                handlers[task.kind](task)
+            else:
+                with self.backends[task.device].lane(task.lane):
                     handlers[task.kind](task)
-                else:
-                    with self.backends[task.device].lane(task.lane):
-                        handlers[task.kind](task)
-            except HarmonyError as err:
-                raise type(err)(f"task {task.id} {task.kind} ({task.what}): {err}") from None
-            except torch.OutOfMemoryError as err:  # a real GPU's
-                raise OutOfMemoryError(
-                    f"task {task.id} {task.kind} ({task.what}): {task.device} out of memory ({err}). "
-                    "Use a plan with smaller microbatches or more (smaller) packs.") from None
-            self.finish(task)
-
-        self.executor = Executor(self.graph, run)
-        self.wall_s = self.executor.run(self.t0)
+        except HarmonyError as err:
+            err.args = (f"task {task.id} {task.kind} ({task.what}): {err}",)  # keeps the type and its fields
+            raise err from None
+        except torch.OutOfMemoryError as err:  # a real GPU's
+            raise OutOfMemoryError(
+                f"task {task.id} {task.kind} ({task.what}): {task.device} out of memory ({err}). "
+                "Use a plan with smaller microbatches or more (smaller) packs.") from None
+        self.finish(task)
 
     def roll_back(self) -> None:
         """Undo a failed step: host weights, optimizer state and buffers as before it."""
@@ -221,18 +252,21 @@ class StepRun:
         backend = self.backends[task.device]
         backward = "grads" in task.io
         started = time.perf_counter()
-        self.reserve(task.io["weights"], sum(_nbytes(self.e.host_params[i]) + _nbytes(self.e.host_buffers[i])
-                                             for i in range(s, e)))
+        self.reserve(task.io["weights"], sum(self.wire_bytes(t) for i in range(s, e) for t in
+                                             (*self.e.host_params[i].values(), *self.e.host_buffers[i].values())))
         if backward:
-            self.reserve(task.io["grads"], sum(_nbytes({k: p for k, p in self.e.host_params[i].items()
-                                                        if p.requires_grad}) for i in range(s, e)))
+            self.reserve(task.io["grads"], sum(self.wire_bytes(p) for i in range(s, e)
+                                               for p in self.e.host_params[i].values() if p.requires_grad))
+        with self.lock:  # read before the copy: a write-back during it shows as a newer version
+            self.loaded_version[task.io["weights"]] = {i: self.buffer_version[i] for i in range(s, e)
+                                                       if self.e.host_buffers[i]}
         weights = {}
         for i in range(s, e):
             tensors = {}
             for name, p in self.e.host_params[i].items():
-                tensors[name] = backend.to_device(p).requires_grad_(backward and p.requires_grad)
+                tensors[name] = backend.to_device(self.low(p)).requires_grad_(backward and p.requires_grad)
             for name, b in self.e.host_buffers[i].items():
-                tensors[name] = backend.to_device(b)
+                tensors[name] = backend.to_device(self.low(b))
             weights[i] = tensors
         self._moved(task, _nbytes(weights), started)
         self.put(task.io["weights"], weights)
@@ -243,13 +277,13 @@ class StepRun:
 
     def data_in(self, task: Task) -> None:
         what, a, b = task.data
-        value = tuple(t[a:b] for t in self.inputs) if what == "inputs" else (self.target[a:b],)
+        value = self.wire(tuple(t[a:b] for t in self.inputs)) if what == "inputs" else (self.target[a:b],)
         self.put(task.io["dst"], self._copy(task, value, to_device=True))
 
     def host_in(self, task: Task) -> None:
         kind, layer, a, b = task.data
         if kind == "stash" and layer == 0:
-            value = tuple(t[a:b] for t in self.inputs)
+            value = self.wire(tuple(t[a:b] for t in self.inputs))
         else:
             with self.lock:
                 pieces = [p for p in self.host[(kind, layer)] if p[0][0] < b and a < p[0][1]]
@@ -294,7 +328,7 @@ class StepRun:
                 n += g.numel() * g.element_size()
                 host = params[name]
                 if host.grad is None:
-                    host.grad = g if g is not grads[0] else g.clone()
+                    host.grad = g.to(host.dtype) if g.dtype != host.dtype else g if g is not grads[0] else g.clone()
                 else:
                     host.grad += g
         self._moved(task, n, started)
@@ -307,6 +341,10 @@ class StepRun:
             return
         if self.e.sync is not None:
             self.e.sync.average(key, _params(opt))
+        if self.e.loss_scale != 1.0:
+            grads = [p.grad for p in _params(opt) if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, self.e.loss_scale)
         _check_finite_gradients(task, opt)
         with self.lock:
             pending = self.tasks_left > 1  # tasks other than this one
@@ -328,7 +366,7 @@ class StepRun:
         try:
             for i in range(s, e):
                 if stash and i in stash:
-                    self.put(stash[i], h)
+                    self.put(stash[i], self.wire(h))
                 module = self.e.replica(gpu, i)
                 if not self.parallel_compute:
                     seed_layer(self.e.seed, self.e.step_count, task.samples[0], i, backend.torch_device)
@@ -349,23 +387,53 @@ class StepRun:
             ledger.release(held)
         return h
 
+    def _buffer_writers(self) -> dict[int, str] | None:
+        """The device whose forward of each layer updates the host copy of its
+        buffers (BatchNorm statistics): in a pipeline the one that runs the layer,
+        in data parallel the first replica's (every replica saw other samples).
+        None: one replica, every forward writes (a 1-GPU plan, wherever it runs)."""
+        if self.e.plan.n_gpus == 1:
+            return None
+        writers: dict[int, str] = {}
+        for t in sorted((t for t in self.graph.tasks if t.kind in (FWD, FWDBWD)), key=lambda t: int(t.device[3:])):
+            for i in range(*t.layers):
+                writers.setdefault(i, t.device)
+        return writers
+
     def _write_back_buffers(self, task: Task, weights: dict) -> None:
-        """BatchNorm-like buffers changed by a real forward go back to the host copy
-        (data parallel: the first GPU's; every replica saw other samples)."""
-        if task.device != "gpu0":
-            return
+        """BatchNorm-like buffers changed by a real forward go back to the host copy."""
         with torch.no_grad():
             for i in range(*task.layers):
+                if self.buffer_writers is not None and self.buffer_writers[i] != task.device:
+                    continue
                 for name, b in self.e.host_buffers[i].items():
                     b.copy_(weights[i][name])
+                if self.e.host_buffers[i]:
+                    with self.lock:
+                        self.buffer_version[i] += 1
+                        self.loaded_version[task.io["weights"]][i] = self.buffer_version[i]  # in sync
+
+    def _refresh_buffers(self, task: Task, weights: dict) -> None:
+        """Before a real forward: buffers loaded before an earlier forward of the
+        same layers wrote back are brought up to date from the host copy."""
+        loaded = self.loaded_version.get(task.io["weights"], {})
+        with torch.no_grad():
+            for i, version in loaded.items():
+                if self.buffer_writers is not None and self.buffer_writers[i] != task.device:
+                    continue  # a replica whose statistics are not kept
+                if i in range(*task.layers) and version != self.buffer_version[i]:
+                    for name, b in self.e.host_buffers[i].items():
+                        weights[i][name].copy_(b)
+                    loaded[i] = self.buffer_version[i]
 
     def forward(self, task: Task) -> None:
         a, b = task.samples
         weights = self.store[task.io["weights"]]
         h = _assemble(self.pieces(task.io["input"]), a, b)
-        with torch.no_grad():
+        self._refresh_buffers(task, weights)
+        with torch.no_grad(), self.autocast(task):
             out = self._run_layers(task, weights, h, task.io.get("stash"), charge_intermediates=True)
-        self.put(task.io["output"], out)
+        self.put(task.io["output"], self.wire(out))
         self._write_back_buffers(task, weights)
 
     def backward(self, task: Task) -> None:
@@ -373,6 +441,8 @@ class StepRun:
         a, b = task.samples
         weights = self.store[task.io["weights"]]
         fused = task.kind == FWDBWD
+        if fused:
+            self._refresh_buffers(task, weights)
         h = _assemble(self.pieces(task.io["input" if fused else "stash_in"]), a, b)
         if s > 0:
             h = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in h)
@@ -381,20 +451,20 @@ class StepRun:
         ledger = self.backends[task.device].ledger
         meter = SavedBytes(lambda n: ledger.charge(n, f"autograd-saved tensors of {task.what}"))
         try:
-            with meter, torch.enable_grad():
+            with meter, torch.enable_grad(), self.autocast(task):
                 out = self._run_layers(task, weights, h)
                 if fused:
                     y = self.store[task.io["labels"]][0]
                     loss = self.e.loss_fn(*out, y) * ((b - a) / self.graph.samples)
             if fused:
                 if not torch.isfinite(loss.detach()).all():
-                    raise NonFiniteError(f"the loss of samples {a}..{b - 1} is {loss.item()}")
-                loss.backward()
+                    raise NonFiniteError(f"the loss of samples {a}..{b - 1} is {loss.item()}", "loss")
+                (loss * self.e.loss_scale if self.e.loss_scale != 1.0 else loss).backward()
                 with self.lock:
                     self.loss += loss.item()
             else:
                 grad_in = _assemble(self.pieces(task.io["grad_in"]), a, b)
-                pairs = [(o, g) for o, g in zip(out, grad_in) if g is not None and o.requires_grad]
+                pairs = [(o, g.to(o.dtype)) for o, g in zip(out, grad_in) if g is not None and o.requires_grad]
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         finally:
             ledger.release(meter.total)
@@ -405,8 +475,8 @@ class StepRun:
                 for (i, name), old in saved_before.items():
                     weights[i][name].copy_(old)
         if s > 0:
-            self.put(task.io["output"], tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
-                                              for t in h))
+            self.put(task.io["output"], self.wire(tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad
+                                                        else None for t in h)))
 
 
 def _check_finite_gradients(task: Task, opt: torch.optim.Optimizer) -> None:
@@ -418,7 +488,7 @@ def _check_finite_gradients(task: Task, opt: torch.optim.Optimizer) -> None:
     if not torch.isfinite(largest).all():
         bad = next(i for i, g in enumerate(grads) if not torch.isfinite(largest[i]))
         raise NonFiniteError(f"the gradient of layers {task.layers[0]}..{task.layers[1] - 1} is not finite "
-                             f"(a tensor of shape {tuple(grads[bad].shape)} holds NaN or infinity)")
+                             f"(a tensor of shape {tuple(grads[bad].shape)} holds NaN or infinity)", "gradient")
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -10,9 +10,13 @@ from ..graph import TaskGraph
 from ..hardware import Hardware
 from ..plan import Plan
 from ..spec import ModelSpec
-from . import harmony_dp, harmony_pp, virtual_memory
+from . import gpipe_swap, harmony_dp, harmony_pp, hydra, karma, virtual_memory, zero_offload
+from .common import replica_shares
 
-POLICIES: dict[str, ModuleType] = {m.NAME: m for m in (harmony_pp, harmony_dp, virtual_memory)}
+POLICIES: dict[str, ModuleType] = {m.NAME: m for m in (harmony_pp, harmony_dp, virtual_memory, karma, hydra,
+                                                       zero_offload, gpipe_swap)}
+#: policies that split each pack's CPU update into one shard per data-parallel GPU
+SHARDED_UPDATES = (harmony_dp.NAME, zero_offload.NAME)
 
 
 def get_policy(name: str) -> ModuleType:
@@ -23,10 +27,22 @@ def get_policy(name: str) -> ModuleType:
 
 
 def build_graph(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
-    return get_policy(plan.policy).build(spec, hw, plan, model)
+    if not isinstance(plan, Plan):
+        raise HarmonyError(f"plan must be a harmony.Plan, got {type(plan).__name__}")
+    policy = get_policy(plan.policy)
+    plan.validate(len(spec))
+    return policy.build(spec, hw, plan, model)
 
 
 def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
     """Bytes each kind of transfer moves in one iteration of ``plan``, in closed form."""
     plan.validate(len(spec))
     return get_policy(plan.policy).swap_volume(spec, plan)
+
+
+def update_shards(plan: Plan) -> int:
+    """How many shards each backward pack's CPU update is split into: one per
+    GPU with samples for policies that partition the update, else one."""
+    if plan.policy not in SHARDED_UPDATES:
+        return 1
+    return sum(1 for a, b in replica_shares(plan.minibatch, plan.n_gpus) if b > a)

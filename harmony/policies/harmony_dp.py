@@ -5,20 +5,23 @@ minibatch (see :mod:`.harmony_pp` for grouping). After a backward pack, the
 GPUs reduce-scatter its gradient over the peer links; each GPU sends its
 shard (every k-th layer of the pack) to the host and one CPU worker per GPU
 updates that shard, so updates run in parallel. (No all-gather is needed: next iteration's weights come
-from the host anyway.)
+from the host anyway.) A GPU loads a backward pack only once the gradient of
+the backward pack ``prefetch_packs`` before it has left, so a GPU ahead of the
+others does not pile up gradient accumulators waiting for the exchange.
 """
 
 from __future__ import annotations
 
-from ..graph import REDUCE, TaskGraph
+from ..graph import TaskGraph
 from ..hardware import Hardware
 from ..plan import Plan
 from ..spec import ModelSpec
 from .builder import GraphBuilder
-from .common import (boundary_bytes, data_bytes, grouped_ops, pack_weight_bytes,
-                     replica_shares, stash_bytes)
+from .common import (grouped_ops, offloaded_bytes, reduce_scatter_out, replica_shares, reuse_gradient_buffers,
+                     volume)
 
 NAME = "harmony-dp"
+PER_MICROBATCH = False
 
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
@@ -32,37 +35,17 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     by_pack: dict[int, list] = {}
     for group in b.bwd_groups:
         by_pack.setdefault(group.pack, []).append(group)
+    drained: dict[int, list[int]] = {}  # gradient buffer -> the shards' G_OUTs after which it is free
     for pack, groups in sorted(by_pack.items(), reverse=True):
-        k = len(groups)
-        done = [g.ops[-1] for g in groups]
-        reduce = []
-        if k > 1:
-            for g in groups:
-                dst = groups[(groups.index(g) + 1) % k].gpu
-                route, rate = b.p2p_route(g.gpu, dst)
-                reduce.append(b.transfer(REDUCE, f"gpu{g.gpu}.p2p", f"gpu{g.gpu}", route,
-                                         (k - 1) / k * spec.grad_bytes(*g.layers), done,
-                                         f"reduce-scatter gradients {g.layers}", max_rate=rate,
-                                         pack=pack, layers=g.layers).id)
-        for r, g in enumerate(groups):
-            out = b.grad_out(g, deps=reduce, shard=(r, k), replicas=groups)
-            b.update(pack, g.layers, [out.id], worker=g.gpu, shard=(r, k))
+        outs = reduce_scatter_out(b, groups)
+        for r, (g, out) in enumerate(zip(groups, outs)):
+            b.update(pack, g.layers, [out.id], worker=g.gpu, shard=(r, len(groups)))
+            drained[g.grad_buffer] = [o.id for o in outs]
+    reuse_gradient_buffers(b, drained)  # a GPU ahead of the others does not pile up gradients
     return b.graph(policy=NAME)
 
 
 def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
-    B = plan.minibatch
-    k = sum(1 for a, b in replica_shares(B, plan.n_gpus) if b > a)
-    stash_out, stash_in = stash_bytes(spec, plan, B)
-    moved = boundary_bytes(spec, plan, B) if plan.option("offload_activations") else 0.0
-    return {
-        "W_IN": k * pack_weight_bytes(spec, plan),
-        "G_OUT": spec.grad_bytes(),
-        "STASH_OUT": stash_out,
-        "STASH_IN": stash_in,
-        "DATA_IN": data_bytes(spec, B),
-        "P2P": 0.0,
-        "ACT_OUT": moved,
-        "ACT_IN": moved,
-        "REDUCE": (k - 1) * spec.grad_bytes() if k > 1 else 0.0,
-    }
+    k = sum(1 for a, b in replica_shares(plan.minibatch, plan.n_gpus) if b > a)
+    return volume(spec, plan, weight_passes=k, grad_passes=1, via_host=offloaded_bytes(spec, plan),
+                  reduce=(k - 1) * spec.grad_bytes())

@@ -15,10 +15,11 @@ from ..hardware import Hardware
 from ..plan import Plan
 from ..spec import ModelSpec
 from .builder import GraphBuilder
-from .common import (boundary_bytes, data_bytes, grouped_ops, pack_weight_bytes,
-                     stash_bytes)
+from .common import boundary_bytes, grouped_ops, volume
 
 NAME = "harmony-pp"
+#: packs run grouped over the microbatches (see harmony.policies.virtual_memory for the opposite)
+PER_MICROBATCH = False
 
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
@@ -35,18 +36,7 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
 
 
 def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
-    B = plan.minibatch
-    stash_out, stash_in = stash_bytes(spec, plan, B)
-    moved = boundary_bytes(spec, plan, B)
+    moved = boundary_bytes(spec, plan, plan.minibatch)
     offload = plan.option("offload_activations") and plan.n_gpus == 1
-    return {
-        "W_IN": pack_weight_bytes(spec, plan),
-        "G_OUT": spec.grad_bytes(),
-        "STASH_OUT": stash_out,
-        "STASH_IN": stash_in,
-        "DATA_IN": data_bytes(spec, B),
-        "P2P": moved if plan.n_gpus > 1 else 0.0,
-        "ACT_OUT": moved if offload else 0.0,
-        "ACT_IN": moved if offload else 0.0,
-        "REDUCE": 0.0,
-    }
+    return volume(spec, plan, weight_passes=1, grad_passes=1, p2p=moved if plan.n_gpus > 1 else 0.0,
+                  via_host=moved if offload else 0.0)

@@ -1,0 +1,87 @@
+"""How to cut a chain of layers into packs: per-pack memory estimates, the
+microbatch sizes worth trying, and two packers (largest packs under a memory
+budget, contiguous packs balanced by cost). The planner and the policies' own
+plan choosers share them; estimates only steer a choice, the simulator's
+ledger decides whether a plan fits."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .plan import Pack
+from .spec import ModelSpec
+
+#: fractions of GPU memory tried for one pack (double buffering keeps two resident)
+BUDGETS = (0.5, 0.3, 0.15)
+
+
+def microbatch_sizes(limit: int, cap: int | None) -> list[int]:
+    top = min(limit, cap) if cap else limit
+    sizes = {1 << i for i in range(top.bit_length()) if (1 << i) <= top}
+    sizes.add(top)
+    return sorted(sizes)
+
+
+def bwd_pack_bytes(spec: ModelSpec, a: int, b: int, u: int) -> float:
+    """Estimated device bytes of a backward pack [a, b) on ``u`` samples: weights,
+    gradients, recompute + backward working memory, its input (stashed one in
+    flight too) and the incoming output gradient."""
+    return (spec.weight_bytes(a, b) + spec.grad_bytes(a, b) + spec.bwd_work_bytes(a, b, u)
+            + 2 * spec.input_bytes(a, u) + spec.input_bytes(b, u))
+
+
+def fwd_pack_bytes(spec: ModelSpec, a: int, b: int, u: int) -> float:
+    return spec.weight_bytes(a, b) + spec.fwd_work_bytes(a, b, u) + 2 * spec.input_bytes(a, u) + spec.input_bytes(b, u)
+
+
+def greedy_packs(spec: ModelSpec, start: int, stop: int, u: int, budget: float,
+                 backward: bool) -> tuple[Pack, ...] | None:
+    """Largest packs under ``budget`` bytes each; backward packs fill from the last
+    layer. None when a single layer does not fit."""
+    size = bwd_pack_bytes if backward else fwd_pack_bytes
+    packs: list[Pack] = []
+    if backward:
+        b = stop
+        while b > start:
+            a = b - 1
+            if size(spec, a, b, u) > budget:
+                return None
+            while a > start and size(spec, a - 1, b, u) <= budget:
+                a -= 1
+            packs.append((a, b))
+            b = a
+        return tuple(reversed(packs))
+    a = start
+    while a < stop:
+        b = a + 1
+        if size(spec, a, b, u) > budget:
+            return None
+        while b < stop and size(spec, a, b + 1, u) <= budget:
+            b += 1
+        packs.append((a, b))
+        a = b
+    return tuple(packs)
+
+
+def balanced_packs(costs: Sequence[float], k: int, offset: int = 0) -> tuple[Pack, ...]:
+    """Split ``costs`` into at most ``k`` contiguous packs minimising the largest sum."""
+    k = max(1, min(k, len(costs)))
+    lo, hi = max(costs), sum(costs)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if len(_cut(costs, mid)) <= k:
+            hi = mid
+        else:
+            lo = mid
+    return tuple((a + offset, b + offset) for a, b in _cut(costs, hi))
+
+
+def _cut(costs: Sequence[float], limit: float) -> list[Pack]:
+    packs, a, acc = [], 0, 0.0
+    for i, c in enumerate(costs):
+        if acc + c > limit and i > a:
+            packs.append((a, i))
+            a, acc = i, 0.0
+        acc += c
+    packs.append((a, len(costs)))
+    return packs

@@ -1,0 +1,117 @@
+"""GPipe with swapping: the multi-GPU virtualized-memory baseline.
+
+The published system, GPipe (Huang et al., NeurIPS 2019), cuts a model into
+contiguous stages, one per GPU, and splits the minibatch into microbatches
+that flow through the stages: every microbatch forward, then every
+microbatch backward, each stage keeping only its input per microbatch and
+recomputing the rest (re-materialization); gradients accumulate over the
+microbatches for one synchronous update. When a stage does not fit in its
+GPU, virtualized GPU memory (swapping, as IBM LMS does) keeps it running:
+the stage's layers are swapped in and out for every microbatch. Harmony's
+paper compares against this baseline (up to 7.6x for Harmony over baselines
+that virtualize GPU memory).
+
+This policy reproduces: stages of contiguous backward packs, as even a number
+of packs per GPU as possible (:func:`stages`; :func:`choose_plan` balances the
+packs by compute), forward packs on the stage of their first layer; the GPipe
+flow: each microbatch forward through all stages, the last stage fusing
+forward, loss and backward as each microbatch arrives, then each microbatch
+backward through the stages; inside a stage every pack's weights are swapped
+in for every microbatch, forward and backward (prefetched, double buffered);
+activations and their gradients go GPU to GPU between stages and stay on the
+GPU inside one (or go through host memory with ``offload_activations``);
+stashed pack inputs go to host memory; every microbatch's gradient goes to
+host memory, where they add up, and each pack's CPU update starts once all
+of its gradients are in.
+
+Simplified: swapping follows the schedule pack by pack instead of reacting to
+memory pressure; GPipe's stage inputs are stashed to host memory instead of
+kept on the GPU; the optimizer runs on the CPU; backward takes the
+microbatches in forward order (GPipe reverses them), so gradients add up in
+the order of a plain loop.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from ..errors import HarmonyError
+from ..graph import FWD, TaskGraph
+from ..hardware import Hardware
+from ..packing import BUDGETS, balanced_packs, greedy_packs
+from ..plan import Plan
+from ..spec import ModelSpec
+from .builder import GraphBuilder
+from .common import (boundary_bytes, check_one_microbatch_size, fastest_fitting, microbatch_candidates,
+                     microbatch_ops, microbatches, pack_sequence, replica_shares, update_after_gradients, volume)
+
+NAME = "gpipe-swap"
+PER_MICROBATCH = True
+
+
+def stages(plan: Plan) -> list[int]:
+    """The GPU (stage) of each backward pack: contiguous runs of packs, as even
+    in number as possible, the first stages taking one more."""
+    P, n = len(plan.bwd_packs), plan.n_gpus
+    if P < n:
+        raise HarmonyError(
+            f"gpipe-swap runs one stage of whole backward packs per GPU: {P} backward packs cannot fill "
+            f"{n} stages; use at least {n} packs or fewer GPUs"
+        )
+    return [s for s, (a, b) in enumerate(replica_shares(P, n)) for _ in range(a, b)]
+
+
+def _placement(plan: Plan) -> tuple[list[int], set[int], set[int]]:
+    """The GPU of each step of :func:`~.common.pack_sequence`, and the steps whose
+    output crosses to another GPU and those whose output goes through host memory."""
+    check_one_microbatch_size(plan)
+    stage = stages(plan)
+    starts = [a for a, _ in plan.bwd_packs]
+    gpu = [stage[bisect.bisect_right(starts, plan.fwd_packs[p][0]) - 1 if kind == FWD else p]
+           for kind, p in pack_sequence(plan)]
+    cross = {i for i in range(len(gpu) - 1) if gpu[i] != gpu[i + 1]}
+    via_host = set() if not plan.option("offload_activations") else set(range(len(gpu) - 1)) - cross
+    return gpu, cross, via_host
+
+
+def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
+    b = GraphBuilder(spec, hw, plan, model)
+    gpu, _, via_host = _placement(plan)
+    mbs = microbatches((0, plan.minibatch), plan.fwd_microbatch)
+    forward = range(len(plan.fwd_packs) + 1)  # forward packs, then the fused last pack
+    backward = range(forward.stop, len(gpu))
+    b.run([op for phase in (forward, backward) for m, mb in enumerate(mbs)
+           for op in microbatch_ops(plan, mb, m, gpu.__getitem__, via_host.__contains__, phase)])
+    update_after_gradients(b)
+    return b.graph(policy=NAME)
+
+
+def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
+    _, cross, via_host = _placement(plan)
+    B = plan.minibatch
+    n_mb = len(microbatches((0, B), plan.fwd_microbatch))
+    return volume(spec, plan, weight_passes=n_mb, grad_passes=n_mb, p2p=boundary_bytes(spec, plan, B, cross),
+                  via_host=boundary_bytes(spec, plan, B, via_host))
+
+
+def choose_plan(spec: ModelSpec, hw: Hardware, minibatch: int, microbatch: int | None = None,
+                n_gpus: int | None = None) -> Plan:
+    """A GPipe-with-swap plan on ``n_gpus`` GPUs (default: all of ``hw``): for
+    each microbatch size (``microbatch``, or powers of two up to the
+    minibatch) and memory budget of :data:`~harmony.packing.BUDGETS`, the
+    largest packs that fit, and as many packs balanced by backward time,
+    rounded up to a multiple of the GPUs so that stages hold equal counts;
+    the fastest that fits when simulated."""
+    n = hw.n_gpus if n_gpus is None else n_gpus
+    L = len(spec)
+    plans = []
+    for u in microbatch_candidates(spec, minibatch, microbatch):
+        times = [spec.bwd_time(i, i + 1, u, hw.gpu_flops) for i in range(L)]
+        for frac in BUDGETS:
+            greedy = greedy_packs(spec, 0, L, u, frac * hw.gpu_memory, backward=True)
+            if greedy is None:
+                continue
+            for packs in (greedy, balanced_packs(times, -(-len(greedy) // n) * n)):
+                if len(packs) >= n:
+                    plans.append(Plan(NAME, n, minibatch, u, u, packs[:-1], packs))
+    return fastest_fitting(spec, hw, plans, build, NAME)

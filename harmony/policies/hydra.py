@@ -1,0 +1,84 @@
+"""HYDRA (Nagrecha & Kumar, 2021): model spilling, one model on one GPU.
+
+The published system cuts a model into *shards*, groups of consecutive layers
+that each fit in GPU memory, and trains it by moving shards between DRAM and
+the GPU: forward shard by shard, then backward shard by shard in reverse,
+recomputing a shard's activations from its input; the activations at shard
+boundaries are spilled to DRAM; "double buffering" loads the next shard while
+the current one computes. On top of spilling it schedules many models at
+once (model selection): a hybrid of task and model parallelism with a shard
+scheduling heuristic. It reports over 7x against plain model parallelism and
+50-100% more throughput than pipeline-parallel tools on multi-model
+workloads.
+
+This policy reproduces single-model spilling: the shards are the backward
+packs (:func:`choose_plan` takes the largest that fit with two resident); a
+shard runs over the whole minibatch while it is on the GPU (in microbatches
+when the minibatch does not fit at once), forward, the last shard fused with
+the loss and its backward, then backward with recompute from the shard's
+input stashed in DRAM; activations and their gradients between shards always
+go through host memory, whatever ``offload_activations`` says; double
+buffering is ``prefetch_packs`` (2 by default). The graph is for one GPU and
+carries the ``model`` index, so multi-model training (``harmony.multi_model``)
+can place several of them.
+
+Simplified: HYDRA steps the optimizer on the GPU while a shard is resident
+and spills the updated weights and optimizer state back; here, as in every
+harmony policy, the update runs on the host CPU from host-resident state, so
+a shard's gradient goes out once and nothing is written back. The multi-model
+scheduler is not part of this policy. On one GPU, spilling whole shards over
+the whole minibatch is Harmony's own single-GPU schedule with activations
+offloaded: input-batch grouping and model spilling coincide there.
+"""
+
+from __future__ import annotations
+
+from ..errors import HarmonyError
+from ..graph import TaskGraph
+from ..hardware import Hardware
+from ..packing import BUDGETS, greedy_packs
+from ..plan import Plan
+from ..spec import ModelSpec
+from .builder import GraphBuilder
+from .common import (boundary_bytes, fastest_fitting, grouped_ops, microbatch_candidates, update_after_gradients,
+                     volume)
+
+NAME = "hydra"
+PER_MICROBATCH = False
+
+
+def _check(plan: Plan) -> None:
+    if plan.n_gpus != 1:
+        raise HarmonyError(
+            f"hydra spills one model on one GPU, but the plan asks for {plan.n_gpus} GPUs; train several "
+            "models side by side with harmony.multi_model, or one model on several GPUs with harmony-pp, "
+            "harmony-dp or gpipe-swap"
+        )
+
+
+def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
+    _check(plan)
+    b = GraphBuilder(spec, hw, plan, model)
+    steps = grouped_ops(plan, (0, plan.minibatch), lambda i: 0, lambda i: True)
+    b.run([op for step in steps for op in step])
+    update_after_gradients(b)
+    return b.graph(policy=NAME)
+
+
+def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
+    _check(plan)
+    return volume(spec, plan, weight_passes=1, grad_passes=1, via_host=boundary_bytes(spec, plan, plan.minibatch))
+
+
+def choose_plan(spec: ModelSpec, hw: Hardware, minibatch: int, microbatch: int | None = None) -> Plan:
+    """HYDRA's shards: for each microbatch size (``microbatch``, or powers of
+    two up to the minibatch), the largest shards under each memory budget of
+    :data:`~harmony.packing.BUDGETS`, filled from the last layer; the fastest
+    plan that fits when simulated."""
+    plans = []
+    for u in microbatch_candidates(spec, minibatch, microbatch):
+        for frac in BUDGETS:
+            shards = greedy_packs(spec, 0, len(spec), u, frac * hw.gpu_memory, backward=True)
+            if shards is not None:
+                plans.append(Plan(NAME, 1, minibatch, u, u, shards[:-1], shards))
+    return fastest_fitting(spec, hw, plans, build, NAME)
