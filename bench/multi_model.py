@@ -31,48 +31,25 @@ import torch
 import harmony
 from harmony import EmulatedServer, Engine, Job, Plan
 from harmony.engine.profiler import profile
+from harmony.experiments import depth_grid_jobs, schedules_table
 from harmony.training import build_model, lm_loss, synthetic_batch
 
 FMT = lambda v: f"{v:.3g}"  # noqa: E731
 
 
-def gpt2_xl_depth(blocks: int) -> harmony.ModelSpec:
-    """GPT-2 XL (1080 Ti profile) cut to its first ``blocks`` blocks, embedding and head kept."""
-    xl = harmony.model_spec("gpt2-xl")
-    return replace(xl, name=f"gpt2-xl-{blocks}L", layers=xl.layers[:1 + blocks] + xl.layers[49:])
-
-
-def plans(spec: harmony.ModelSpec, hw: harmony.Hardware, minibatch: int) -> tuple[Plan, Plan]:
-    one = harmony.search(spec, hw, minibatch, policies=("harmony-pp",), n_gpus=1).iloc[0].plan
-    wide = harmony.search(spec, hw, minibatch, policies=("harmony-pp", "harmony-dp"), n_gpus=hw.n_gpus).iloc[0].plan
-    return one, wide
-
-
-def compare(jobs: list[Job], hw: harmony.Hardware) -> pd.DataFrame:
-    df = harmony.compare_schedules(jobs, hw)
-    one_gpu = harmony.simulate_many([replace(j, parallel_plan=None) for j in jobs], hw, "sequential").row()
-    one_gpu["schedule"] = "sequential, 1 GPU"
-    one_gpu["over_merged"] = one_gpu["total_s"] / df.set_index("schedule").total_s["merged"]
-    return pd.concat([df, pd.DataFrame([one_gpu])], ignore_index=True)
-
-
 def simulated(args) -> None:
-    hw = harmony.preset("paper-4x1080ti")
-    found = {}
-    for blocks in range(6, 49, 6):
-        t0 = time.perf_counter()
-        spec = gpt2_xl_depth(blocks)
-        found[blocks] = (spec, *plans(spec, hw, args.minibatch))
-        print(f"  {spec.name}: 1 GPU {found[blocks][1].describe()}; 4 GPUs {found[blocks][2].describe()} "
-              f"(searched in {time.perf_counter() - t0:.1f} s)", flush=True)
+    t0 = time.perf_counter()
+    depths = list(range(6, 49, 6))
+    jobs = depth_grid_jobs("gpt2-xl", depths, args.minibatch, args.steps)
+    print(f"  plans for {len(jobs)} depths searched in {time.perf_counter() - t0:.1f} s", flush=True)
+    deepest = jobs[-1]
     grids = {
-        "a. eight depths (6..48 blocks)": [Job(s, one, args.steps, s.name, wide) for s, one, wide in found.values()],
-        "b. six GPT-2 XL (learning-rate grid)": [Job(found[48][0], found[48][1], args.steps, f"lr{i}", found[48][2])
-                                                for i in range(6)],
+        "a. eight depths (6..48 blocks)": jobs,
+        "b. six GPT-2 XL (learning-rate grid)": [replace(deepest, name=f"lr{i}") for i in range(6)],
     }
-    for title, jobs in grids.items():
+    for title, grid in grids.items():
         t0 = time.perf_counter()
-        df = compare(jobs, hw)
+        df = schedules_table(grid)
         print(f"\n{title}, {args.steps} iterations each, simulated in {time.perf_counter() - t0:.1f} s")
         print(df[["schedule", "total_s", "over_merged", "gpu_busy", "swap_gb", "peak_gb", "fits"]]
               .to_string(index=False, float_format=FMT))

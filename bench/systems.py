@@ -21,7 +21,6 @@ swapping.
 """
 
 import argparse
-import itertools
 import time
 from dataclasses import replace
 
@@ -32,23 +31,11 @@ import harmony
 from emulated import FLOP_PER_BYTE_1080TI, cpu_flops
 from harmony import EmulatedServer, Engine, OutOfMemoryError
 from harmony.engine.profiler import measure_task_overhead, profile
-from harmony.experiments import median_step_s
-from harmony.policies import get_policy
-from harmony.search import SEARCHABLE, search
+from harmony.experiments import median_step_s, system_plans, systems_table
 from harmony.training import build_model, lm_loss
 
 POLICIES = ("harmony-pp", "harmony-dp", "virtual-memory", "karma", "hydra", "zero-offload", "gpipe-swap")
 PAPER_P2P_OVER_PCIE = 8.2 / 11.5  # paper-4x1080ti: peer copies vs host link
-
-
-def best_plans(spec, hw, minibatch: int, workers=None) -> dict:
-    """The best plan of every policy: searched where the search plans it, else the policy's own choice."""
-    df = search(spec, hw, minibatch, policies=SEARCHABLE, workers=workers)
-    plans = {policy: rows.iloc[0].plan for policy, rows in df.groupby("policy")}
-    for policy in POLICIES:
-        if policy not in plans:
-            plans[policy] = get_policy(policy).choose_plan(spec, hw, minibatch)
-    return {policy: plans[policy] for policy in POLICIES}
 
 
 def moved(summary: dict) -> dict:
@@ -68,18 +55,9 @@ def versus_baseline(rows: list[dict]) -> list[dict]:
 
 
 def simulated(args) -> pd.DataFrame:
-    hw = harmony.preset(args.hardware)
-    rows = []
-    for name, minibatch in itertools.product(args.models.split(","), map(int, args.minibatches.split(","))):
-        t0 = time.perf_counter()
-        spec = harmony.model_spec(name)
-        plans = best_plans(spec, hw, minibatch)
-        summaries = {policy: harmony.simulate(spec, hw, plan).summary for policy, plan in plans.items()}
-        rows += versus_baseline([{"model": name, "minibatch": minibatch, "policy": policy,
-                                  "plan": plan_text(plans[policy]), "samples/s": s["samples_per_s"], **moved(s)}
-                                 for policy, s in summaries.items()])
-        print(f"  {name} minibatch {minibatch}: plans in {time.perf_counter() - t0:.0f} s", flush=True)
-    return pd.DataFrame(rows)
+    df = systems_table(args.models.split(","), [int(b) for b in args.minibatches.split(",")], args.hardware)
+    return df.rename(columns={"samples_per_s": "samples/s", "host_gpu_gb": "host<->GPU GB",
+                              "gpu_gpu_gb": "GPU<->GPU GB", "vs_virtual_memory": "vs virtual-memory"})
 
 
 def measured(args) -> pd.DataFrame:
@@ -101,7 +79,7 @@ def measured(args) -> pd.DataFrame:
           f"training footprint {footprint / 1e6:.0f} MB = {footprint / capacity:.1f}x one GPU", flush=True)
     hw = replace(server.hardware(), task_overhead_s=measure_task_overhead(server.device()))
     rows = []
-    for policy, plan in best_plans(spec, hw, B, workers=1).items():
+    for policy, plan in system_plans(spec, hw, B, POLICIES, workers=1).items():
         sim = harmony.simulate(spec, hw, plan).summary
         row = {"policy": policy, "plan": plan_text(plan), "simulated samples/s": sim["samples_per_s"],
                "simulated peak MB": max(sim["peak_memory"].values()) / 1e6}

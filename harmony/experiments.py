@@ -29,7 +29,8 @@ from .catalog import model_spec
 from .errors import HarmonyError, OutOfMemoryError
 from .hardware import Hardware, preset
 from .plan import Pack, Plan
-from .search import search
+from .policies import POLICIES, get_policy
+from .search import SEARCHABLE, search
 from .simulate import simulate
 from .training import build_model, lm_loss, torch_threads
 from .viz import bar_chart, save
@@ -71,6 +72,10 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     "00_quickstart": {
         "quick": {"steps": 6},
         "full": {"steps": 20},
+    },
+    "17_systems": {
+        "quick": {"models": ["gpt2-xl"], "minibatches": [16], "depths": [12, 24, 36, 48]},
+        "full": {"models": ["gpt2-xl", "bert-96"], "minibatches": [16, 64, 256], "depths": list(range(6, 49, 6))},
     },
     "16_simulator_fidelity": {
         "quick": {"steps": 3, "pack_sizes": [1, 3], "microbatches": [2, 8]},
@@ -656,6 +661,90 @@ def fidelity_chart(df: pd.DataFrame, title: str = ""):
 
     return alt.hconcat(scatter("simulated_s", "measured_s", "iteration time (s)"),
                        scatter("simulated_peak_mb", "measured_peak_mb", "peak memory (MB)")).properties(title=title)
+
+
+# ---- every system side by side; many models at once ------------------------------------
+def system_plans(spec, hw: Hardware, minibatch: int, policies: Sequence[str] | None = None,
+                 workers: int | None = None) -> dict[str, Plan]:
+    """The best plan of each policy (default: every registered one) for ``spec``
+    on ``hw``: the search's where it plans the policy, else the policy's own
+    ``choose_plan``."""
+    policies = list(policies or POLICIES)
+    searched = [p for p in policies if p in SEARCHABLE]
+    df = search(spec, hw, minibatch, policies=searched, workers=workers) if searched else pd.DataFrame()
+    plans = {policy: rows.iloc[0].plan for policy, rows in df.groupby("policy")} if len(df) else {}
+    return {p: plans[p] if p in plans else get_policy(p).choose_plan(spec, hw, minibatch) for p in policies}
+
+
+def _moved_gb(summary: dict) -> dict[str, float]:
+    kinds = summary["bytes_by_kind"]
+    return {"host_gpu_gb": summary["swap_bytes"] / 1e9,
+            "gpu_gpu_gb": (kinds.get("P2P", 0.0) + kinds.get("REDUCE", 0.0)) / 1e9}
+
+
+def systems_table(models: Sequence[str], minibatches: Sequence[int], hardware: str = HARDWARE,
+                  policies: Sequence[str] | None = None, workers: int | None = None) -> pd.DataFrame:
+    """Simulated samples/s and bytes moved per iteration of every system's best
+    plan, per model and minibatch, with samples/s over the virtual-memory baseline's."""
+    hw = preset(hardware)
+    rows = []
+    for model in models:
+        spec = model_spec(model)
+        for minibatch in minibatches:
+            for policy, plan in system_plans(spec, hw, minibatch, policies, workers).items():
+                s = simulate(spec, hw, plan).summary
+                rows.append({"model": model, "minibatch": minibatch, "policy": policy, "plan": plan.describe(),
+                             "n_gpus": plan.n_gpus, "samples_per_s": s["samples_per_s"], **_moved_gb(s)})
+    df = pd.DataFrame(rows)
+    base = df[df.policy == BASELINE].set_index(["model", "minibatch"]).samples_per_s
+    df["vs_virtual_memory"] = [r.samples_per_s / base.get((r.model, r.minibatch), math.nan)
+                               for r in df.itertuples()]
+    return df
+
+
+def systems_chart(df: pd.DataFrame, title: str = ""):
+    """Samples/s of every system, one group of bars per model and minibatch."""
+    long = df.assign(case=[f"{m}, B={b}" for m, b in zip(df.model, df.minibatch)])
+    return bar_chart(long, "case", "samples_per_s", color="policy", title=title, y_title="samples/s (simulated)")
+
+
+def depth_grid_jobs(model: str, depths: Sequence[int], minibatch: int, steps: int,
+                    hardware: str = HARDWARE) -> list:
+    """A model-selection workload: ``model`` (a reference profile: an embedding,
+    a run of identical blocks, then its head) cut to each depth in ``depths``,
+    each a :class:`~harmony.multi_model.Job` with its best 1-GPU Harmony plan and
+    its best plan over all GPUs (used when models run one after another)."""
+    from dataclasses import replace
+
+    from .multi_model import Job
+
+    full, hw = model_spec(model), preset(hardware)
+    kind = full.layers[1].name.partition(":")[2]
+    blocks = next((i - 1 for i, c in enumerate(full.layers[1:], 1) if c.name.partition(":")[2] != kind), len(full) - 1)
+    jobs = []
+    for depth in depths:
+        if not 1 <= depth <= blocks:
+            raise HarmonyError(f"{model} has {blocks} blocks; depths must be between 1 and {blocks}, got {depth}")
+        spec = replace(full, name=f"{model}-{depth}L", layers=full.layers[:1 + depth] + full.layers[1 + blocks:])
+        one = search(spec, hw, minibatch, policies=HARMONY_POLICIES[:1], n_gpus=1, workers=1).iloc[0].plan
+        wide = search(spec, hw, minibatch, policies=HARMONY_POLICIES, n_gpus=hw.n_gpus, workers=1).iloc[0].plan
+        jobs.append(Job(spec, one, steps, spec.name, wide))
+    return jobs
+
+
+def schedules_table(jobs: list, hardware: str = HARDWARE) -> pd.DataFrame:
+    """Total time to train every job under each schedule of
+    :func:`~harmony.multi_model.compare_schedules`, plus one model at a time on one GPU."""
+    from dataclasses import replace
+
+    from .multi_model import compare_schedules, simulate_many
+
+    hw = preset(hardware)
+    df = compare_schedules(jobs, hw)
+    alone = simulate_many([replace(j, parallel_plan=None) for j in jobs], hw, "sequential").row()
+    alone["schedule"] = "sequential, 1 GPU"
+    alone["over_merged"] = alone["total_s"] / df.set_index("schedule").total_s["merged"]
+    return pd.concat([df, pd.DataFrame([alone])], ignore_index=True)
 
 
 # ---- writing results -------------------------------------------------------------------

@@ -68,13 +68,20 @@ def coalesce(timeline: pd.DataFrame, max_rows: int = MAX_ROWS) -> pd.DataFrame:
     return out.assign(microbatch=-1, layers="", what=lambda d: d.tasks.astype(str) + " tasks").drop(columns="bin")
 
 
-def timeline_chart(trace: Trace, title: str = "", width: int = 900, max_rows: int = MAX_ROWS):
+def timeline_chart(trace: Trace, title: str = "", width: int = 900, max_rows: int = MAX_ROWS,
+                   color: str = "kind"):
     """Gantt chart of one iteration: one row per lane, one bar per task (tasks
-    that touch are merged when the trace has more than ``max_rows``)."""
+    that touch are merged when the trace has more than ``max_rows``), coloured
+    by task ``kind`` or by another timeline column (``"model"`` for many models)."""
     alt = _altair()
-    df = coalesce(trace.timeline, max_rows)
+    timeline = trace.timeline
+    if color != "kind":  # bars merge and take their colour by this column instead
+        timeline = timeline.assign(kind=[f"{color} {v}" for v in timeline[color]])
+    df = coalesce(timeline, max_rows)
     df = df.assign(duration_ms=(df.end_s - df.start_s) * 1e3, layers=df["layers"].astype(str))
-    kinds = [k for k in KIND_COLORS if k in set(df.kind)]
+    kinds = [k for k in KIND_COLORS if k in set(df.kind)] if color == "kind" else sorted(set(df.kind))
+    scale = alt.Scale(domain=kinds, range=[KIND_COLORS[k] for k in kinds]) if color == "kind" else \
+        alt.Scale(domain=kinds, scheme="tableau10")
     lanes = sorted(df.lane.unique(), key=_lane_order)
     return (
         alt.Chart(df[["lane", "kind", "start_s", "end_s", "duration_ms", "bytes", "tasks", "layers", "microbatch",
@@ -84,7 +91,7 @@ def timeline_chart(trace: Trace, title: str = "", width: int = 900, max_rows: in
             x=alt.X("start_s:Q", title="time (s)"),
             x2="end_s:Q",
             y=alt.Y("lane:N", sort=lanes, title=None),
-            color=alt.Color("kind:N", scale=alt.Scale(domain=kinds, range=[KIND_COLORS[k] for k in kinds])),
+            color=alt.Color("kind:N", scale=scale, title=color),
             tooltip=["kind", "what", "tasks", "layers", "microbatch", alt.Tooltip("duration_ms:Q", format=".2f"),
                      alt.Tooltip("bytes:Q", format=".3s")],
         )
