@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(m)
     m.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search at --minibatch)")
     m.add_argument("--minibatch", type=_positive_int, default=None, help="search at this minibatch if no --plan")
+    m.add_argument("--policy", default=None,
+                   help="simulate this system's best plan at --minibatch (see `harmony policies`)")
     m.add_argument("--chrome", type=Path, default=None, help="write a Chrome/Perfetto trace JSON")
     m.add_argument("--timeline", type=Path, default=None, help="write a timeline figure (.svg and .png)")
     m.add_argument("--csv", type=Path, default=None, help="write the timeline as CSV")
@@ -151,7 +153,13 @@ def _cmd_simulate(args) -> int:
 
     spec, hw = _spec_and_hw(args)
     if args.plan is not None:
+        if args.policy is not None:
+            raise HarmonyError("give --plan or --policy, not both: the plan names its policy")
         plan = Plan.from_json(args.plan)
+    elif args.minibatch is not None and args.policy is not None:
+        from .experiments import system_plans
+
+        plan = system_plans(spec, hw, args.minibatch, [args.policy])[args.policy]
     elif args.minibatch is not None:
         plan = search(spec, hw, args.minibatch, progress=False).iloc[0]["plan"]
     else:

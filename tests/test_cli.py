@@ -67,3 +67,10 @@ def test_listings(capsys):
     for cmd, needle in (("models", "gpt2-xl"), ("presets", "paper-4x1080ti"), ("policies", "virtual-memory")):
         code, out, _ = run(capsys, cmd)
         assert code == 0 and needle in out
+
+
+@pytest.mark.parametrize("policy", ["hydra", "karma"])
+def test_simulate_a_system_by_policy(capsys, policy):
+    assert main(["simulate", "--model", "bert-large", "--minibatch", "8", "--policy", policy, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["policy"] == policy and out["summary"]["iteration_s"] > 0
