@@ -72,7 +72,9 @@ class FlatAdamW(torch.optim.Optimizer):
     * ``False``: torch's own sequence of elementwise ops, on blocks of
       :data:`BLOCK` elements that stay in cache (a block may span several
       tensors). Bitwise equal to ``torch.optim.AdamW``'s default (for-loop) and
-      ``foreach`` implementations, at about half the speed of the fused kernel.
+      ``foreach`` implementations; about a third of the fused kernel's speed
+      and 1.5-2x the default's in ``bench/optimizer.py`` (its many short
+      multithreaded ops lose most when other work shares the cores).
 
     ``amsgrad`` and ``maximize`` are not implemented and raise
     :class:`~harmony.errors.HarmonyError`.
