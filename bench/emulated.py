@@ -139,6 +139,30 @@ def main() -> None:
         print(f"  {name:18s} exposed {100 * after_compute:5.2f}% of the iteration ({100 * after_grad:.2f}% after "
               f"the last gradient landed); all updates {1e3 * statistics.median(updates[name][1:]):.1f} ms per step")
 
+    precision(args, cfg, device, hw, spec, plans["harmony-pp"], x, y)
+
+
+def precision(args, cfg, device, hw, spec, plan, x, y) -> None:
+    """The Harmony plan in float32 and in bfloat16 (mixed precision), interleaved:
+    bytes moved per kind and iteration time, measured and simulated."""
+    print(f"\nharmony-pp in fp32 and bf16 (the same plan), median of {args.steps - 1} steps")
+    engines = {p: Engine(build_model("gpt2-tiny", 0, dropout=0.0, **cfg), lambda ps: FlatAdamW(ps, lr=1e-4),
+                         lm_loss, device=device, minibatch_size=args.minibatch, plan=plan, precision=p)
+               for p in ("fp32", "bf16")}
+    times = {p: [] for p in engines}
+    for _ in range(args.steps):
+        for p, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.step(x, y)
+            times[p].append(time.perf_counter() - t0)
+    moved = {p: e.trace.summary["bytes_by_kind"] for p, e in engines.items()}
+    for p, engine in engines.items():
+        sim = harmony.simulate(engine.in_precision(spec), hw, plan).summary["iteration_s"]
+        print(f"  {p}: measured {statistics.median(times[p][1:]):.3f} s/step, simulated {sim:.3f} s "
+              f"(fp32 compute times), bytes moved {engine.trace.summary['swap_bytes'] / 1e6:.1f} MB")
+    print("  fp32 / bf16 bytes: " + ", ".join(f"{k} {v / moved['bf16'][k]:.2f}" for k, v in moved["fp32"].items()
+                                            if v and moved["bf16"].get(k)))
+
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,7 @@ from torch import nn
 from ..spec import Curve, ModelSpec
 from .describe import describe, layer_inputs
 from .reference_loop import as_args
+from .updates import apply_update
 
 
 def default_sizes(minibatch: int) -> list[int]:
@@ -72,11 +73,12 @@ def _nbytes(values) -> int:
 
 def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: Callable,
             optimizer: Callable | None = None, sizes: Sequence[int] | None = None, repeats: int = 3,
-            device: torch.device | str = "cpu", name: str = "model") -> ModelSpec:
+            device: torch.device | str = "cpu", name: str = "model", safe_updates: bool = True) -> ModelSpec:
     """A measured :class:`~harmony.spec.ModelSpec` of ``layers`` on ``device``.
 
     ``inputs``/``target``: an example minibatch (its size bounds ``sizes``).
-    ``optimizer``: the factory the engine will use (for the CPU update time)."""
+    ``optimizer``: the factory the engine will use (for the CPU update time);
+    ``safe_updates``: whether the engine journals updates (as it does by default)."""
     inputs = as_args(inputs)
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -105,7 +107,8 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
                 torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
 
             times[(i, "fwd")].append(_median_time(fwd, repeats, sync))
-            times[(i, "bwd")].append(_median_time(bwd, repeats, sync))
+            # with the saved-tensor meter on, as the engine runs recompute (it charges the ledger)
+            times[(i, "bwd")].append(_median_time(lambda: bwd(SavedBytes()), repeats, sync))
             meter = SavedBytes()
             bwd(meter)
             times[(i, "fx")].append(float(_nbytes(acts[i + 1])))
@@ -117,21 +120,23 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
                 bwd_time=Curve.table(sizes, times[(i, "bwd")]),
                 fwd_extra=Curve.table(sizes, times[(i, "fx")]),
                 bwd_extra=Curve.table(sizes, times[(i, "bx")]),
-                update_time_s=_update_time(layers[i], optimizer, repeats) if optimizer else None)
+                update_time_s=_update_time(layers[i], optimizer, repeats, safe_updates) if optimizer else None)
         for i, cost in enumerate(spec.layers)
     )
     return replace(spec, layers=measured, source=f"profiled on {device} ({repeats} repeats per point)")
 
 
-def _update_time(layer: nn.Module, optimizer: Callable, repeats: int) -> float:
-    """CPU time of one optimizer step on copies of the layer's parameters."""
+def _update_time(layer: nn.Module, optimizer: Callable, repeats: int, journal: bool) -> float:
+    """CPU time of one update task on copies of the layer's parameters: the
+    optimizer step, the engine's finite-gradient check and (``journal``: the
+    engine's ``safe_updates``) the copy it keeps to undo the step."""
     params = [p.detach().clone().requires_grad_(True) for p in layer.parameters()]
     if not params:
         return 0.0
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     opt = optimizer(params)
-    return _median_time(opt.step, repeats, lambda: None)
+    return _median_time(lambda: apply_update(opt, (0, 1), None, [] if journal else None), repeats, lambda: None)
 
 
 def measure_link(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 3) -> tuple[float, float]:

@@ -26,6 +26,7 @@ from .devices import Backend, LinkPacer
 from .executor import Executor
 from .profiler import SavedBytes
 from .reference_loop import as_args, seed_layer
+from .updates import apply_update, optimizer_params as _params
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -345,12 +346,9 @@ class StepRun:
             grads = [p.grad for p in _params(opt) if p.grad is not None]
             if grads:
                 torch._foreach_div_(grads, self.e.loss_scale)
-        _check_finite_gradients(task, opt)
         with self.lock:
             pending = self.tasks_left > 1  # tasks other than this one
-        if self.e.safe_updates and pending:
-            self.journal.append((key, [p.detach().clone() for p in _params(opt)], _clone_state(opt.state_dict())))
-        opt.step()
+        apply_update(opt, task.layers, key, self.journal if self.e.safe_updates and pending else None)
         opt.zero_grad(set_to_none=True)
 
     # ---- compute ----------------------------------------------------------------------
@@ -477,32 +475,3 @@ class StepRun:
         if s > 0:
             self.put(task.io["output"], self.wire(tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad
                                                         else None for t in h)))
-
-
-def _check_finite_gradients(task: Task, opt: torch.optim.Optimizer) -> None:
-    """Refuse to apply a gradient with a NaN or an infinity."""
-    grads = [p.grad for p in _params(opt) if p.grad is not None]
-    if not grads:
-        return
-    largest = torch.stack(torch._foreach_norm(grads, float("inf")))
-    if not torch.isfinite(largest).all():
-        bad = next(i for i, g in enumerate(grads) if not torch.isfinite(largest[i]))
-        raise NonFiniteError(f"the gradient of layers {task.layers[0]}..{task.layers[1] - 1} is not finite "
-                             f"(a tensor of shape {tuple(grads[bad].shape)} holds NaN or infinity)", "gradient")
-
-
-def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in opt.param_groups for p in group["params"]]
-
-
-def _clone_state(state: dict) -> dict:
-    def clone(v):
-        if isinstance(v, torch.Tensor):
-            return v.detach().clone()
-        if isinstance(v, dict):
-            return {k: clone(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [clone(x) for x in v]
-        return v
-
-    return clone(state)
