@@ -43,10 +43,10 @@ def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
 
 
 def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
-    # times are measured in float32; under mixed precision the bytes that move are the engine's
     engine.profile = engine.in_precision(profile(engine.layers, inputs, target, engine.loss_fn,
                                                  engine._optimizer_factory, device=engine.backend.torch_device,
-                                                 name=engine.spec.name, safe_updates=engine.safe_updates))
+                                                 name=engine.spec.name, safe_updates=engine.safe_updates,
+                                                 dtype=engine.compute_dtype))
     engine.task_overhead_s = measure_task_overhead(one_gpu(engine.device))
     hw = engine.hardware()
     hw = replace(hw, gpu_memory=int(hw.gpu_memory * PLANNING_HEADROOM))

@@ -73,18 +73,25 @@ def _nbytes(values) -> int:
 
 def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: Callable,
             optimizer: Callable | None = None, sizes: Sequence[int] | None = None, repeats: int = 3,
-            device: torch.device | str = "cpu", name: str = "model", safe_updates: bool = True) -> ModelSpec:
+            device: torch.device | str = "cpu", name: str = "model", safe_updates: bool = True,
+            dtype: torch.dtype | None = None) -> ModelSpec:
     """A measured :class:`~harmony.spec.ModelSpec` of ``layers`` on ``device``.
 
     ``inputs``/``target``: an example minibatch (its size bounds ``sizes``).
     ``optimizer``: the factory the engine will use (for the CPU update time);
-    ``safe_updates``: whether the engine journals updates (as it does by default)."""
+    ``safe_updates``: whether the engine journals updates (as it does by default).
+    ``dtype``: time forward and backward under ``torch.autocast`` in this dtype
+    (mixed precision); sizes stay those of float32 (see ``ModelSpec.with_dtypes``)."""
     inputs = as_args(inputs)
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     spec = describe(layers, inputs, target, name=name)
     sizes = list(sizes or default_sizes(target.shape[0]))
     copies = [copy.deepcopy(layer).to(device) for layer in layers]
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
     times = {(i, phase): [] for i in range(len(layers)) for phase in ("fwd", "bwd", "fx", "bx")}
     for u in sizes:
         acts = layer_inputs(copies, tuple(t[:u].to(device) for t in inputs))
@@ -94,12 +101,12 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
             last = i == len(copies) - 1
 
             def fwd():
-                with torch.no_grad():
+                with torch.no_grad(), autocast():
                     layer(*x)
 
             def bwd(meter: SavedBytes | None = None):
                 xs = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in x)
-                with meter if meter is not None else contextlib.nullcontext():
+                with meter if meter is not None else contextlib.nullcontext(), autocast():
                     out = as_args(layer(*xs))
                     if last:
                         out = (loss_fn(*out, y),)
