@@ -255,3 +255,15 @@ def test_a_run_killed_at_random_moments_resumes_to_bitwise_the_same_weights(tmp_
 
     result = kill_and_resume(tmp_path, kills=3, seed=7)
     assert result["kills"] == 3 and result["bitwise_equal"]
+
+
+def test_huge_but_finite_gradients_are_not_mistaken_for_non_finite_ones():
+    from harmony.engine.updates import check_finite_gradients
+
+    p = nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.full((4,), 1e30)  # its 2-norm overflows float32
+    check_finite_gradients(opt, (0, 1))
+    p.grad[2] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"shape \(4,\) holds NaN"):
+        check_finite_gradients(opt, (0, 1))

@@ -19,11 +19,16 @@ def check_finite_gradients(opt: torch.optim.Optimizer, layers: tuple[int, int]) 
     grads = [p.grad for p in optimizer_params(opt) if p.grad is not None]
     if not grads:
         return
-    largest = torch.stack(torch._foreach_norm(grads, float("inf")))
-    if not torch.isfinite(largest).all():
-        bad = next(i for i, g in enumerate(grads) if not torch.isfinite(largest[i]))
-        raise NonFiniteError(f"the gradient of layers {layers[0]}..{layers[1] - 1} is not finite "
-                             f"(a tensor of shape {tuple(grads[bad].shape)} holds NaN or infinity)", "gradient")
+    # The 2-norm is one vectorized pass (the max-norm is ~20x slower on CPU) and is
+    # NaN or infinite whenever an element is; a finite gradient so large that its
+    # norm overflows is told apart by the exact test on that tensor alone.
+    norms = torch.stack(torch._foreach_norm(grads, 2.0))
+    if torch.isfinite(norms).all():
+        return
+    for g, norm in zip(grads, norms):
+        if not torch.isfinite(norm) and not torch.isfinite(g).all():
+            raise NonFiniteError(f"the gradient of layers {layers[0]}..{layers[1] - 1} is not finite "
+                                 f"(a tensor of shape {tuple(g.shape)} holds NaN or infinity)", "gradient")
 
 
 def clone_state(state: dict) -> dict:
