@@ -267,3 +267,12 @@ def test_huge_but_finite_gradients_are_not_mistaken_for_non_finite_ones():
     p.grad[2] = float("nan")
     with pytest.raises(NonFiniteError, match=r"shape \(4,\) holds NaN"):
         check_finite_gradients(opt, (0, 1))
+
+
+def test_page_locking_weights_without_the_host_memory_for_it_is_refused(monkeypatch):
+    from harmony.engine.devices import CudaBackend
+
+    backend = object.__new__(CudaBackend)  # no GPU needed: the check runs before any pinning
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 100)
+    with pytest.raises(HarmonyError, match="page-locking the model's weights"):
+        backend.prepare_host(make_model())

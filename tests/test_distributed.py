@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from harmony import Plan, reference_step
@@ -36,14 +37,15 @@ def launch(tmp_path, rank: int, port: int, steps: int = STEPS, timeout: float = 
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def write_plan(tmp_path) -> Plan:
-    plan = Plan("harmony-pp", 1, B, 4, 4, ((0, 2),), ((0, 2), (2, 5)))
+def write_plan(tmp_path, policy: str = "harmony-pp") -> Plan:
+    plan = Plan(policy, 1, B, 4, 4, ((0, 2),), ((0, 2), (2, 5)))
     plan.to_json(tmp_path / "plan.json")
     return plan
 
 
-def test_two_servers_end_with_identical_weights_equal_to_one_process_over_all_data(tmp_path):
-    plan = write_plan(tmp_path)
+@pytest.mark.parametrize("policy", ["harmony-pp", "karma"])  # KARMA: out-of-core, data parallel across servers
+def test_two_servers_end_with_identical_weights_equal_to_one_process_over_all_data(tmp_path, policy):
+    plan = write_plan(tmp_path, policy)
     port = free_port()
     procs = [launch(tmp_path, rank, port) for rank in (0, 1)]
     outs = [p.communicate(timeout=240) for p in procs]

@@ -231,11 +231,21 @@ class CudaBackend(Backend):
 
     def prepare_host(self, module: nn.Module) -> None:
         """Page-locked host weights: copies from them are asynchronous and run at
-        full link speed."""
+        full link speed. Each tensor is copied into page-locked memory, so the
+        host needs room for the largest of them on top of what it holds."""
+        from .host_memory import available_host_bytes
+
+        tensors = [t for t in list(module.parameters()) + list(module.buffers()) if not t.is_pinned()]
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        available = available_host_bytes()
+        if sizes and available is not None and max(sizes) > available:
+            raise HarmonyError(
+                f"host memory: page-locking the model's weights ({sum(sizes) / 1e9:.2f} GB) needs up to "
+                f"{max(sizes) / 1e9:.2f} GB free at once, but only {available / 1e9:.2f} GB are available; "
+                "free host memory first")
         with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
-                if not t.is_pinned():
-                    t.data = t.data.pin_memory()
+            for t in tensors:
+                t.data = t.data.pin_memory()
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu")
