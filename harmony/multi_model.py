@@ -603,11 +603,14 @@ class _Training:
 
     def __init__(self, sched: MultiSchedule, engines: list, batches: list[list[tuple]], server):
         from .engine.devices import LinkPacer, make_backends
+        from .engine.step import SharedDevices
 
         self.sched, self.engines, self.batches = sched, engines, batches
         self.backends = {b.name: b for b in make_backends(server)}
-        self.pacer = LinkPacer(sched.graph.links)
-        self.parallel = len(sched.graph.in_order_lanes()) > 1
+        # the server's GPUs, shared by every model: their ledgers, their paced links, and
+        # compute threads that may run concurrently (dropout seeds under the shared lock)
+        self.shared = SharedDevices(list(self.backends.values()), LinkPacer(sched.graph.links),
+                                    len(sched.graph.in_order_lanes()) > 1)
         self.left = Counter((m, s) for m, s, _ in sched.origin)
         self.running: dict[tuple[int, int], object] = {}
         self.done: dict[tuple[int, int], object] = {}
@@ -647,11 +650,7 @@ class _Training:
             run = self.running.get((m, s))
             if run is None:
                 x, y = self.batches[m][s]
-                run = StepRun(self.engines[m], self.sched.views[(m, s)], as_args(x), y)
-                # the server's GPUs, shared by every model: their ledgers, their paced links, and
-                # compute threads that may run concurrently (dropout seeds under the shared lock)
-                run.backends, run.pacer, run.paced = self.backends, self.pacer, True
-                run.parallel_compute = self.parallel
+                run = StepRun(self.engines[m], self.sched.views[(m, s)], as_args(x), y, self.shared)
                 self.running[(m, s)] = run
             return run
 

@@ -12,6 +12,7 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,11 +60,25 @@ def _assemble(pieces: list[tuple[tuple[int, int], tuple]], a: int, b: int) -> tu
     return tuple(out)
 
 
+@dataclass
+class SharedDevices:
+    """A server's devices as several models' steps share them: their ledgers,
+    one pacer for their links, and whether compute lanes run concurrently."""
+
+    backends: list[Backend]
+    pacer: LinkPacer
+    parallel_compute: bool
+
+
 class StepRun:
-    def __init__(self, engine: "Engine", graph: TaskGraph, inputs: tuple, target: torch.Tensor):
+    def __init__(self, engine: "Engine", graph: TaskGraph, inputs: tuple, target: torch.Tensor,
+                 shared: "SharedDevices | None" = None):
+        """``shared``: devices this step shares with other models' steps (several
+        models on one server); default: the engine's own, reset for this step."""
         self.e, self.graph, self.inputs, self.target = engine, graph, inputs, target
-        self.backends: dict[str, Backend] = {b.name: b for b in engine.backends}
-        self.paced = any(b.paced for b in engine.backends)
+        backends = shared.backends if shared else engine.backends
+        self.backends: dict[str, Backend] = {b.name: b for b in backends}
+        self.paced = any(b.paced for b in backends)
         self.dtype = engine.compute_dtype  # None: float32 throughout
         self.buffer_writers = self._buffer_writers()
         # BatchNorm-like buffers: how often each layer's host copy was written back in
@@ -71,8 +86,9 @@ class StepRun:
         # before the previous forward of its layers wrote back must refresh them)
         self.buffer_version: dict[int, int] = defaultdict(int)
         self.loaded_version: dict[int, dict[int, int]] = {}
-        self.pacer = LinkPacer(graph.links)
-        self.parallel_compute = len(graph.in_order_lanes()) > 1
+        self.pacer = shared.pacer if shared else LinkPacer(graph.links)
+        # several compute threads: dropout seeds and draws under the engine's lock
+        self.parallel_compute = shared.parallel_compute if shared else len(graph.in_order_lanes()) > 1
         self.store: dict[int, object] = {}  # buffer id -> what the device holds
         self.charged: dict[int, int] = {}
         self.refs = [b.refs for b in graph.buffers]
@@ -89,8 +105,9 @@ class StepRun:
         self.buffers_before = ([b.detach().clone() for b in engine.model.buffers()]
                                if engine.safe_updates else None)
         self.t0 = time.perf_counter()
-        for b in engine.backends:
-            b.ledger.reset(self.t0)
+        if shared is None:
+            for b in backends:
+                b.ledger.reset(self.t0)
 
     # ---- bookkeeping --------------------------------------------------------------
     def reserve(self, buf: int, nbytes: int) -> None:
