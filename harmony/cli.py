@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
                    help="write a checkpoint every N steps (needs --checkpoint-dir)")
     t.add_argument("--keep", type=_positive_int, default=3, help="checkpoints to keep (the newest)")
+    t.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="mixed precision: weights, activations and gradients cross the links in this dtype")
+    t.add_argument("--nonfinite", default="raise", choices=["raise", "skip"],
+                   help="a NaN/inf loss or gradient: stop (weights untouched) or skip the step")
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint in --checkpoint-dir (if there is one)")
     t.add_argument("--timeout", type=float, default=60.0, help="seconds before a lost server is an error")
@@ -203,7 +207,7 @@ def _cmd_train(args) -> int:
     checkpoints = CheckpointDir(args.checkpoint_dir, keep=args.keep) if args.checkpoint_dir else None
     result = train(args.model, args.steps, args.minibatch, device, plan, lr=args.lr, seed=args.seed,
                    timeout_s=args.timeout, checkpoints=checkpoints, checkpoint_every=args.checkpoint_every or 0,
-                   resume=args.resume, **_overrides(args.set))
+                   resume=args.resume, precision=args.precision, nonfinite=args.nonfinite, **_overrides(args.set))
     if args.save:
         save_weights(result.engine, args.save)
     if result.losses:

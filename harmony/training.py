@@ -71,7 +71,8 @@ class TrainResult:
 
 def train(name: str, steps: int, minibatch: int, device, plan: Plan | str = "auto", lr: float = 1e-3,
           seed: int = 0, timeout_s: float = 60.0, log=print, checkpoints: CheckpointDir | None = None,
-          checkpoint_every: int = 0, resume: bool = False, **overrides) -> TrainResult:
+          checkpoint_every: int = 0, resume: bool = False, precision: str = "fp32", nonfinite: str = "raise",
+          **overrides) -> TrainResult:
     """Train ``name`` until ``steps`` synthetic minibatches (per server) are done.
 
     With ``checkpoints``, a checkpoint is written every ``checkpoint_every``
@@ -90,13 +91,15 @@ def train(name: str, steps: int, minibatch: int, device, plan: Plan | str = "aut
     if found:
         path, state = found
         engine = Engine(model, optimizer, loss_fn, device=device, minibatch_size=minibatch,
-                        plan=plan if isinstance(plan, Plan) else "auto", seed=seed)
+                        plan=plan if isinstance(plan, Plan) else "auto", seed=seed, precision=precision,
+                        nonfinite=nonfinite)
         engine.load_state_dict(state)
         log(f"resumed from {path} at step {engine.step_count}")
     else:
         if resume:
             log(f"no checkpoint in {checkpoints.directory}: starting at step 0")
-        engine = Engine(model, optimizer, loss_fn, device=device, minibatch_size=minibatch, plan=plan, seed=seed)
+        engine = Engine(model, optimizer, loss_fn, device=device, minibatch_size=minibatch, plan=plan, seed=seed,
+                        precision=precision, nonfinite=nonfinite)
     losses, t0, timed = [], None, 0
     for step in range(engine.step_count, steps):
         inputs, target = synthetic_batch(name, minibatch, step, rank, seed, **overrides)

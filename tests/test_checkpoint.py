@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from harmony import CheckpointDir, CheckpointError, EmulatedDevice, Engine, HarmonyError, NonFiniteError, Plan
+from harmony import (CheckpointDir, CheckpointError, EmulatedDevice, Engine, FlatAdamW, HarmonyError,
+                     NonFiniteError, Plan)
 from harmony.engine import host_memory
 from harmony.engine.checkpoint import read_checkpoint, write_checkpoint
 
@@ -36,7 +37,8 @@ def uninterrupted(optimizer, data, plan=PLAN):
     return weights(engine.model)
 
 
-@pytest.mark.parametrize("optimizer", [ADAMW, SGD_MOMENTUM], ids=["adamw", "sgd-momentum"])
+@pytest.mark.parametrize("optimizer", [ADAMW, SGD_MOMENTUM, lambda ps: FlatAdamW(ps, lr=1e-2)],
+                         ids=["adamw", "sgd-momentum", "flat-adamw"])
 @pytest.mark.parametrize("resume_plan", [PLAN, OTHER_PLAN], ids=["same-plan", "other-plan"])
 def test_save_and_load_resume_bitwise(tmp_path, optimizer, resume_plan):
     data = batches(5)

@@ -74,3 +74,13 @@ def test_simulate_a_system_by_policy(capsys, policy):
     assert main(["simulate", "--model", "bert-large", "--minibatch", "8", "--policy", policy, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["policy"] == policy and out["summary"]["iteration_s"] > 0
+
+
+def test_train_in_mixed_precision(capsys, tmp_path):
+    weights = tmp_path / "w.pt"
+    assert main(["train", "--model", "gpt2-tiny", "--steps", "2", "--minibatch", "8", "--memory", "8MB",
+                 "--precision", "bf16", "--nonfinite", "skip", "--save", str(weights)]) == 0
+    assert "final loss" in capsys.readouterr().out
+    import torch
+
+    assert all(t.dtype in (torch.float32, torch.int64) for t in torch.load(weights).values())  # fp32 masters
