@@ -278,3 +278,14 @@ def test_page_locking_weights_without_the_host_memory_for_it_is_refused(monkeypa
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 100)
     with pytest.raises(HarmonyError, match="page-locking the model's weights"):
         backend.prepare_host(make_model())
+
+
+def test_the_rollback_journal_reuses_its_buffers_from_step_to_step():
+    engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
+    data = batches(3)
+    engine.step(*data[0])  # creates the optimizer state (journaled whole)
+    engine.step(*data[1])
+    first = {key: [t.data_ptr() for t in ts] for key, ts in engine.journal._buffers.items()}
+    engine.step(*data[2])
+    assert first and {key: [t.data_ptr() for t in ts] for key, ts in engine.journal._buffers.items()} == first
+    assert len(engine.journal.entries) == len(engine.optimizers) - 1  # every update but the step's last task

@@ -38,11 +38,12 @@ from ..trace import Trace
 from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from .decompose import decompose
 from .describe import describe
-from .host_memory import check_host_memory
 from .devices import Backend, EmulatedBackend, EmulatedServer, make_backends
+from .host_memory import check_host_memory
 from .reference_loop import as_args
 from .state import FORMAT as STATE_FORMAT
 from .state import apply_state, check_state, engine_state, load_optimizer_state, optimizer_state, param_names
+from .updates import UpdateJournal
 
 NONFINITE = ("raise", "skip")
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -125,6 +126,7 @@ class Engine:
         self.minibatch_size = minibatch_size
         self.seed = seed
         self.safe_updates = safe_updates
+        self.journal = UpdateJournal()  # what a step's updates changed, to undo it if the step fails
         self.nonfinite = nonfinite
         self.precision = precision
         self.compute_dtype: torch.dtype | None = PRECISIONS[precision]

@@ -24,7 +24,7 @@ from torch import nn
 from ..spec import Curve, ModelSpec
 from .describe import describe, layer_inputs
 from .reference_loop import as_args
-from .updates import apply_update
+from .updates import UpdateJournal, apply_update
 
 
 def default_sizes(minibatch: int) -> list[int]:
@@ -143,7 +143,14 @@ def _update_time(layer: nn.Module, optimizer: Callable, repeats: int, journal: b
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     opt = optimizer(params)
-    return _median_time(lambda: apply_update(opt, (0, 1), None, [] if journal else None), repeats, lambda: None)
+    record = UpdateJournal() if journal else None
+
+    def update():
+        if record is not None:
+            record.start_step()
+        apply_update(opt, (0, 1), None, record)
+
+    return _median_time(update, repeats, lambda: None)
 
 
 def measure_link(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 3) -> tuple[float, float]:

@@ -100,7 +100,7 @@ class StepRun:
         # Updates that start while other tasks are still pending are journaled, so a
         # failure later in the step (an error, a non-finite gradient of another
         # pack) can undo them (safe_updates).
-        self.journal: list[tuple[tuple[int, int], list, dict]] = []
+        engine.journal.start_step()
         self.tasks_left = len(graph.tasks)
         self.buffers_before = ([b.detach().clone() for b in engine.model.buffers()]
                                if engine.safe_updates else None)
@@ -190,12 +190,7 @@ class StepRun:
 
     def roll_back(self) -> None:
         """Undo a failed step: host weights, optimizer state and buffers as before it."""
-        for key, saved_params, saved_state in reversed(self.journal):
-            opt = self.e.optimizers[key]
-            with torch.no_grad():
-                for p, old in zip(_params(opt), saved_params):
-                    p.copy_(old)
-            opt.load_state_dict(saved_state)
+        self.e.journal.undo()
         if self.buffers_before is not None:
             with torch.no_grad():
                 for b, old in zip(self.e.model.buffers(), self.buffers_before):
@@ -365,7 +360,7 @@ class StepRun:
                 torch._foreach_div_(grads, self.e.loss_scale)
         with self.lock:
             pending = self.tasks_left > 1  # tasks other than this one
-        apply_update(opt, task.layers, key, self.journal if self.e.safe_updates and pending else None)
+        apply_update(opt, task.layers, key, self.e.journal if self.e.safe_updates and pending else None)
         opt.zero_grad(set_to_none=True)
 
     # ---- compute ----------------------------------------------------------------------

@@ -5,6 +5,8 @@ training step can undo it, step."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..errors import NonFiniteError
@@ -31,6 +33,76 @@ def check_finite_gradients(opt: torch.optim.Optimizer, layers: tuple[int, int]) 
                                  f"(a tensor of shape {tuple(g.shape)} holds NaN or infinity)", "gradient")
 
 
+class UpdateJournal:
+    """What the updates of one training step changed, to undo them if the step
+    fails later. The copies go into buffers kept from step to step (one set per
+    optimizer): copying into memory already in use is ~3x faster here than
+    cloning into fresh memory, which the kernel must fault in and zero first.
+
+    Per optimizer: its parameters and the tensors of its state are copied;
+    other state entries (numbers) are kept as they are. An optimizer without
+    state yet (its first step) is saved whole through ``state_dict`` instead."""
+
+    def __init__(self):
+        self._buffers: dict = {}  # key -> tensors reused for that optimizer's copies
+        self._lock = threading.Lock()
+        self.entries: list = []  # (key, opt, saved) in the order recorded
+
+    def start_step(self) -> None:
+        self.entries = []
+
+    def record(self, key, opt: torch.optim.Optimizer) -> None:
+        live = _live_tensors(opt)
+        if live is None:  # first step: state to be created by this update
+            saved = ("whole", [p.detach().clone() for p in optimizer_params(opt)], clone_state(opt.state_dict()))
+        else:
+            tensors, scalars = live
+            buffers = self._buffers.get(key)
+            if buffers is None or [(b.shape, b.dtype) for b in buffers] != [(t.shape, t.dtype) for t in tensors]:
+                buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+                self._buffers[key] = buffers
+            for b, t in zip(buffers, tensors):
+                b.copy_(t)
+            saved = ("copies", buffers, scalars)
+        with self._lock:
+            self.entries.append((key, opt, saved))
+
+    def undo(self) -> None:
+        """Put back what every recorded update changed, latest first."""
+        with torch.no_grad():
+            for _, opt, (how, a, b) in reversed(self.entries):
+                if how == "whole":
+                    for p, old in zip(optimizer_params(opt), a):
+                        p.copy_(old)
+                    opt.load_state_dict(b)
+                    continue
+                tensors, _ = _live_tensors(opt)
+                for t, old in zip(tensors, a):
+                    t.copy_(old)
+                for (state, name), value in b:
+                    state[name] = value
+        self.entries = []
+
+
+def _live_tensors(opt: torch.optim.Optimizer):
+    """(parameters and state tensors, [(state dict, name), value] of the other state
+    entries) of ``opt``, in a fixed order; None if its next step creates state
+    (a parameter with a gradient and no state yet)."""
+    params = optimizer_params(opt)
+    if any(p.grad is not None and not opt.state.get(p) for p in params):
+        return None  # this step creates state: keep the whole state_dict
+    tensors, scalars = list(params), []
+    for p in params:
+        state = opt.state.get(p, {})
+        for name in sorted(state):
+            value = state[name]
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            else:
+                scalars.append(((state, name), value))
+    return [t.detach() for t in tensors], scalars
+
+
 def clone_state(state: dict) -> dict:
     def clone(v):
         if isinstance(v, torch.Tensor):
@@ -44,10 +116,10 @@ def clone_state(state: dict) -> dict:
     return clone(state)
 
 
-def apply_update(opt: torch.optim.Optimizer, layers: tuple[int, int], key, journal: list | None) -> None:
+def apply_update(opt: torch.optim.Optimizer, layers: tuple[int, int], key, journal: UpdateJournal | None) -> None:
     """Step ``opt`` (the update of ``layers``) after checking its gradients; with a
-    ``journal``, first record (key, parameters, state) to undo it."""
+    ``journal``, first record what the step will change, to undo it."""
     check_finite_gradients(opt, layers)
     if journal is not None:
-        journal.append((key, [p.detach().clone() for p in optimizer_params(opt)], clone_state(opt.state_dict())))
+        journal.record(key, opt)
     opt.step()
