@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -28,6 +28,7 @@ import pandas as pd
 from .catalog import model_spec
 from .errors import HarmonyError, OutOfMemoryError
 from .hardware import Hardware, preset
+from .multi_model import Job, compare_schedules, simulate_many
 from .plan import Pack, Plan
 from .policies import POLICIES, get_policy
 from .search import SEARCHABLE, search
@@ -709,15 +710,11 @@ def systems_chart(df: pd.DataFrame, title: str = ""):
 
 
 def depth_grid_jobs(model: str, depths: Sequence[int], minibatch: int, steps: int,
-                    hardware: str = HARDWARE) -> list:
+                    hardware: str = HARDWARE) -> list[Job]:
     """A model-selection workload: ``model`` (a reference profile: an embedding,
     a run of identical blocks, then its head) cut to each depth in ``depths``,
     each a :class:`~harmony.multi_model.Job` with its best 1-GPU Harmony plan and
     its best plan over all GPUs (used when models run one after another)."""
-    from dataclasses import replace
-
-    from .multi_model import Job
-
     full, hw = model_spec(model), preset(hardware)
     kind = full.layers[1].name.partition(":")[2]
     blocks = next((i - 1 for i, c in enumerate(full.layers[1:], 1) if c.name.partition(":")[2] != kind), len(full) - 1)
@@ -732,13 +729,9 @@ def depth_grid_jobs(model: str, depths: Sequence[int], minibatch: int, steps: in
     return jobs
 
 
-def schedules_table(jobs: list, hardware: str = HARDWARE) -> pd.DataFrame:
+def schedules_table(jobs: list[Job], hardware: str = HARDWARE) -> pd.DataFrame:
     """Total time to train every job under each schedule of
     :func:`~harmony.multi_model.compare_schedules`, plus one model at a time on one GPU."""
-    from dataclasses import replace
-
-    from .multi_model import compare_schedules, simulate_many
-
     hw = preset(hardware)
     df = compare_schedules(jobs, hw)
     alone = simulate_many([replace(j, parallel_plan=None) for j in jobs], hw, "sequential").row()

@@ -87,19 +87,15 @@ def train(name: str, steps: int, minibatch: int, device, plan: Plan | str = "aut
     rank = torch.distributed.get_rank() if distributed else 0
     model = build_model(name, seed, **overrides)
     optimizer, loss_fn = (lambda ps: torch.optim.AdamW(ps, lr=lr)), loss_for(name)
+    engine = Engine(model, optimizer, loss_fn, device=device, minibatch_size=minibatch, plan=plan, seed=seed,
+                    precision=precision, nonfinite=nonfinite)
     found = checkpoints.latest(log) if resume else None
-    if found:
+    if found:  # the checkpoint's plan, unless one was given
         path, state = found
-        engine = Engine(model, optimizer, loss_fn, device=device, minibatch_size=minibatch,
-                        plan=plan if isinstance(plan, Plan) else "auto", seed=seed, precision=precision,
-                        nonfinite=nonfinite)
         engine.load_state_dict(state)
         log(f"resumed from {path} at step {engine.step_count}")
-    else:
-        if resume:
-            log(f"no checkpoint in {checkpoints.directory}: starting at step 0")
-        engine = Engine(model, optimizer, loss_fn, device=device, minibatch_size=minibatch, plan=plan, seed=seed,
-                        precision=precision, nonfinite=nonfinite)
+    elif resume:
+        log(f"no checkpoint in {checkpoints.directory}: starting at step 0")
     losses, t0, timed = [], None, 0
     for step in range(engine.step_count, steps):
         inputs, target = synthetic_batch(name, minibatch, step, rank, seed, **overrides)

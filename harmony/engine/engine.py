@@ -230,7 +230,8 @@ class Engine:
                     "pass e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)"
                 )
             optimizers[key] = opt
-        load_optimizer_state(optimizers, optimizer_state(self.optimizers, param_names(self)), param_names(self))
+        names = param_names(self)
+        load_optimizer_state(optimizers, optimizer_state(self.optimizers, names), names)
         if self.distributed:
             from .distributed import GradientSync, check_same_plan
 
@@ -335,12 +336,10 @@ class Engine:
             if self.loss_scale != 1.0 and err.what == "gradient":  # fp16 overflow: a smaller scale next time
                 self.loss_scale /= 2
                 self.good_steps = 0
-                self.step_count += 1
-                self.skipped_steps += 1
-                return float("nan")
-            if self.nonfinite == "raise":
+            elif self.nonfinite == "raise":
                 raise
-            warnings.warn(f"step {self.step_count} skipped, weights unchanged: {err}", stacklevel=2)
+            else:
+                warnings.warn(f"step {self.step_count} skipped, weights unchanged: {err}", stacklevel=2)
             self.step_count += 1
             self.skipped_steps += 1
             return float("nan")
@@ -373,7 +372,10 @@ class Engine:
     def load_state_dict(self, state: dict, plan: Plan | None = None) -> None:
         """Continue the run ``state`` was taken from. The plan is ``plan``, else the
         engine's own, else the one in ``state``. Checked before anything changes."""
-        check_state(self, state, "the state")
+        self._continue(state, plan, "the state")
+
+    def _continue(self, state: dict, plan: Plan | None, source: str) -> None:
+        check_state(self, state, source)
         if plan is None and self.plan is None and state["plan"] is not None:
             plan = Plan.from_dict(state["plan"])
         apply_state(self, state, plan)
@@ -394,10 +396,7 @@ class Engine:
         kwargs.setdefault("precision", state["precision"])
         engine = cls(model, optimizer, loss_fn, device=device, minibatch_size=state["minibatch_size"],
                      plan="auto", seed=state["seed"], **kwargs)
-        check_state(engine, state, str(path))
-        if plan is None and state["plan"] is not None:
-            plan = Plan.from_dict(state["plan"])
-        apply_state(engine, state, plan)
+        engine._continue(state, plan, str(path))
         return engine
 
 

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import HarmonyError
 from ..policies.common import boundary_bytes
+from .updates import optimizer_params
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -35,7 +36,7 @@ def available_host_bytes() -> int | None:
 
 def _state_slots(opt: torch.optim.Optimizer) -> int:
     """Tensors of the parameter's size the optimizer keeps per parameter."""
-    if opt is None or any(opt.state.get(p) for g in opt.param_groups for p in g["params"]):
+    if opt is None or any(opt.state.get(p) for p in optimizer_params(opt)):
         return 0  # already allocated, part of what is in use now
     if isinstance(opt, torch.optim.SGD):
         return 1 if any(g.get("momentum", 0) for g in opt.param_groups) else 0
@@ -51,7 +52,7 @@ def host_bytes_needed(engine: "Engine") -> dict[str, float]:
     for opt in engine.optimizers.values():
         if opt is None:
             continue
-        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        params = [p for p in optimizer_params(opt) if p.requires_grad]
         size = sum(p.numel() * p.element_size() for p in params)
         grads += 0 if all(p.grad is not None for p in params) else size
         optimizer += _state_slots(opt) * size

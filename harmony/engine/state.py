@@ -15,6 +15,7 @@ import torch
 
 from ..errors import HarmonyError
 from ..plan import Plan
+from .updates import optimizer_params
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -48,7 +49,7 @@ def load_optimizer_state(optimizers: dict, saved: dict, names: dict[int, str]) -
     for opt in optimizers.values():
         if opt is None:
             continue
-        ordered = [p for group in opt.param_groups for p in group["params"]]
+        ordered = optimizer_params(opt)
         index = {id(p): i for i, p in enumerate(ordered)}
         groups = []
         for group in opt.param_groups:

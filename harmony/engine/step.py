@@ -89,6 +89,10 @@ class StepRun:
         self.pacer = shared.pacer if shared else LinkPacer(graph.links)
         # several compute threads: dropout seeds and draws under the engine's lock
         self.parallel_compute = shared.parallel_compute if shared else len(graph.in_order_lanes()) > 1
+        self.handlers = {W_IN: self.weights_in, DATA_IN: self.data_in, STASH_IN: self.host_in,
+                         ACT_IN: self.host_in, STASH_OUT: self.host_out, ACT_OUT: self.host_out, P2P: self.peer_in,
+                         REDUCE: self.reduce, G_OUT: self.grads_out, UPD: self.update, FWD: self.forward,
+                         FWDBWD: self.backward, BWD: self.backward}
         self.store: dict[int, object] = {}  # buffer id -> what the device holds
         self.charged: dict[int, int] = {}
         self.refs = [b.refs for b in graph.buffers]
@@ -169,16 +173,13 @@ class StepRun:
     def run_task(self, task: Task) -> None:
         """Do one task of the graph, then release what it frees (called on the task's
         lane by an executor: this step's own, or one playing several models' steps)."""
-        handlers = {W_IN: self.weights_in, DATA_IN: self.data_in, STASH_IN: self.host_in, ACT_IN: self.host_in,
-                    STASH_OUT: self.host_out, ACT_OUT: self.host_out, P2P: self.peer_in, REDUCE: self.reduce,
-                    G_OUT: self.grads_out, UPD: self.update, FWD: self.forward, FWDBWD: self.backward,
-                    BWD: self.backward}
+        handle = self.handlers[task.kind]
         try:
             if task.kind == UPD:
-                handlers[task.kind](task)
+                handle(task)
             else:
                 with self.backends[task.device].lane(task.lane):
-                    handlers[task.kind](task)
+                    handle(task)
         except HarmonyError as err:
             err.args = (f"task {task.id} {task.kind} ({task.what}): {err}",)  # keeps the type and its fields
             raise err from None
@@ -341,7 +342,11 @@ class StepRun:
                 n += g.numel() * g.element_size()
                 host = params[name]
                 if host.grad is None:
-                    host.grad = g.to(host.dtype) if g.dtype != host.dtype else g if g is not grads[0] else g.clone()
+                    if g.dtype != host.dtype:  # mixed precision: the host keeps float32
+                        g = g.to(host.dtype)
+                    elif g is grads[0]:  # not the device's own tensor (the cpu backend's "copies" are views)
+                        g = g.clone()
+                    host.grad = g
                 else:
                     host.grad += g
         self._moved(task, n, started)
@@ -428,10 +433,10 @@ class StepRun:
         same layers wrote back are brought up to date from the host copy."""
         loaded = self.loaded_version.get(task.io["weights"], {})
         with torch.no_grad():
-            for i, version in loaded.items():
+            for i in range(*task.layers):
                 if self.buffer_writers is not None and self.buffer_writers[i] != task.device:
                     continue  # a replica whose statistics are not kept
-                if i in range(*task.layers) and version != self.buffer_version[i]:
+                if i in loaded and loaded[i] != self.buffer_version[i]:
                     for name, b in self.e.host_buffers[i].items():
                         weights[i][name].copy_(b)
                     loaded[i] = self.buffer_version[i]
