@@ -663,6 +663,7 @@ class _Training:
             if self.left[(m, s)] == 0:
                 self.engines[m].step_count += 1
                 self.done[(m, s)] = self.running.pop((m, s))
+                self.done[(m, s)].close()
 
     def _trace(self, executor, wall: float) -> Trace:
         graph, origin = self.sched.graph, self.sched.origin

@@ -272,12 +272,16 @@ def test_huge_but_finite_gradients_are_not_mistaken_for_non_finite_ones():
 
 
 def test_page_locking_weights_without_the_host_memory_for_it_is_refused(monkeypatch):
-    from harmony.engine.devices import CudaBackend
+    from harmony.engine.buffers import HostLayout
 
-    backend = object.__new__(CudaBackend)  # no GPU needed: the check runs before any pinning
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 100)
-    with pytest.raises(HarmonyError, match="page-locking the model's weights"):
-        backend.prepare_host(make_model())
+    with pytest.raises(HarmonyError, match="page-locked weights need it on CUDA"):  # checked before pinning
+        HostLayout(list(model), pin=True)
+    with pytest.warns(UserWarning, match="copied tensor by tensor"):  # without a GPU: left as they are
+        HostLayout(list(model), pin=False)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 def test_the_rollback_journal_reuses_its_buffers_from_step_to_step():

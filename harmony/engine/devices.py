@@ -8,11 +8,13 @@ Three backends behind one small interface (:class:`Backend`):
   Compute is real PyTorch on the CPU. Device memory is a **ledger with a hard
   capacity**: every tensor the engine places on the device is charged, and
   going over raises :class:`~harmony.errors.OutOfMemoryError` with what was
-  asked, what was free and which task asked. Each copy is a real copy made on
-  the lane's own thread and paced to the link's bandwidth (the thread sleeps
-  for the rest of bytes / bandwidth), so transfers really overlap compute.
+  asked, what was free and which task asked. Each copy is a real copy (into a
+  buffer from the backend's pool) made on the lane's own thread and paced to
+  the link's bandwidth (the thread sleeps for the rest of bytes / bandwidth),
+  so transfers really overlap compute.
 * ``cuda``: a real GPU; the ledger then only counts (the CUDA allocator
-  enforces the capacity) and copies are real host<->device copies.
+  enforces the capacity) and copies are real host<->device copies, from and
+  to page-locked host memory.
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from ..errors import HarmonyError, OutOfMemoryError
 from ..hardware import GB, Hardware, parse_bytes, parse_rate
+from .buffers import BufferPool
 
 
 @dataclass(frozen=True)
@@ -176,45 +177,38 @@ class Backend:
 
     kind = "cpu"
     paced = False  # copies are paced to the emulated link bandwidths
+    copies = False  # False: the device computes on host memory as it is (a tensor "moved" is the same tensor)
 
     def __init__(self, name: str = "gpu0"):
         self.name = name
         self.torch_device = torch.device("cpu")
         self.ledger = Ledger(name, None)
-
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Host tensor -> device tensor (a view on the cpu backend)."""
-        return t.detach()
-
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach()
+        # device buffers reused from step to step (None: the CUDA caching allocator's)
+        self.pool: BufferPool | None = BufferPool(self.torch_device)
 
     def lane(self, lane: str):
         """Context for running one task of ``lane`` (its CUDA stream on a GPU)."""
         return contextlib.nullcontext()
 
-    def prepare_host(self, module: nn.Module) -> None:
-        """Make the host copy of the weights suitable for this device's copies."""
-
 
 class EmulatedBackend(Backend):
     kind = "emulated"
     paced = True
+    copies = True
 
     def __init__(self, spec: EmulatedDevice, name: str = "gpu0"):
         super().__init__(name)
         self.spec = spec
         self.ledger = Ledger(name, spec.capacity)
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone()
-
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone()
-
 
 class CudaBackend(Backend):
+    """A real GPU. Device buffers come from PyTorch's caching allocator, which
+    already reuses memory from step to step (and, unlike a pool of exact sizes,
+    splits blocks, so what it holds stays within the plan's peak)."""
+
     kind = "cuda"
+    copies = True
 
     def __init__(self, device: str, name: str = "gpu0"):
         super().__init__(name)
@@ -223,32 +217,9 @@ class CudaBackend(Backend):
                                "(use harmony.EmulatedDevice(...) or 'cpu')")
         self.torch_device = torch.device(device)
         self.ledger = Ledger(name, None)
+        self.pool = None
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
-
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(self.torch_device, non_blocking=True)
-
-    def prepare_host(self, module: nn.Module) -> None:
-        """Page-locked host weights: copies from them are asynchronous and run at
-        full link speed. Each tensor is copied into page-locked memory, so the
-        host needs room for the largest of them on top of what it holds."""
-        from .host_memory import available_host_bytes
-
-        tensors = [t for t in list(module.parameters()) + list(module.buffers()) if not t.is_pinned()]
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        available = available_host_bytes()
-        if sizes and available is not None and max(sizes) > available:
-            raise HarmonyError(
-                f"host memory: page-locking the model's weights ({sum(sizes) / 1e9:.2f} GB) needs up to "
-                f"{max(sizes) / 1e9:.2f} GB free at once, but only {available / 1e9:.2f} GB are available; "
-                "free host memory first")
-        with torch.no_grad():
-            for t in tensors:
-                t.data = t.data.pin_memory()
-
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu")
 
     @contextlib.contextmanager
     def lane(self, lane: str):

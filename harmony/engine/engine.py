@@ -38,6 +38,7 @@ from ..trace import Trace
 from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from .decompose import decompose
 from .describe import describe
+from .buffers import BufferPool, HostLayout
 from .devices import Backend, EmulatedBackend, EmulatedServer, make_backends
 from .host_memory import check_host_memory
 from .reference_loop import as_args
@@ -107,7 +108,11 @@ class Engine:
         self.loss_fn = loss_fn
         self.device = device
         self.backends: list[Backend] = make_backends(device)
-        self.backends[0].prepare_host(self.host_module)
+        # Host weights in flat buffers (one copy per pack), page-locked for a GPU;
+        # host buffers for what a step sends to the host, reused from step to step
+        gpu = any(b.kind == "cuda" for b in self.backends)
+        self.host_layout = HostLayout(self.layers, pin=gpu)
+        self.host_pool = BufferPool("cpu", pin=gpu)
         # The host tensors of every layer, looked up once: while a compute thread runs
         # torch.func.functional_call on a layer, the layer's attributes point at device
         # tensors, so other threads must never read them from the module.
@@ -239,6 +244,8 @@ class Engine:
             order = sorted((k for k, opt in optimizers.items() if opt is not None), key=lambda k: (-k[0], k[1]))
             self.sync = GradientSync(order)
         self.plan, self.optimizers, self._graph_cache = plan, optimizers, None
+        for pool in [b.pool for b in self.backends if b.pool is not None] + [self.host_pool]:
+            pool.clear()  # sized for the old plan's buffers
         for gpu in range(1, plan.n_gpus):  # made now, while no step is swapping weights in
             for index in range(len(self.layers)):
                 self.replica(gpu, index)

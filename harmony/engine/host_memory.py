@@ -54,7 +54,7 @@ def host_bytes_needed(engine: "Engine") -> dict[str, float]:
             continue
         params = [p for p in optimizer_params(opt) if p.requires_grad]
         size = sum(p.numel() * p.element_size() for p in params)
-        grads += 0 if all(p.grad is not None for p in params) else size
+        grads += sum(p.numel() * p.element_size() for p in params if not engine.host_layout.has_grad_buffer(p))
         optimizer += _state_slots(opt) * size
     samples = plan.minibatch
     stash = sum(spec.input_bytes(l, samples) for l in plan.stash_layers() if l > 0)

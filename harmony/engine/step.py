@@ -23,6 +23,7 @@ from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, RED
                      W_IN, Task, TaskGraph)
 from ..policies.builder import layer_shard
 from ..trace import Trace, summarize
+from .buffers import BufferPool, copy_runs
 from .devices import Backend, LinkPacer
 from .executor import Executor
 from .profiler import SavedBytes
@@ -101,6 +102,13 @@ class StepRun:
         self.moved_task: dict[int, float] = {}
         self.loss = 0.0
         self.lock = threading.Lock()
+        self.grads_lock = threading.Lock()
+        # Buffers from the pools go back when the step ends, not when the graph frees
+        # them: each of a step's copies then has its own buffer, so how many of each
+        # size a step takes is fixed by the plan, whatever order the lanes ran in, and
+        # no value can be overwritten while a view of it is still held anywhere.
+        self.taken: list[tuple[torch.Tensor, BufferPool]] = []
+        self.allocations_before = self.allocations()
         # Updates that start while other tasks are still pending are journaled, so a
         # failure later in the step (an error, a non-finite gradient of another
         # pack) can undo them (safe_updates).
@@ -141,6 +149,28 @@ class StepRun:
             if last:
                 self.backends[self.graph.buffers[b].device].ledger.release(n)
 
+    def take(self, pool: BufferPool, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer from ``pool``, given back when the step ends."""
+        t = pool.take(numel, dtype)
+        if numel:
+            with self.lock:
+                self.taken.append((t, pool))
+        return t
+
+    def close(self) -> None:
+        """The step is over (done or failed): every buffer taken from a pool goes back."""
+        with self.lock:
+            taken, self.taken = self.taken, []
+        for t, pool in taken:
+            pool.give(t)
+
+    def allocations(self) -> tuple[int, int]:
+        """(tensors, bytes) the pools and the host gradient buffers have made so far."""
+        pools = [b.pool for b in self.backends.values() if b.pool is not None] + [self.e.host_pool]
+        grads = self.e.host_layout
+        return (sum(p.allocations for p in pools) + grads.allocations,
+                sum(p.allocated_bytes for p in pools) + grads.allocated_bytes)
+
     def pieces(self, bufs: list[int]) -> list:
         return [(self.graph.buffers[b].samples, self.store[b]) for b in bufs]
 
@@ -155,9 +185,47 @@ class StepRun:
     def wire(self, value: tuple) -> tuple:
         return value if self.dtype is None else tuple(None if t is None else self.low(t) for t in value)
 
+    def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+
     def wire_bytes(self, t: torch.Tensor) -> int:
-        size = self.dtype.itemsize if self.dtype is not None and t.is_floating_point() else t.element_size()
-        return t.numel() * size
+        return t.numel() * self.wire_dtype(t).itemsize
+
+    # ---- copies -------------------------------------------------------------------------
+    def to_device(self, backend: Backend, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` on ``backend``'s device in their wire dtype: views of one flat
+        buffer per dtype, filled by as few copies as the host layout allows."""
+        dtypes = [self.wire_dtype(t) for t in tensors]
+        if not backend.copies and all(d == t.dtype for d, t in zip(dtypes, tensors)):
+            return [t.detach() for t in tensors]  # the device computes on host memory as it is
+        out: list = [None] * len(tensors)
+        for dtype in dict.fromkeys(dtypes):
+            chosen = [k for k, d in enumerate(dtypes) if d == dtype]
+            numel = sum(tensors[k].numel() for k in chosen)
+            flat = (torch.empty(numel, dtype=dtype, device=backend.torch_device) if backend.pool is None
+                    else self.take(backend.pool, numel, dtype))
+            pairs, offset = [], 0
+            for k in chosen:
+                t = tensors[k]
+                piece = flat[offset:offset + t.numel()]
+                out[k] = piece.view(t.shape).detach()
+                pairs.append((piece, t.detach()))
+                offset += t.numel()
+            for dst, src in copy_runs(pairs):
+                dst.copy_(src, non_blocking=True)
+        return out
+
+    def to_host(self, backend: Backend, tensors: list[torch.Tensor], non_blocking: bool = True) -> list[torch.Tensor]:
+        """``tensors`` in host buffers from the host pool (page-locked for a GPU), in
+        their wire dtype; on a GPU, ready when the lane's stream has drained
+        unless ``non_blocking`` is False."""
+        if not backend.copies and all(self.wire_dtype(t) == t.dtype for t in tensors):
+            return [t.detach() for t in tensors]
+        out = []
+        for t in tensors:
+            out.append(self.take(self.e.host_pool, t.numel(), self.wire_dtype(t)).view(t.shape))
+            out[-1].copy_(t, non_blocking=non_blocking)
+        return out
 
     def autocast(self, task: Task):
         """Forward computation in the compute dtype, as ``torch.autocast`` runs it."""
@@ -168,7 +236,10 @@ class StepRun:
     # ---- the step ------------------------------------------------------------------
     def execute(self) -> None:
         self.executor = Executor(self.graph, self.run_task)
-        self.wall_s = self.executor.run(self.t0)
+        try:
+            self.wall_s = self.executor.run(self.t0)
+        finally:
+            self.close()
 
     def run_task(self, task: Task) -> None:
         """Do one task of the graph, then release what it frees (called on the task's
@@ -202,6 +273,7 @@ class StepRun:
             self.backends[self.graph.buffers[buf].device].ledger.release(n)
         self.store.clear()
         self.charged.clear()
+        self.close()
 
     def trace(self) -> Trace:
         ex, graph = self.executor, self.graph
@@ -226,6 +298,9 @@ class StepRun:
         summary = summarize(self.wall_s, graph.samples, dict(self.moved), peak, cap, bounds)
         summary.update(policy=self.e.plan.policy, model=self.e.spec.name, hardware=self.e.backend.kind,
                        executor="engine")
+        # buffers the pools had to make during this step: none once the plan has run a step
+        (n0, b0), (n1, b1) = self.allocations_before, self.allocations()
+        summary.update(new_buffers=n1 - n0, new_buffer_bytes=b1 - b0)
         start, end, moved = list(ex.start), list(ex.end), dict(self.moved_task)
 
         def rows():
@@ -250,14 +325,17 @@ class StepRun:
             self.moved_task[task.id] = self.moved_task.get(task.id, 0.0) + n
 
     def _copy(self, task: Task, value, to_device: bool):
-        """``value`` copied to the task's device (or to host); a copy to the device
-        charges its destination buffer before it starts."""
+        """``value`` copied to the task's device (or to host) in the wire dtype; a
+        copy to the device charges its destination buffer before it starts."""
         started = time.perf_counter()
         backend = self.backends[task.device]
+        present = [v for v in value if v is not None]
         if to_device:
-            self.reserve(task.io["dst"], _nbytes(value))
-        conv = backend.to_device if to_device else backend.to_host
-        out = tuple(None if v is None else conv(v) for v in value)
+            self.reserve(task.io["dst"], sum(self.wire_bytes(v) for v in present))
+            copies = iter(self.to_device(backend, present))
+        else:
+            copies = iter(self.to_host(backend, present))
+        out = tuple(None if v is None else next(copies) for v in value)
         self._moved(task, _nbytes(out), started)
         return out
 
@@ -274,30 +352,28 @@ class StepRun:
         with self.lock:  # read before the copy: a write-back during it shows as a newer version
             self.loaded_version[task.io["weights"]] = {i: self.buffer_version[i] for i in range(s, e)
                                                        if self.e.host_buffers[i]}
-        weights = {}
-        for i in range(s, e):
-            tensors = {}
-            for name, p in self.e.host_params[i].items():
-                tensors[name] = backend.to_device(self.low(p)).requires_grad_(backward and p.requires_grad)
-            for name, b in self.e.host_buffers[i].items():
-                tensors[name] = backend.to_device(self.low(b))
-            weights[i] = tensors
-        self._moved(task, _nbytes(weights), started)
+        entries = [(i, name, t, is_param) for i in range(s, e)
+                   for is_param, tensors in ((True, self.e.host_params[i]), (False, self.e.host_buffers[i]))
+                   for name, t in tensors.items()]
+        device = self.to_device(backend, [t for _, _, t, _ in entries])
+        weights: dict[int, dict] = {i: {} for i in range(s, e)}
+        for (i, name, t, is_param), d in zip(entries, device):
+            weights[i][name] = d.requires_grad_(backward and is_param and t.requires_grad)
+        self._moved(task, sum(d.numel() * d.element_size() for d in device), started)
         self.put(task.io["weights"], weights)
         if backward:
-            leaves = {i: {k: v for k, v in w.items() if isinstance(v, torch.Tensor) and v.requires_grad}
-                      for i, w in weights.items()}
+            leaves = {i: {k: v for k, v in w.items() if v.requires_grad} for i, w in weights.items()}
             self.put(task.io["grads"], leaves)
 
     def data_in(self, task: Task) -> None:
         what, a, b = task.data
-        value = self.wire(tuple(t[a:b] for t in self.inputs)) if what == "inputs" else (self.target[a:b],)
+        value = tuple(t[a:b] for t in self.inputs) if what == "inputs" else (self.target[a:b],)
         self.put(task.io["dst"], self._copy(task, value, to_device=True))
 
     def host_in(self, task: Task) -> None:
         kind, layer, a, b = task.data
         if kind == "stash" and layer == 0:
-            value = self.wire(tuple(t[a:b] for t in self.inputs))
+            value = tuple(t[a:b] for t in self.inputs)
         else:
             with self.lock:
                 pieces = [p for p in self.host[(kind, layer)] if p[0][0] < b and a < p[0][1]]
@@ -325,31 +401,36 @@ class StepRun:
         """A pack's gradient (data parallel: one shard, summed over the GPUs in
         order) into the host copy's ``.grad``."""
         s, e, r, k = task.data[1:]
-        backend = self.backends[task.device]
         started = time.perf_counter()
         replicas = [self.store[b] for b in task.io["src"]]
-        n = 0
+        sums = []  # (host parameter, gradient on the device)
         for i in layer_shard((s, e), r, k):
-            params = self.e.host_params[i]
             for name in replicas[0][i]:
                 grads = [rep[i][name].grad for rep in replicas if rep[i][name].grad is not None]
                 if not grads:
                     continue
                 g = grads[0]
-                for other in grads[1:]:
-                    g = g + backend.to_device(other)
-                g = backend.to_host(g)
-                n += g.numel() * g.element_size()
-                host = params[name]
-                if host.grad is None:
-                    if g.dtype != host.dtype:  # mixed precision: the host keeps float32
-                        g = g.to(host.dtype)
-                    elif g is grads[0]:  # not the device's own tensor (the cpu backend's "copies" are views)
-                        g = g.clone()
-                    host.grad = g
+                for other in grads[1:]:  # the replicas' sum, formed in GPU order
+                    g = g + other.to(g.device, non_blocking=True)
+                sums.append((self.e.host_params[i][name], g))
+        # Several GPUs may send gradients of the same parameters at once (each its
+        # microbatches' share): whether a gradient is the step's first or is added,
+        # and the write itself, happen under one lock, copies complete.
+        with self.grads_lock:
+            first, more = [], []
+            for host, g in sums:
+                if host.grad is None:  # a buffer kept from step to step (float32 under mixed precision)
+                    host.grad = self.e.host_layout.grad_buffer(host)
+                    first.append((host.grad, g))
                 else:
-                    host.grad += g
-        self._moved(task, n, started)
+                    more.append((host.grad, g))
+            for dst, src in copy_runs(first):
+                dst.copy_(src)
+            for dst, src in more:
+                if src.device != dst.device:  # added on the host, after a copy there
+                    src = self.to_host(self.backends[task.device], [src], non_blocking=False)[0]
+                dst.add_(src)
+        self._moved(task, sum(g.numel() * g.element_size() for _, g in sums), started)
 
     def update(self, task: Task) -> None:
         _, _, _, r, _ = task.data
