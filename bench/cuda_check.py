@@ -1,6 +1,7 @@
 """The engine on a real GPU: exactness (allclose to the reference loop run on the
-same GPU), copy/compute overlap in the trace, measured peak memory vs the
-plan's simulated peak. Skips cleanly (exit 0) where torch sees no CUDA device.
+same GPU), copy/compute overlap in the trace, allocations per step (new CUDA
+segments, new page-locked host buffers: none after the first step), measured
+peak memory vs the plan's simulated peak. Skips cleanly (exit 0) where torch sees no CUDA device.
 
     python bench/cuda_check.py [--hidden 1024] [--blocks 8]
 """
@@ -49,11 +50,13 @@ def main() -> int:
     packs = tuple((i, min(i + 2, n)) for i in range(0, n, 2))
     plan = Plan("harmony-pp", 1, B, 4, 4, packs[:-1], packs)
     engine = Engine(build(), opt, loss, device="cuda:0", minibatch_size=B, plan=plan)
-    times = []
+    times, segments, host_buffers = [], [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         engine.step(x, y)
         times.append(time.perf_counter() - t0)
+        segments.append(torch.cuda.memory_stats()["segment.all.allocated"])  # cudaMalloc calls so far
+        host_buffers.append(engine.trace.summary["new_buffers"])
 
     ref = build().cuda()
     ref_opt = opt(list(ref.parameters()))
@@ -66,6 +69,8 @@ def main() -> int:
     print(f"plan: {plan.describe()}; {statistics.median(times[1:]):.3f} s/step")
     print(f"max |engine - reference| after {args.steps} steps: {worst:.3e}")
     print(f"h2d time overlapped with compute: {overlap_fraction(engine.trace.timeline):.2%}")
+    print(f"steady state: cudaMalloc segments made per step after the first {[b - a for a, b in zip(segments, segments[1:])]}"
+          f", page-locked host buffers made per step {host_buffers}")
     print(f"peak device memory (ledger): {s['peak_memory']['gpu0'] / 1e6:.1f} MB, "
           f"torch max_memory_allocated: {torch.cuda.max_memory_allocated() / 1e6:.1f} MB")
     return 0

@@ -22,6 +22,7 @@ from .engine.checkpoint import CheckpointDir
 from .engine.distributed import init_from_env
 from .engine.reference_loop import layer_seed
 from .errors import HarmonyError
+from .optim import FlatAdamW
 from .plan import Plan
 
 
@@ -86,7 +87,7 @@ def train(name: str, steps: int, minibatch: int, device, plan: Plan | str = "aut
     distributed = init_from_env(timeout_s)
     rank = torch.distributed.get_rank() if distributed else 0
     model = build_model(name, seed, **overrides)
-    optimizer, loss_fn = (lambda ps: torch.optim.AdamW(ps, lr=lr)), loss_for(name)
+    optimizer, loss_fn = (lambda ps: FlatAdamW(ps, lr=lr)), loss_for(name)
     engine = Engine(model, optimizer, loss_fn, device=device, minibatch_size=minibatch, plan=plan, seed=seed,
                     precision=precision, nonfinite=nonfinite)
     found = checkpoints.latest(log) if resume else None
