@@ -126,7 +126,14 @@ class LayerCost:
 
     name: str
     param_numel: int
+    #: float elements of the layer's buffers (BatchNorm statistics, masks)
     buffer_numel: int = 0
+    #: of ``param_numel`` and of ``buffer_numel``, BatchNorm's: they cross in the
+    #: spec's ``master_dtype`` under mixed precision
+    norm_param_numel: int = 0
+    norm_buffer_numel: int = 0
+    #: bytes of non-float buffers (BatchNorm's batch counter), whatever the dtypes
+    fixed_buffer_bytes: int = 0
     #: float elements of the layer's input, per sample (scale with the activation dtype)
     input_numel_per_sample: float = 0.0
     #: bytes of non-float inputs per sample (token ids, masks): fixed whatever the dtype
@@ -144,10 +151,14 @@ class LayerCost:
         def bad(what: str, v) -> HarmonyError:
             return HarmonyError(f"layer {self.name!r}: {what} must be a finite number >= 0, got {v!r}")
 
-        for name in ("param_numel", "buffer_numel"):
+        for name in ("param_numel", "buffer_numel", "norm_param_numel", "norm_buffer_numel", "fixed_buffer_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise HarmonyError(f"layer {self.name!r}: {name} must be an integer >= 0, got {v!r}")
+        for part, whole in (("norm_param_numel", "param_numel"), ("norm_buffer_numel", "buffer_numel")):
+            if getattr(self, part) > getattr(self, whole):
+                raise HarmonyError(f"layer {self.name!r}: {part} ({getattr(self, part)}) is more than {whole} "
+                                   f"({getattr(self, whole)})")
         for name in ("input_numel_per_sample", "input_fixed_bytes_per_sample", "fwd_flops_per_sample",
                      "bwd_flops_per_sample"):
             v = getattr(self, name)
@@ -171,6 +182,10 @@ class ModelSpec:
     optimizer: str = "adamw"
     param_dtype: str = "float32"  # weights and gradients as they cross the link
     act_dtype: str = "float32"  # activations and stashed inputs
+    #: the host's master weights. Under mixed precision (a ``param_dtype`` lower than
+    #: this) BatchNorm's parameters and statistics still cross in it, as autocast
+    #: keeps BatchNorm in float32. None: ``param_dtype`` (weights of one dtype)
+    master_dtype: str | None = None
     #: bytes of the labels per sample, read by the last layer
     target_bytes_per_sample: float = 0.0
     source: str = ""
@@ -184,16 +199,23 @@ class ModelSpec:
             )
         dtype_bytes(self.param_dtype)
         dtype_bytes(self.act_dtype)
+        if self.master_dtype is not None:
+            dtype_bytes(self.master_dtype)
 
     # ---- sizes -------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.layers)
 
     @cached_property
-    def _param_prefix(self) -> list[int]:
-        out = [0]
-        for layer in self.layers:
-            out.append(out[-1] + layer.param_numel + layer.buffer_numel)
+    def _weight_prefix(self) -> list[tuple[int, int]]:
+        """Running sums of (weight bytes, gradient bytes) on the link, layer by layer."""
+        low, master = dtype_bytes(self.param_dtype), dtype_bytes(self.master_dtype or self.param_dtype)
+        out = [(0, 0)]
+        for c in self.layers:
+            grads = (c.param_numel - c.norm_param_numel) * low + c.norm_param_numel * master
+            buffers = (c.buffer_numel - c.norm_buffer_numel) * low + c.norm_buffer_numel * master
+            weights = grads + buffers + c.fixed_buffer_bytes
+            out.append((out[-1][0] + weights, out[-1][1] + grads))
         return out
 
     @property
@@ -203,12 +225,12 @@ class ModelSpec:
     def weight_bytes(self, start: int = 0, stop: int | None = None) -> int:
         """Bytes of weights (parameters + buffers) of layers [start, stop) on the link."""
         stop = len(self.layers) if stop is None else stop
-        return (self._param_prefix[stop] - self._param_prefix[start]) * dtype_bytes(self.param_dtype)
+        return self._weight_prefix[stop][0] - self._weight_prefix[start][0]
 
     def grad_bytes(self, start: int = 0, stop: int | None = None) -> int:
+        """Bytes of the weight gradients of layers [start, stop) on the link."""
         stop = len(self.layers) if stop is None else stop
-        n = sum(layer.param_numel for layer in self.layers[start:stop])
-        return n * dtype_bytes(self.param_dtype)
+        return self._weight_prefix[stop][1] - self._weight_prefix[start][1]
 
     def optimizer_state_bytes(self, start: int = 0, stop: int | None = None) -> int:
         """Host bytes of optimizer state (fp32 master copies are separate)."""
@@ -296,5 +318,6 @@ class ModelSpec:
             "optimizer_state_bytes": self.optimizer_state_bytes(),
             "param_dtype": self.param_dtype,
             "act_dtype": self.act_dtype,
+            "master_dtype": self.master_dtype or self.param_dtype,
             "source": self.source,
         }

@@ -96,3 +96,41 @@ def test_a_checkpoint_keeps_precision_and_loss_scale(tmp_path):
 def test_unknown_precision_is_refused():
     with pytest.raises(HarmonyError, match="precision must be one of"):
         Engine(build_model(NAME, 0), SGD, lm_loss, minibatch_size=B, plan=plan(), precision="fp8")
+
+
+def batchnorm_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 5))
+
+
+def batchnorm_runs(norm_dtype_kept: bool = True):
+    """One step (every forward with the same weights as the plain loop's)."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(B, 16, generator=g) * 3 + 1, torch.randint(0, 5, (B,), generator=g))]
+    loss = torch.nn.functional.cross_entropy
+    engine = Engine(batchnorm_model(), SGD, loss, device=DEVICE, minibatch_size=B, precision="bf16",
+                    plan=Plan("harmony-pp", 1, B, 2, 2, ((0, 3),), ((0, 3), (3, 7))))
+    if not norm_dtype_kept:
+        engine.norm_tensors = [set() for _ in engine.layers]  # every float tensor in bf16
+    reference = batchnorm_model()
+    opt = SGD(reference.parameters())
+    for step, (x, y) in enumerate(data):
+        engine.step(x, y)
+        reference_step(list(reference), loss, opt, (x,), y, 2, step, autocast=torch.bfloat16)
+    return engine, reference
+
+
+def test_batchnorm_keeps_float32_statistics_under_mixed_precision():
+    engine, reference = batchnorm_runs()
+    for (name, ours), theirs in zip(engine.model.named_buffers(), reference.buffers()):
+        assert torch.equal(ours, theirs), name  # running statistics as autocast keeps them, not rounded to bf16
+    bf16 = batchnorm_runs(norm_dtype_kept=False)[0]
+    worst = max(((a - b).abs() / b.abs().clamp_min(1e-3)).max() for a, b in
+                zip(bf16.model.buffers(), reference.buffers()) if a.is_floating_point())
+    assert worst > 1e-3  # statistics that travel in bf16 are rounded: the test can tell
+    # the closed form counts BatchNorm's tensors in float32 and its batch counter
+    closed = swap_volume(engine.spec, engine.plan)
+    moved = engine.trace.summary["bytes_by_kind"]
+    assert {k: v for k, v in moved.items() if v} == {k: v for k, v in closed.items() if v}

@@ -45,6 +45,13 @@ def layer_inputs(layers: Sequence[nn.Module], inputs: tuple) -> list[tuple]:
     return out
 
 
+def norm_tensor_names(layer: nn.Module) -> set[str]:
+    """Names of ``layer``'s BatchNorm parameters and buffers (float32 under autocast)."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, m in layer.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for name, _ in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))}
+
+
 def act_dtype(layers: Sequence[nn.Module]) -> str:
     for p in (p for layer in layers for p in layer.parameters()):
         return _FLOAT_NAMES.get(p.dtype, "float32")
@@ -70,6 +77,7 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
         for layer, mode in zip(layers, was_training):
             layer.train(mode)
     dtype = act_dtype(layers)
+    norms = [norm_tensor_names(layer) for layer in layers]
     costs = []
     for i, layer in enumerate(layers):
         floats, fixed = split_bytes(acts[i])
@@ -77,10 +85,15 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
             name=f"{i}:{type(layer).__name__}",
             param_numel=sum(p.numel() for p in layer.parameters()),
             buffer_numel=sum(b.numel() for b in layer.buffers() if b.is_floating_point()),
+            norm_param_numel=sum(p.numel() for name, p in layer.named_parameters() if name in norms[i]),
+            norm_buffer_numel=sum(b.numel() for name, b in layer.named_buffers()
+                                  if name in norms[i] and b.is_floating_point()),
+            fixed_buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers() if not b.is_floating_point()),
             input_numel_per_sample=floats,
             input_fixed_bytes_per_sample=fixed,
         ))
     per_sample = target[:1]
     return ModelSpec(name=name, layers=tuple(costs), optimizer=optimizer, param_dtype=dtype, act_dtype=dtype,
+                     master_dtype=dtype,
                      target_bytes_per_sample=float(per_sample.numel() * per_sample.element_size()),
                      source="described from the real modules (sizes only)")

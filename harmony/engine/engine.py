@@ -37,7 +37,7 @@ from ..policies.builder import layer_shard
 from ..trace import Trace
 from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from .decompose import decompose
-from .describe import describe
+from .describe import describe, norm_tensor_names
 from .buffers import BufferPool, HostLayout
 from .devices import Backend, EmulatedBackend, EmulatedServer, make_backends
 from .host_memory import check_host_memory
@@ -77,8 +77,10 @@ class Engine:
     ``skipped_steps``, ``step`` returns nan).
     ``precision``: ``"fp32"``, or mixed precision ``"bf16"`` / ``"fp16"``:
     weights, activations and gradients cross the links and are computed in
-    that dtype (under ``torch.autocast``), master weights and optimizer state
-    stay float32 on the host; fp16 adds dynamic loss scaling (an overflowing
+    that dtype (under ``torch.autocast``), except BatchNorm's parameters and
+    statistics, which stay float32 as autocast keeps them (rounded to bf16 at
+    every load, running statistics would drift); master weights and optimizer
+    state stay float32 on the host; fp16 adds dynamic loss scaling (an overflowing
     step is skipped and the scale halved, as ``torch.amp.GradScaler`` does).
 
     Checkpoints: :meth:`save` / :meth:`load` (atomic, checksummed files) and
@@ -118,6 +120,8 @@ class Engine:
         # tensors, so other threads must never read them from the module.
         self.host_params = [dict(layer.named_parameters()) for layer in self.layers]
         self.host_buffers = [dict(layer.named_buffers()) for layer in self.layers]
+        # BatchNorm's parameters and statistics keep their dtype under mixed precision
+        self.norm_tensors = [norm_tensor_names(layer) for layer in self.layers]
         # Layers that draw random numbers: with several compute threads, seeding the
         # generator and running such a layer must not interleave.
         self.random_layers = {i for i, layer in enumerate(self.layers)

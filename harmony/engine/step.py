@@ -192,10 +192,12 @@ class StepRun:
         return t.numel() * self.wire_dtype(t).itemsize
 
     # ---- copies -------------------------------------------------------------------------
-    def to_device(self, backend: Backend, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``tensors`` on ``backend``'s device in their wire dtype: views of one flat
-        buffer per dtype, filled by as few copies as the host layout allows."""
-        dtypes = [self.wire_dtype(t) for t in tensors]
+    def to_device(self, backend: Backend, tensors: list[torch.Tensor],
+                  dtypes: list[torch.dtype] | None = None) -> list[torch.Tensor]:
+        """``tensors`` on ``backend``'s device in ``dtypes`` (default: their wire
+        dtype): views of one flat buffer per dtype, filled by as few copies as
+        the host layout allows."""
+        dtypes = [self.wire_dtype(t) for t in tensors] if dtypes is None else dtypes
         if not backend.copies and all(d == t.dtype for d, t in zip(dtypes, tensors)):
             return [t.detach() for t in tensors]  # the device computes on host memory as it is
         out: list = [None] * len(tensors)
@@ -344,18 +346,20 @@ class StepRun:
         backend = self.backends[task.device]
         backward = "grads" in task.io
         started = time.perf_counter()
-        self.reserve(task.io["weights"], sum(self.wire_bytes(t) for i in range(s, e) for t in
-                                             (*self.e.host_params[i].values(), *self.e.host_buffers[i].values())))
-        if backward:
-            self.reserve(task.io["grads"], sum(self.wire_bytes(p) for i in range(s, e)
-                                               for p in self.e.host_params[i].values() if p.requires_grad))
-        with self.lock:  # read before the copy: a write-back during it shows as a newer version
-            self.loaded_version[task.io["weights"]] = {i: self.buffer_version[i] for i in range(s, e)
-                                                       if self.e.host_buffers[i]}
         entries = [(i, name, t, is_param) for i in range(s, e)
                    for is_param, tensors in ((True, self.e.host_params[i]), (False, self.e.host_buffers[i]))
                    for name, t in tensors.items()]
-        device = self.to_device(backend, [t for _, _, t, _ in entries])
+        # under mixed precision, BatchNorm's parameters and statistics keep their dtype
+        dtypes = [t.dtype if name in self.e.norm_tensors[i] else self.wire_dtype(t) for i, name, t, _ in entries]
+        sizes = [t.numel() * d.itemsize for (_, _, t, _), d in zip(entries, dtypes)]
+        self.reserve(task.io["weights"], sum(sizes))
+        if backward:
+            self.reserve(task.io["grads"], sum(n for (_, _, t, is_param), n in zip(entries, sizes)
+                                               if is_param and t.requires_grad))
+        with self.lock:  # read before the copy: a write-back during it shows as a newer version
+            self.loaded_version[task.io["weights"]] = {i: self.buffer_version[i] for i in range(s, e)
+                                                       if self.e.host_buffers[i]}
+        device = self.to_device(backend, [t for _, _, t, _ in entries], dtypes)
         weights: dict[int, dict] = {i: {} for i in range(s, e)}
         for (i, name, t, is_param), d in zip(entries, device):
             weights[i][name] = d.requires_grad_(backward and is_param and t.requires_grad)
