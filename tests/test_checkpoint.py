@@ -248,6 +248,18 @@ def test_host_memory_estimate_counts_gradients_optimizer_state_and_stash():
     assert need["gradients"] == weight_bytes and need["optimizer state"] == 2 * weight_bytes
     assert need["stashed inputs"] == engine.spec.input_bytes(3, B)  # layer 0: the minibatch itself; 6: fused
     assert host_memory.host_bytes_needed(engine)["optimizer state"] == 0  # already allocated
+    assert host_memory.host_bytes_needed(engine, engine._graph_cache)["emulated GPU buffers"] == 0  # cpu backend
+
+
+def test_an_emulated_gpu_counts_its_buffer_pools_as_host_memory():
+    engine = Engine(make_model(), ADAMW, loss_fn, device=EMULATED, minibatch_size=B, plan=PLAN)
+    engine.step(*batches(1)[0])
+    moved = engine.trace.summary["bytes_by_kind"]
+    need = host_memory.host_bytes_needed(engine, engine._graph_cache)["emulated GPU buffers"]
+    assert need == sum(moved.get(k, 0.0) for k in ("W_IN", "DATA_IN", "STASH_IN", "ACT_IN", "P2P")) > 0
+    assert engine.trace.summary["new_buffer_bytes"] >= need  # what the pools then held (plus host stashes)
+    with pytest.raises(HarmonyError, match="emulated GPU buffers"):
+        host_memory.check_host_memory(engine, engine._graph_cache, available=int(need))
 
 
 # ---- a run killed with SIGKILL, resumed ---------------------------------------------------

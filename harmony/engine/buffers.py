@@ -13,8 +13,13 @@
   offloaded activations) and gives them all back when it ends, so what a
   step takes is fixed by the plan: from the second step of a plan on,
   nothing new is allocated (``allocations`` counts what a pool had to make).
-  On the emulated GPU these buffers are host memory; the device's memory is
-  its ledger, charged and released as the graph says. A real GPU needs no
+  On the emulated GPU these buffers are host memory, as much as the step
+  copies to the device (the host-memory check counts it before the first
+  step); the device's memory is its ledger, charged and released as the
+  graph says. Giving buffers back when the graph frees them would hold less,
+  but how many of each size are live at once then depends on how the lanes
+  interleave, and a view of a buffer may still be held by another graph
+  buffer (a stash, an output that is its input). A real GPU needs no
   pool of ours: PyTorch's caching allocator already reuses device memory, and
   splits blocks where exact sizes cannot.
 * :func:`copy_runs`: a list of copies merged where both sides are adjacent in

@@ -302,8 +302,9 @@ class Engine:
 
             self.set_plan(auto_plan(self, inputs, target))
         if self._graph_cache is None:
-            check_host_memory(self)
-            self._graph_cache = build_graph(self.spec, self.hardware(), self.plan)
+            graph = build_graph(self.spec, self.hardware(), self.plan)
+            check_host_memory(self, graph)
+            self._graph_cache = graph
         return self._graph_cache
 
     # ---- one step -----------------------------------------------------------------

@@ -5,7 +5,9 @@ the operating system halfway through a step.
 Beyond the model's own weights (already in memory), the engine keeps on the
 host the gradients, the optimizer state (allocated by the first update) and,
 during a step, the stashed pack inputs and offloaded activations of the
-whole minibatch. On CUDA the weights are also page-locked.
+whole minibatch. On CUDA the weights are also page-locked. An emulated GPU's
+memory is host memory too: its buffer pools keep one buffer per copy a step
+makes to it (see :mod:`harmony.engine.buffers`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import HarmonyError
+from ..graph import ACT_IN, DATA_IN, P2P, STASH_IN, W_IN, TaskGraph
 from ..policies.common import boundary_bytes
 from .updates import optimizer_params
 
@@ -45,8 +48,9 @@ def _state_slots(opt: torch.optim.Optimizer) -> int:
     return 2  # Adam and most others keep two moments
 
 
-def host_bytes_needed(engine: "Engine") -> dict[str, float]:
-    """Bytes the engine will add to host memory for its plan, by what."""
+def host_bytes_needed(engine: "Engine", graph: TaskGraph | None = None) -> dict[str, float]:
+    """Bytes the engine will add to host memory for its plan (``graph``: its
+    task graph, needed to count an emulated GPU's buffers), by what."""
     plan, spec = engine.plan, engine.spec
     grads = optimizer = 0.0
     for opt in engine.optimizers.values():
@@ -59,20 +63,24 @@ def host_bytes_needed(engine: "Engine") -> dict[str, float]:
     samples = plan.minibatch
     stash = sum(spec.input_bytes(l, samples) for l in plan.stash_layers() if l > 0)
     offloaded = boundary_bytes(spec, plan, samples) if plan.option("offload_activations") else 0.0
+    emulated = 0.0
+    if graph is not None and any(b.kind == "emulated" for b in engine.backends):
+        moved = graph.bytes_by_kind()
+        emulated = sum(moved.get(kind, 0.0) for kind in (W_IN, DATA_IN, STASH_IN, ACT_IN, P2P))
     return {"gradients": grads, "optimizer state": optimizer, "stashed inputs": stash,
-            "offloaded activations": offloaded}
+            "offloaded activations": offloaded, "emulated GPU buffers": emulated}
 
 
-def check_host_memory(engine: "Engine", available: int | None = None) -> None:
+def check_host_memory(engine: "Engine", graph: TaskGraph | None = None, available: int | None = None) -> None:
     available = available_host_bytes() if available is None else available
     if available is None:
         return
-    need = host_bytes_needed(engine)
+    need = host_bytes_needed(engine, graph)
     total = sum(need.values())
     if total > available:
         parts = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in need.items() if v)
         raise HarmonyError(
             f"host memory: this plan needs {total / 1e9:.2f} GB more host memory ({parts}) but only "
             f"{available / 1e9:.2f} GB are available. Free host memory, use an optimizer with less state "
-            "(e.g. SGD), or a plan that stashes less (fewer backward packs)."
+            "(e.g. SGD), or a plan that stashes less (fewer backward packs) or, on an emulated GPU, moves less."
         )
