@@ -131,8 +131,7 @@ class HostLayout:
                         groups[(is_param, t.dtype)].append(t)
         need = max((sum(t.numel() * t.element_size() for t in ts) for ts in groups.values()), default=0)
         available = available_host_bytes() if available is None else available
-        self.flat = available is None or need <= available
-        if not self.flat:
+        if available is not None and need > available:
             why = (f"host memory: laying out the weights in flat buffers needs {need / 1e9:.2f} GB free at once "
                    f"but {available / 1e9:.2f} GB are available")
             if pin:
@@ -158,7 +157,7 @@ class HostLayout:
         key = p.untyped_storage().data_ptr()
         with self._lock:
             flat = self._grads.get(key)
-            if flat is None and key in self._flats and p.dtype == self._flats[key].dtype:
+            if flat is None and key in self._flats:
                 like = self._flats[key]
                 flat = self._grads[key] = torch.empty(like.numel(), dtype=like.dtype, pin_memory=self.pin)
                 self.allocations += 1
