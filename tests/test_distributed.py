@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import harmony
 from harmony import Plan, reference_step
 from harmony.policies.common import microbatches
 from harmony.training import build_model, loss_for, synthetic_batch
@@ -86,3 +87,84 @@ def test_a_server_that_dies_makes_the_other_fail_fast(tmp_path):
     assert time.time() - t0 < 60
     lost = "another server stopped or timed out" in err or "Connection" in err or "timed out" in err.lower()
     assert lost, err[-2000:]
+
+
+NAN_ON_ONE_SERVER = """
+import sys
+import torch
+import torch.distributed as dist
+from harmony import EmulatedDevice, Engine, Plan
+from harmony.engine.distributed import init_from_env
+
+init_from_env(timeout_s=30.0)
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                            torch.nn.Linear(16, 4))
+plan = Plan("harmony-pp", 1, 8, 4, 4, ((0, 2), (2, 4)), ((0, 2), (2, 4), (4, 5)))
+engine = Engine(model, lambda ps: torch.optim.SGD(ps, lr=0.1), torch.nn.functional.mse_loss, plan=plan,
+                device=EmulatedDevice(memory="1MB", h2d="1GB/s", d2h="1GB/s"), minibatch_size=8, nonfinite="skip")
+g = torch.Generator().manual_seed(rank)
+losses = []
+for step in range(4):
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    if step == 1 and rank == 1:
+        x[5, 0] = float("nan")  # a non-finite loss on this server only
+    losses.append(engine.step(x, y))
+torch.save({"weights": model.state_dict(), "skipped": engine.skipped_steps, "losses": losses}, sys.argv[1])
+"""
+
+
+def test_a_non_finite_loss_on_one_server_makes_every_server_skip_that_step_at_once(tmp_path):
+    script = tmp_path / "nan_on_one.py"
+    script.write_text(NAN_ON_ONE_SERVER)
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / f"rank{rank}.pt")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    t0 = time.time()
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    assert time.time() - t0 < 25  # nobody waited for the 30 s timeout
+    r0, r1 = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
+    nan = [[x != x for x in r["losses"]] for r in (r0, r1)]
+    assert nan == [[False, True, False, False]] * 2
+    assert "the loss of samples" in outs[1][1] and "every server skips the step" in outs[1][1]
+
+
+def test_gradients_in_one_run_of_memory_are_averaged_in_place_and_poison_spreads():
+    import torch.distributed as dist
+
+    from harmony.engine.distributed import GradientSync
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+        flat = torch.arange(7.0)
+        params[0].grad, params[1].grad = flat[:3], flat[3:].view(2, 2)  # a pack's grads in the flat buffer
+        sync = GradientSync([(0, 0)])
+        sync.start_step()
+        with sync.update((0, 0)):
+            sync.average((0, 0), params)
+        assert params[0].grad.data_ptr() == flat.data_ptr() and torch.equal(flat, torch.arange(7.0))
+        params[1].grad = torch.ones(2, 2)  # elsewhere in memory: through a gathered copy, same tensors
+        before = params[1].grad
+        sync.start_step()
+        with sync.update((0, 0)):
+            sync.average((0, 0), params, poison=True)
+        assert params[1].grad is before and torch.isnan(before).all() and torch.isnan(params[0].grad).all()
+        sync.start_step()
+        with pytest.raises(RuntimeError), sync.update((0, 0)):  # a failed update ...
+            raise RuntimeError("an update that fails")
+        with pytest.raises(harmony.HarmonyError, match="an earlier update of this step failed"):
+            with sync.update((0, 0)):  # ... and the step's later ones exchange nothing
+                pass
+    finally:
+        dist.destroy_process_group()

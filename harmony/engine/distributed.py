@@ -10,12 +10,19 @@ identical weights.
 
 Collectives must be issued in the same order everywhere, but updates run on
 several CPU threads: a :class:`GradientSync` lets them through one at a time
-in a fixed order (backward order: last pack first). A server that dies makes
-the others fail within the process group's timeout instead of hanging.
+in a fixed order (backward order: last pack first), the next one only once
+the previous update has been applied. A server that dies makes the others
+fail within the process group's timeout instead of hanging.
+
+A non-finite loss on one server must not stop it before the exchange (the
+others would wait until the timeout): its updates send NaN instead, so every
+server finds a non-finite averaged gradient at the same pack, and every server
+stops there, issuing no further collective in that step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from datetime import timedelta
@@ -25,6 +32,7 @@ import torch.distributed as dist
 
 from ..errors import HarmonyError
 from ..plan import Plan
+from .buffers import copy_runs
 
 
 def init_from_env(timeout_s: float = 60.0) -> bool:
@@ -48,36 +56,64 @@ class GradientSync:
         self.world = dist.get_world_size(group)
         self.order = order
         self._turn = 0
+        self._failed = False
         self._cond = threading.Condition()
 
     def start_step(self) -> None:
         with self._cond:
             self._turn = 0
+            self._failed = False
 
-    def average(self, key: tuple[int, int], params: list[torch.Tensor]) -> None:
+    @contextlib.contextmanager
+    def update(self, key: tuple[int, int]):
+        """The update of ``key``, in its turn: average inside, then apply; the
+        next update's exchange starts when this one is done. If it fails, the
+        step's later updates exchange nothing (every server fails at the same
+        update when the failure is a non-finite average)."""
         with self._cond:
-            while self.order[self._turn] != key:
+            while not self._failed and self.order[self._turn] != key:
                 self._cond.wait()
+            if self._failed:
+                raise HarmonyError(f"the update of pack {key[0]} was not run: an earlier update of this step failed")
         try:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-            try:
-                dist.all_reduce(flat, group=self.group)
-            except RuntimeError as e:
-                raise HarmonyError(
-                    f"all-reduce of the gradients of pack {key[0]} failed: another server stopped or timed out "
-                    f"({e})"
-                ) from None
-            flat /= self.world
+            yield
+        except BaseException:
+            with self._cond:
+                self._failed = True
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._turn += 1
+            self._cond.notify_all()
+
+    def average(self, key: tuple[int, int], params: list[torch.Tensor], poison: bool = False) -> None:
+        """Average the gradients of ``params`` with the other servers' (inside
+        :meth:`update`); with ``poison``, this server's share is NaN (its step
+        failed), so every server's average is. Gradients that lie in one run of
+        memory (a pack's, in the host's flat gradient buffer) are averaged in
+        place; others through one gathered copy."""
+        grads = [p.grad for p in params]
+        runs = copy_runs([(g, g) for g in grads]) if all(g is not None for g in grads) else []
+        flat = runs[0][0] if len(runs) == 1 else torch.cat(
+            [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]
+            if params else [torch.zeros(0)])
+        if poison:
+            flat.fill_(float("nan"))
+        try:
+            dist.all_reduce(flat, group=self.group)
+        except RuntimeError as e:
+            raise HarmonyError(f"all-reduce of the gradients of pack {key[0]} failed: another server stopped or "
+                               f"timed out ({e})") from None
+        flat /= self.world
+        if len(runs) != 1:  # a gathered copy: back into the gradients
             at = 0
             for p in params:
                 n = p.numel()
-                p.grad = flat[at:at + n].view_as(p).clone()
+                if p.grad is None:
+                    p.grad = flat[at:at + n].view_as(p).clone()
+                else:
+                    p.grad.copy_(flat[at:at + n].view_as(p))
                 at += n
-        finally:
-            with self._cond:
-                self._turn += 1
-                self._cond.notify_all()
 
 
 def check_same_plan(plan: Plan, group=None) -> None:

@@ -345,11 +345,14 @@ class Engine:
             run.execute()
         except NonFiniteError as err:
             run.roll_back()
+            if run.poisoned is not None:  # every server finds a non-finite gradient; this one says why
+                err = NonFiniteError(f"{run.poisoned} on this server; averaged into every server's gradient, "
+                                     "so every server skips the step", "gradient")
             if self.loss_scale != 1.0 and err.what == "gradient":  # fp16 overflow: a smaller scale next time
                 self.loss_scale /= 2
                 self.good_steps = 0
             elif self.nonfinite == "raise":
-                raise
+                raise err from None
             else:
                 warnings.warn(f"step {self.step_count} skipped, weights unchanged: {err}", stacklevel=2)
             self.step_count += 1

@@ -101,6 +101,7 @@ class StepRun:
         self.moved: dict[str, float] = defaultdict(float)  # bytes by task kind
         self.moved_task: dict[int, float] = {}
         self.loss = 0.0
+        self.poisoned: str | None = None  # why this server sends NaN gradients (across servers)
         self.lock = threading.Lock()
         self.grads_lock = threading.Lock()
         # Buffers from the pools go back when the step ends, not when the graph frees
@@ -442,15 +443,16 @@ class StepRun:
         opt = self.e.optimizers[key]
         if opt is None:
             return
-        if self.e.sync is not None:
-            self.e.sync.average(key, _params(opt))
-        if self.e.loss_scale != 1.0:
-            grads = [p.grad for p in _params(opt) if p.grad is not None]
-            if grads:
-                torch._foreach_div_(grads, self.e.loss_scale)
-        with self.lock:
-            pending = self.tasks_left > 1  # tasks other than this one
-        apply_update(opt, task.layers, key, self.e.journal if self.e.safe_updates and pending else None)
+        with self.e.sync.update(key) if self.e.sync is not None else contextlib.nullcontext():
+            if self.e.sync is not None:
+                self.e.sync.average(key, _params(opt), poison=self.poisoned is not None)
+            if self.e.loss_scale != 1.0:
+                grads = [p.grad for p in _params(opt) if p.grad is not None]
+                if grads:
+                    torch._foreach_div_(grads, self.e.loss_scale)
+            with self.lock:
+                pending = self.tasks_left > 1  # tasks other than this one
+            apply_update(opt, task.layers, key, self.e.journal if self.e.safe_updates and pending else None)
         opt.zero_grad(set_to_none=True)
 
     # ---- compute ----------------------------------------------------------------------
@@ -558,7 +560,14 @@ class StepRun:
                     loss = self.e.loss_fn(*out, y) * ((b - a) / self.graph.samples)
             if fused:
                 if not torch.isfinite(loss.detach()).all():
-                    raise NonFiniteError(f"the loss of samples {a}..{b - 1} is {loss.item()}", "loss")
+                    what = f"the loss of samples {a}..{b - 1} is {loss.item()}"
+                    if self.e.sync is None:
+                        raise NonFiniteError(what, "loss")
+                    # Across servers, stopping here would leave the others waiting in the
+                    # gradient exchange: the step goes on, and this server's updates send
+                    # NaN, so that every server finds a non-finite gradient at the same pack.
+                    with self.lock:
+                        self.poisoned = self.poisoned or what
                 (loss * self.e.loss_scale if self.e.loss_scale != 1.0 else loss).backward()
                 with self.lock:
                     self.loss += loss.item()
