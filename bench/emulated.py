@@ -31,21 +31,8 @@ import torch
 import harmony
 from harmony.training import build_model, lm_loss
 from harmony import EmulatedDevice, Engine, FlatAdamW
-from harmony.engine.profiler import measure_task_overhead, profile
+from harmony.engine.profiler import FLOP_PER_BYTE_1080TI, cpu_flops, measure_task_overhead, profile
 from harmony.search import search
-
-FLOP_PER_BYTE_1080TI = 11.3e12 / 12.3e9
-
-
-def cpu_flops() -> float:
-    """FLOP/s of one CPU thread on a large float32 matmul."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    return 5 * 2 * 1024**3 / (time.perf_counter() - t0)
-
 
 def exposed_update(trace: harmony.Trace) -> tuple[float, float]:
     """Time from the end of the last forward/backward task, and from the last

@@ -28,9 +28,8 @@ import pandas as pd
 import torch
 
 import harmony
-from emulated import FLOP_PER_BYTE_1080TI, cpu_flops
 from harmony import EmulatedServer, Engine, OutOfMemoryError
-from harmony.engine.profiler import measure_task_overhead, profile
+from harmony.engine.profiler import link_like_1080ti, measure_task_overhead, profile
 from harmony.experiments import median_step_s, system_plans, systems_table
 from harmony.training import build_model, lm_loss
 
@@ -66,7 +65,7 @@ def measured(args) -> pd.DataFrame:
     B = args.minibatch
     (x,), y = harmony.zoo.example_input("gpt2-tiny", B, **cfg)
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
-    rate = cpu_flops() / FLOP_PER_BYTE_1080TI
+    rate = link_like_1080ti()
     server = EmulatedServer(gpus=2, memory=args.memory, h2d=rate, d2h=rate, uplink=rate,
                             p2p=PAPER_P2P_OVER_PCIE * rate)
     layers = list(build_model("gpt2-tiny", 0, dropout=0.0, **cfg))

@@ -16,8 +16,10 @@ Defaults for each notebook's ``quick`` and ``full`` modes are in
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,16 +27,21 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
+from .baselines import TorchOffload, fastest_microbatch
 from .catalog import model_spec
+from .engine import EmulatedDevice, Engine
+from .engine.profiler import default_sizes, link_like_1080ti, measure_task_overhead, profile
 from .errors import HarmonyError, OutOfMemoryError
-from .hardware import Hardware, preset
+from .hardware import Hardware, parse_rate, preset
 from .multi_model import Job, compare_schedules, simulate_many
+from .optim import FlatAdamW
 from .plan import Pack, Plan
 from .policies import POLICIES, get_policy
 from .search import SEARCHABLE, search
 from .simulate import simulate
 from .training import build_model, lm_loss, torch_threads
 from .viz import bar_chart, save
+from .zoo import example_input
 
 HARDWARE = "paper-4x1080ti"
 HARDWARE_8 = "paper-8x1080ti"
@@ -77,6 +84,10 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     "17_systems": {
         "quick": {"models": ["gpt2-xl"], "minibatches": [16], "depths": [12, 24, 36, 48]},
         "full": {"models": ["gpt2-xl", "bert-96"], "minibatches": [16, 64, 256], "depths": list(range(6, 49, 6))},
+    },
+    "18_vs_torch": {
+        "quick": {"hidden": 128, "blocks": 4, "minibatch": 16, "memory": "12MB", "steps": 3},
+        "full": {"hidden": 256, "blocks": 6, "minibatch": 32, "memory": "56MB", "steps": 5},
     },
     "16_simulator_fidelity": {
         "quick": {"steps": 3, "pack_sizes": [1, 3], "microbatches": [2, 8]},
@@ -741,6 +752,96 @@ def schedules_table(jobs: list[Job], hardware: str = HARDWARE) -> pd.DataFrame:
 
 
 # ---- writing results -------------------------------------------------------------------
+# ---- 18: Harmony vs PyTorch's own offload ------------------------------------------------
+def torch_offload_comparison(hidden: int = 256, blocks: int = 6, minibatch: int = 32, memory: str = "56MB",
+                             steps: int = 5, seq_len: int = 64, vocab: int = 512, link: float | str | None = None,
+                             threads: int | None = 1) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Harmony and PyTorch's own offload (:class:`~harmony.baselines.TorchOffload`)
+    training one GPT-2 (``blocks`` x ``hidden``) on one emulated GPU of ``memory``
+    with links of ``link`` bytes/s (default: the 1080 Ti's compute : bandwidth
+    ratio to this CPU, :func:`~harmony.engine.profiler.link_like_1080ti`).
+
+    Harmony runs the best harmony-pp plan for the profile measured here; the
+    recipe runs the microbatch size a user would pick (the fastest that fits,
+    tried from the minibatch down). Both use FlatAdamW and start from the same
+    weights. ``steps`` steps of each, interleaved (drift in the machine's load
+    hits both alike) after a warm-up step; samples/s from the median step.
+    Returns one row per system and the details: sizes, the link, the recipe's
+    tuning, how far apart the two systems' weights are after the first step.
+    A recipe that fits at no microbatch size gets a row saying so."""
+    def optimizer(params):
+        return FlatAdamW(params, lr=1e-4)
+
+    def timed(step) -> float:
+        t0 = time.perf_counter()
+        step()
+        return time.perf_counter() - t0
+
+    with torch_threads(threads):
+        rate = link_like_1080ti() if link is None else parse_rate(link, "link")
+        device = EmulatedDevice(memory=memory, h2d=rate, d2h=rate)
+        cfg = dict(hidden=hidden, n_layer=blocks, heads=max(1, hidden // 64), seq_len=seq_len, max_position=seq_len,
+                   vocab=vocab)
+        model = build_model("gpt2-tiny", 0, dropout=0.0, **cfg)
+        (x,), y = example_input("gpt2-tiny", minibatch, **cfg)
+        spec = profile(list(model), (x,), y, lm_loss, optimizer, name=f"gpt2 {blocks}x{hidden}")
+        params = sum(p.numel() for p in model.parameters())
+        hw = replace(device.hardware(), task_overhead_s=measure_task_overhead(device))
+        best = search(spec, hw, minibatch, policies=("harmony-pp",), n_gpus=1, workers=1).iloc[0]
+        plan = best["plan"]
+        details: dict[str, Any] = {
+            "model": f"GPT-2 {blocks} x {hidden}, seq {seq_len}", "params": params, "link_mb_s": rate / 1e6,
+            "capacity_mb": device.capacity / 1e6, "weights_mb": params * 4 / 1e6,
+            "footprint_mb": (params * 16 + sum(c.bwd_extra(minibatch) for c in spec.layers)) / 1e6,
+            "harmony_plan": plan.describe(), "harmony_simulated_s": float(best["iteration_s"]), "tuning": []}
+
+        def recipe(u: int) -> TorchOffload:
+            return TorchOffload(copy.deepcopy(model), optimizer, lm_loss, device, u, spec)
+
+        try:  # weights and gradients alone may not fit, whatever the microbatch size
+            recipe(minibatch)
+        except OutOfMemoryError:
+            u = None
+        else:
+            u = fastest_microbatch(lambda u: timed(lambda: recipe(u).step(x, y)),
+                                   default_sizes(minibatch) + [plan.fwd_microbatch], log=details["tuning"].append)
+        systems = {"harmony-pp": Engine(copy.deepcopy(model), optimizer, lm_loss, device=device,
+                                        minibatch_size=minibatch, plan=plan)}
+        if u is not None:
+            systems["torch offload"] = recipe(u)
+        times: dict[str, list[float]] = {name: [] for name in systems}
+        for step in range(steps + 1):
+            for name, system in systems.items():
+                times[name].append(timed(lambda: system.step(x, y)))
+            if step == 0 and u is not None:
+                details["first_step_max_weight_diff"] = max(
+                    (a - b).abs().max().item() for a, b in zip(systems["harmony-pp"].model.parameters(),
+                                                                systems["torch offload"].master))
+    rows = []
+    for name, system in systems.items():
+        seconds = statistics.median(times[name][1:])
+        if isinstance(system, Engine):
+            s = system.trace.summary
+            moved, peak, micro = s["swap_bytes"], s["peak_memory"]["gpu0"], f"{plan.fwd_microbatch}/{plan.bwd_microbatch}"
+        else:
+            moved, peak, micro = sum(system.moved.values()), system.peak_memory, str(u)
+        rows.append({"system": name, "status": "ran", "microbatch": micro, "step_s": seconds,
+                     "samples_per_s": minibatch / seconds, "host_link_mb": moved / 1e6, "peak_mb": peak / 1e6,
+                     "peak_share": peak / device.capacity})
+    if u is None:
+        rows.append({"system": "torch offload", "status": "does not fit at any microbatch size"})
+    df = pd.DataFrame(rows)
+    first = df.iloc[0]
+    df["harmony_speedup"] = first.samples_per_s / df.samples_per_s
+    df["harmony_bytes_ratio"] = first.host_link_mb / df.host_link_mb
+    return df, details
+
+
+def torch_offload_chart(df: pd.DataFrame, title: str | list[str] = ""):
+    """Samples/s of Harmony and of PyTorch's own offload, side by side."""
+    return bar_chart(df[df.status == "ran"], "system", "samples_per_s", title=title, y_title="samples/s (measured)")
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float):
         return None if math.isnan(value) else value

@@ -24,6 +24,7 @@ SMOKE: dict[str, dict] = {
     "15_exact_match": {"steps": 2},
     "16_simulator_fidelity": {"steps": 1, "pack_sizes": [3], "microbatches": [8]},
     "17_systems": {"models": ["gpt2-xl"], "minibatches": [16], "depths": [24, 48], "steps": 1},
+    "18_vs_torch": {"hidden": 64, "blocks": 2, "minibatch": 8, "memory": "2MB", "steps": 1},
 }
 #: notebooks that take long even with smoke parameters (run with -m slow)
 SLOW: set[str] = set()

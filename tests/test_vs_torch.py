@@ -1,10 +1,9 @@
-"""The PyTorch-native offload recipe of ``bench/vs_torch.py`` trains exactly as
-a plain PyTorch loop does, moves the bytes its docstring says, and runs out of
-emulated device memory where its ledger says so."""
+"""PyTorch's own offload recipe (:class:`harmony.baselines.TorchOffload`) trains
+exactly as a plain PyTorch loop does, moves the bytes its docstring says, and
+runs out of emulated device memory where its ledger says so; the comparison
+with harmony (``harmony.experiments.torch_offload_comparison``) reports both."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +13,9 @@ from harmony import EmulatedDevice, FlatAdamW
 from harmony.engine.profiler import profile
 from harmony.engine.reference_loop import reference_step
 from harmony.errors import OutOfMemoryError
+from harmony.baselines import TorchOffload
+from harmony.experiments import torch_offload_comparison
 from harmony.training import build_model, lm_loss
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from vs_torch import TorchOffload  # noqa: E402
 
 CFG = dict(hidden=32, n_layer=2, heads=2, seq_len=16, max_position=16, vocab=64)
 B, U = 4, 2
@@ -65,3 +63,19 @@ def test_the_ledger_raises_out_of_memory_where_the_recipe_does_not_fit(setup):
     with pytest.raises(OutOfMemoryError):
         recipe.step(x, y)
     assert recipe.ledger.in_use == weights_and_grads and all(p.grad is None for p in recipe.params)
+
+
+def test_the_comparison_runs_both_systems_from_the_same_weights():
+    table, details = torch_offload_comparison(hidden=32, blocks=2, minibatch=8, memory="400KB", steps=1, seq_len=16,
+                                              vocab=64, link="1GB/s")
+    assert list(table.system) == ["harmony-pp", "torch offload"] and (table.status == "ran").all()
+    assert details["first_step_max_weight_diff"] < 1e-6  # the same training, step for step
+    assert (table.peak_mb <= details["capacity_mb"]).all() and table.harmony_speedup.iloc[0] == 1.0
+    assert any("out of memory" in line for line in details["tuning"])  # the whole minibatch does not fit
+
+
+def test_a_recipe_that_fits_at_no_microbatch_size_gets_a_row_saying_so():
+    table, details = torch_offload_comparison(hidden=32, blocks=6, minibatch=8, memory="400KB", steps=1, seq_len=16,
+                                              vocab=64, link="1GB/s")
+    assert list(table.status) == ["ran", "does not fit at any microbatch size"]
+    assert details["weights_mb"] * 2 > details["capacity_mb"]

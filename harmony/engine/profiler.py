@@ -181,3 +181,26 @@ def measure_task_overhead(device, repeats: int = 9) -> float:
     step = _median_time(lambda: engine.step(x, y), repeats, lambda: None)
     computes = sum(1 for t in engine._graph_cache.tasks if not t.is_transfer and t.kind != "UPD")
     return step / computes
+
+
+#: a GTX 1080 Ti's compute : its PCIe 3.0 link, FLOP per byte (11.3 TFLOP/s float32,
+#: 12.3 GB/s host-to-device): an emulated GPU with this ratio to the CPU's compute has
+#: the balance of the paper's server
+FLOP_PER_BYTE_1080TI = 11.3e12 / 12.3e9
+
+
+def cpu_flops() -> float:
+    """FLOP/s of one CPU thread on a large float32 matmul."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    return 5 * 2 * 1024**3 / (time.perf_counter() - t0)
+
+
+def link_like_1080ti() -> float:
+    """Bytes/s of an emulated link as many times slower than a 1080 Ti's PCIe as
+    this CPU (one thread) is slower than a 1080 Ti."""
+    return cpu_flops() / FLOP_PER_BYTE_1080TI
+
