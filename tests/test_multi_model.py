@@ -238,3 +238,29 @@ def test_train_many_refuses_bad_input(change, message):
     data = [minibatches(10 + seed, 1) for _, seed, _ in GRID]
     with pytest.raises(HarmonyError, match=message):
         harmony.train_many(*change(engines, data))
+
+
+def tied_engine(seed: int) -> Engine:
+    """Layers 2 and 6 share one weight (as an embedding and an LM head do), in different packs."""
+    torch.manual_seed(seed)
+    first, last = nn.Linear(32, 32), nn.Linear(32, 32)
+    last.weight = first.weight
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), first, nn.GELU(), nn.Linear(32, 32), nn.GELU(), last,
+                          nn.Linear(32, 5))
+    plan = Plan("harmony-pp", 1, B, 4, 4, ((0, 3), (3, 6)), ((0, 3), (3, 6), (6, 8)))
+    return Engine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2), nn.functional.cross_entropy,
+                  device=SERVER.device(), minibatch_size=B, plan=plan, seed=seed)
+
+
+def test_train_many_with_tied_weights_is_bitwise_as_alone():
+    engines = [tied_engine(seed) for seed in (0, 1)] + [make_engine(*GRID[2])]
+    data = [minibatches(20 + i) for i in range(3)]
+    harmony.train_many(engines, data, SERVER, "merged")
+    for i, (engine, batches) in enumerate(zip(engines, data)):
+        alone = tied_engine(i) if i < 2 else make_engine(*GRID[2])
+        for x, y in batches:
+            alone.step(x, y)
+        for (name, a), b in zip(engine.model.state_dict().items(), alone.model.state_dict().values()):
+            assert torch.equal(a, b), f"model {i}: {name} differs"
+    tied = engines[0].model
+    assert tied[2].weight is tied[6].weight  # still one parameter, updated once per step
