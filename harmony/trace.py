@@ -4,7 +4,9 @@ the engine, so a comparison (simulated vs measured, policy vs policy) is one joi
 ``timeline`` has one row per task: ``device, lane, kind, model, pack,
 microbatch, start_s, end_s, bytes`` (plus ``layers`` and ``what`` to read it).
 ``summary`` holds the iteration time, samples/s, bytes by kind, peak memory
-per device and the lower bound.
+per device and the lower bound; a step of the engine adds ``new_buffers`` and
+``new_buffer_bytes``, what its buffer pools had to allocate (none once a plan
+has run a step).
 """
 
 from __future__ import annotations
