@@ -28,17 +28,8 @@ import torch
 import harmony
 from harmony import EmulatedDevice, Engine, FlatAdamW, Plan
 from harmony.engine import buffers, host_memory
+from harmony.engine.profiler import median_time
 from harmony.training import build_model, lm_loss, torch_threads
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def pack_copies(layers, pack: int, repeats: int) -> None:

@@ -71,10 +71,10 @@ from torch.utils.checkpoint import checkpoint
 
 import harmony
 from harmony import Engine, FlatAdamW
-from harmony.baselines import TorchOffload, fastest_microbatch
+from harmony.baselines import TorchOffload, fastest_microbatch, timed
 from harmony.engine.planning import PLANNING_HEADROOM
 from harmony.engine.profiler import default_sizes, measure_task_overhead, profile
-from harmony.experiments import torch_offload_comparison
+from harmony.experiments import gpt2_config, torch_offload_comparison
 from harmony.hardware import parse_bytes
 from harmony.plan import split_samples
 from harmony.search import search
@@ -92,17 +92,6 @@ def flat_adamw(params):
 
 def torch_adamw(params):
     return torch.optim.AdamW(params, lr=1e-4)
-
-
-def timed(step: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
-
-
-def gpt2_config(hidden: int, blocks: int, seq_len: int, vocab: int) -> dict:
-    return dict(hidden=hidden, n_layer=blocks, heads=max(1, hidden // 64), seq_len=seq_len, max_position=seq_len,
-                vocab=vocab)
 
 
 # ---- emulated device -------------------------------------------------------------

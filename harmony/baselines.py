@@ -45,6 +45,13 @@ from .spec import ModelSpec
 OOM = (OutOfMemoryError, torch.OutOfMemoryError)
 
 
+def timed(step: Callable[[], object]) -> float:
+    """Seconds one call of ``step`` takes."""
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 

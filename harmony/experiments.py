@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
-from .baselines import TorchOffload, fastest_microbatch
+from .baselines import TorchOffload, fastest_microbatch, timed
 from .catalog import model_spec
 from .engine import EmulatedDevice, Engine
 from .engine.profiler import default_sizes, link_like_1080ti, measure_task_overhead, profile
@@ -753,6 +753,12 @@ def schedules_table(jobs: list[Job], hardware: str = HARDWARE) -> pd.DataFrame:
 
 # ---- writing results -------------------------------------------------------------------
 # ---- 18: Harmony vs PyTorch's own offload ------------------------------------------------
+def gpt2_config(hidden: int, blocks: int, seq_len: int, vocab: int) -> dict[str, int]:
+    """Settings of the zoo's ``gpt2-tiny`` for a GPT-2 of ``blocks`` x ``hidden`` (heads of 64)."""
+    return dict(hidden=hidden, n_layer=blocks, heads=max(1, hidden // 64), seq_len=seq_len, max_position=seq_len,
+                vocab=vocab)
+
+
 def torch_offload_comparison(hidden: int = 256, blocks: int = 6, minibatch: int = 32, memory: str = "56MB",
                              steps: int = 5, seq_len: int = 64, vocab: int = 512, link: float | str | None = None,
                              threads: int | None = 1) -> tuple[pd.DataFrame, dict[str, Any]]:
@@ -772,16 +778,10 @@ def torch_offload_comparison(hidden: int = 256, blocks: int = 6, minibatch: int 
     def optimizer(params):
         return FlatAdamW(params, lr=1e-4)
 
-    def timed(step) -> float:
-        t0 = time.perf_counter()
-        step()
-        return time.perf_counter() - t0
-
     with torch_threads(threads):
         rate = link_like_1080ti() if link is None else parse_rate(link, "link")
         device = EmulatedDevice(memory=memory, h2d=rate, d2h=rate)
-        cfg = dict(hidden=hidden, n_layer=blocks, heads=max(1, hidden // 64), seq_len=seq_len, max_position=seq_len,
-                   vocab=vocab)
+        cfg = gpt2_config(hidden, blocks, seq_len, vocab)
         model = build_model("gpt2-tiny", 0, dropout=0.0, **cfg)
         (x,), y = example_input("gpt2-tiny", minibatch, **cfg)
         spec = profile(list(model), (x,), y, lm_loss, optimizer, name=f"gpt2 {blocks}x{hidden}")

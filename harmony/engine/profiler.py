@@ -32,7 +32,9 @@ def default_sizes(minibatch: int) -> list[int]:
     return sorted(set(sizes + [minibatch]))
 
 
-def _median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+def median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call;
+    ``sync`` waits for the work ``fn`` queued (a GPU's stream)."""
     fn()  # warm-up (allocations, lazy init)
     sync()
     times = []
@@ -113,9 +115,9 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
                 floats = [o for o in out if o.requires_grad]
                 torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
 
-            times[(i, "fwd")].append(_median_time(fwd, repeats, sync))
+            times[(i, "fwd")].append(median_time(fwd, repeats, sync))
             # with the saved-tensor meter on, as the engine runs recompute (it charges the ledger)
-            times[(i, "bwd")].append(_median_time(lambda: bwd(SavedBytes()), repeats, sync))
+            times[(i, "bwd")].append(median_time(lambda: bwd(SavedBytes()), repeats, sync))
             meter = SavedBytes()
             bwd(meter)
             times[(i, "fx")].append(float(_nbytes(acts[i + 1])))
@@ -150,7 +152,7 @@ def _update_time(layer: nn.Module, optimizer: Callable, repeats: int, journal: b
             record.start_step()
         apply_update(opt, (0, 1), None, record)
 
-    return _median_time(update, repeats, lambda: None)
+    return median_time(update, repeats)
 
 
 def measure_link(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 3) -> tuple[float, float]:
@@ -159,8 +161,8 @@ def measure_link(device: torch.device, nbytes: int = 256 * 2**20, repeats: int =
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
-    h2d = _median_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
-    d2h = _median_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
+    h2d = median_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
+    d2h = median_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
     return nbytes / h2d, nbytes / d2h
 
 
@@ -178,7 +180,7 @@ def measure_task_overhead(device, repeats: int = 9) -> float:
     engine = Engine(layers, lambda ps: torch.optim.SGD(ps, lr=0.0), nn.functional.mse_loss, device=device,
                     minibatch_size=8, plan=plan, safe_updates=False)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
-    step = _median_time(lambda: engine.step(x, y), repeats, lambda: None)
+    step = median_time(lambda: engine.step(x, y), repeats)
     computes = sum(1 for t in engine._graph_cache.tasks if not t.is_transfer and t.kind != "UPD")
     return step / computes
 
