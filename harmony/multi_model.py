@@ -617,6 +617,7 @@ class _Training:
         self.lock = threading.Lock()
 
     def run(self) -> MultiRun:
+        from .engine.admission import MemoryOrder
         from .engine.executor import Executor
 
         rng_locks = [e.rng_lock for e in self.engines]
@@ -626,7 +627,10 @@ class _Training:
             for k in {p.gpu for p in self.sched.placements if p.job == m} - {0}:
                 for i in range(len(engine.layers)):
                     engine.replica(k, i)  # made now, while no step is swapping weights in
-        executor = Executor(self.sched.graph, self._task)
+        # the server's memory taken in the order the simulator played the merged graph
+        admission = MemoryOrder(self.sched.graph, play(self.sched.graph).order,
+                                {name: b.ledger for name, b in self.backends.items()})
+        executor = Executor(self.sched.graph, self._task, admission)
         t0 = time.perf_counter()
         for b in self.backends.values():
             b.ledger.reset(t0)

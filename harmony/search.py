@@ -62,13 +62,17 @@ def _min_layer_bytes(spec: ModelSpec) -> tuple[int, float]:
 
 def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
            policies: Iterable[str] = DEFAULT_POLICIES, n_gpus: Iterable[int] | int | None = None,
-           top_k: int = 2, progress: bool = False, workers: int | None = None) -> pd.DataFrame:
+           top_k: int = 2, progress: bool = False, workers: int | None = None,
+           equal_microbatches: bool = False) -> pd.DataFrame:
     """Rank plans for ``spec`` on ``hardware`` by simulated iteration time.
 
     Returns one row per simulated candidate that fits in GPU memory, fastest
     first, with the :class:`Plan` in column ``plan``. ``df.attrs`` holds the
     search time and how many candidates were simulated and rejected.
-    ``workers`` processes simulate in parallel (default: one per core, at most 4)."""
+    ``workers`` processes simulate in parallel (default: one per core, at most 4).
+    ``equal_microbatches``: only plans whose forward and backward microbatch
+    sizes are equal (what a model with dropout or BatchNorm needs to train
+    exactly; the engine refuses other plans for it)."""
     t0 = time.perf_counter()
     if not isinstance(minibatch_size, numbers.Integral) or isinstance(minibatch_size, bool) or minibatch_size < 1:
         raise HarmonyError(f"minibatch size must be a positive integer, got {minibatch_size!r}")
@@ -139,7 +143,8 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
                 p: Plan = r["plan"]
                 # Forward needs no autograd memory, so only sizes >= uB are worth trying.
                 ufs = [u for u in microbatch_sizes(share, fcap) if u >= p.bwd_microbatch]
-                for uf in ([p.bwd_microbatch] if get_policy(policy).PER_MICROBATCH else ufs):
+                one_size = get_policy(policy).PER_MICROBATCH or equal_microbatches
+                for uf in ([p.bwd_microbatch] if one_size else ufs):
                     for fwd in _fwd_packings(spec, p, uf, hardware):
                         stage_b.append(_Candidate(replace(p, fwd_microbatch=uf, fwd_packs=fwd), "B"))
             found += run(stage_b)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 from .errors import DeadlockError
 from .graph import TaskGraph
@@ -60,9 +61,26 @@ def fair_rates(active: dict[int, tuple[tuple[str, ...], float]], capacity: dict[
     return rates
 
 
-def play(graph: TaskGraph) -> tuple[list[float], list[float], dict[str, float], dict[str, list[tuple[float, float]]]]:
-    """Play ``graph``: start and end time of every task, peak bytes per device and
-    the memory in use over time per device (steps)."""
+@dataclass
+class Played:
+    """One play of a graph: start and end time of every task, peak bytes per
+    device, the memory in use over time per device (steps), and the *memory
+    order*: per device, the buffers in the order they were allocated and freed,
+    as ``(buffer, allocated)`` pairs; the engine admits buffers in this order
+    (:mod:`harmony.engine.admission`)."""
+
+    start: list[float]
+    end: list[float]
+    peak: dict[str, float]
+    memory: dict[str, list[tuple[float, float]]]
+    order: dict[str, list[tuple[int, bool]]]
+
+    def __iter__(self):  # start, end, peak, memory = play(graph)
+        return iter((self.start, self.end, self.peak, self.memory))
+
+
+def play(graph: TaskGraph) -> Played:
+    """Play ``graph``: when each task starts and ends and what memory it takes."""
     tasks = graph.tasks
     n = len(tasks)
     start = [math.nan] * n
@@ -90,6 +108,7 @@ def play(graph: TaskGraph) -> tuple[list[float], list[float], dict[str, float], 
     in_use: dict[str, float] = defaultdict(float)
     peak: dict[str, float] = {d: 0.0 for d in graph.memory_capacity}
     memory: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    order: dict[str, list[tuple[int, bool]]] = defaultdict(list)
 
     computing: list[tuple[float, int]] = []  # (end time, task)
     moving: dict[int, float] = {}  # transfer -> bytes left
@@ -114,6 +133,7 @@ def play(graph: TaskGraph) -> tuple[list[float], list[float], dict[str, float], 
             if refs[b] == 0:
                 buf = graph.buffers[b]
                 charge(buf.device, -buf.nbytes)
+                order[buf.device].append((b, False))
         lane = lane_of[tid]
         busy[lane] = False
         to_check.add(lane)
@@ -147,6 +167,7 @@ def play(graph: TaskGraph) -> tuple[list[float], list[float], dict[str, float], 
             for b in t.allocs:
                 buf = graph.buffers[b]
                 charge(buf.device, buf.nbytes)
+                order[buf.device].append((b, True))
             if t.is_transfer:
                 if t.nbytes > 0:
                     moving[tid] = t.nbytes
@@ -184,7 +205,7 @@ def play(graph: TaskGraph) -> tuple[list[float], list[float], dict[str, float], 
             ended.append(heapq.heappop(computing)[1])
         for tid in ended:
             finish(tid)
-    return start, end, peak, dict(memory)
+    return Played(start, end, peak, dict(memory), dict(order))
 
 
 def _deadlock(graph: TaskGraph, start: list[float], end: list[float]) -> DeadlockError:
@@ -201,8 +222,8 @@ def _deadlock(graph: TaskGraph, start: list[float], end: list[float]) -> Deadloc
 
 
 def simulate_graph(graph: TaskGraph) -> Trace:
-    start, end, peak, memory = play(graph)
-    return Trace.from_graph(graph, start, end, peak, memory)
+    played = play(graph)
+    return Trace.from_graph(graph, played.start, played.end, played.peak, played.memory)
 
 
 def simulate(spec: ModelSpec, hardware: Hardware, plan: Plan) -> Trace:

@@ -118,7 +118,11 @@ class LayerCost:
     gradients and its own input: ``fwd_extra(u)`` is the output plus forward
     temporaries without autograd; ``bwd_extra(u)`` is what recompute-and-backward
     keeps (autograd-saved activations, output gradient, input gradient,
-    temporaries). Times: ``fwd_time(u)`` is forward without autograd;
+    temporaries). Of ``bwd_extra``, ``saved_input(u)`` is the layer's own input
+    and ``saved_output(u)`` its own output when autograd keeps
+    them: at the first layer of a pack the input is a buffer of its own, and
+    between two layers of a pack it is one tensor however many keep it (see
+    :meth:`ModelSpec.bwd_work_bytes`). Times: ``fwd_time(u)`` is forward without autograd;
     ``bwd_time(u)`` *includes the recompute forward* (as the reference profiler
     measured it). When a time curve is ``None`` it is derived from FLOPs and the
     hardware's FLOP rate.
@@ -144,6 +148,8 @@ class LayerCost:
     bwd_time: Curve | None = None
     fwd_extra: Curve = field(default_factory=Curve)  # bytes at the spec's activation dtype
     bwd_extra: Curve = field(default_factory=Curve)
+    saved_input: Curve = field(default_factory=Curve)  # part of bwd_extra: the input, kept by autograd
+    saved_output: Curve = field(default_factory=Curve)  # part of bwd_extra: the output, kept by autograd
     #: measured CPU optimizer step for this layer (s); None: derive from bytes
     update_time_s: float | None = None
 
@@ -167,10 +173,26 @@ class LayerCost:
         if self.update_time_s is not None and (not isinstance(self.update_time_s, (int, float))
                                                or not math.isfinite(self.update_time_s) or self.update_time_s < 0):
             raise bad("update_time_s", self.update_time_s)
-        for name in ("fwd_time", "bwd_time", "fwd_extra", "bwd_extra"):
+        for name in ("fwd_time", "bwd_time", "fwd_extra", "bwd_extra", "saved_input", "saved_output"):
             v = getattr(self, name)
             if not isinstance(v, Curve) and not (v is None and name.endswith("time")):
                 raise HarmonyError(f"layer {self.name!r}: {name} must be a harmony.Curve, got {type(v).__name__}")
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A parameter that several layers share (tied weights, e.g. a language
+    model's head and its token embedding): the layers, in order, and its number
+    of elements, which each of these layers counts in its ``param_numel``. It
+    crosses a link once per pack that holds any of these layers, and its
+    optimizer step belongs to the first layer's pack."""
+
+    layers: tuple[int, ...]
+    numel: int
+
+    def in_range(self, start: int, stop: int) -> int:
+        """How many of its layers lie in [start, stop)."""
+        return sum(1 for i in self.layers if start <= i < stop)
 
 
 @dataclass(frozen=True)
@@ -189,6 +211,8 @@ class ModelSpec:
     #: bytes of the labels per sample, read by the last layer
     target_bytes_per_sample: float = 0.0
     source: str = ""
+    #: parameters shared by several layers
+    ties: tuple[Tie, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -201,6 +225,13 @@ class ModelSpec:
         dtype_bytes(self.act_dtype)
         if self.master_dtype is not None:
             dtype_bytes(self.master_dtype)
+        object.__setattr__(self, "ties", tuple(self.ties))
+        for t in self.ties:
+            if (not isinstance(t, Tie) or len(t.layers) < 2 or list(t.layers) != sorted(set(t.layers))
+                    or t.layers[0] < 0 or t.layers[-1] >= len(self.layers)
+                    or any(t.numel > self.layers[i].param_numel for i in t.layers)):
+                raise HarmonyError(f"model spec {self.name!r}: a tie must name two or more distinct layers in "
+                                   f"order, each holding its elements; got {t!r}")
 
     # ---- sizes -------------------------------------------------------------
     def __len__(self) -> int:
@@ -220,22 +251,38 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        return sum(layer.param_numel for layer in self.layers)
+        return sum(layer.param_numel for layer in self.layers) - sum(t.numel * (len(t.layers) - 1)
+                                                                    for t in self.ties)
+
+    def _shared(self, start: int, stop: int) -> int:
+        """Elements of tied parameters counted more than once among layers [start, stop)."""
+        return sum(t.numel * max(0, t.in_range(start, stop) - 1) for t in self.ties)
 
     def weight_bytes(self, start: int = 0, stop: int | None = None) -> int:
-        """Bytes of weights (parameters + buffers) of layers [start, stop) on the link."""
+        """Bytes of weights (parameters + buffers) of layers [start, stop) on the
+        link, a tied parameter once."""
         stop = len(self.layers) if stop is None else stop
-        return self._weight_prefix[stop][0] - self._weight_prefix[start][0]
+        shared = self._shared(start, stop) * dtype_bytes(self.param_dtype) if self.ties else 0
+        return self._weight_prefix[stop][0] - self._weight_prefix[start][0] - shared
 
     def grad_bytes(self, start: int = 0, stop: int | None = None) -> int:
-        """Bytes of the weight gradients of layers [start, stop) on the link."""
+        """Bytes of the weight gradients of layers [start, stop) on the link, a
+        tied parameter once."""
         stop = len(self.layers) if stop is None else stop
-        return self._weight_prefix[stop][1] - self._weight_prefix[start][1]
+        shared = self._shared(start, stop) * dtype_bytes(self.param_dtype) if self.ties else 0
+        return self._weight_prefix[stop][1] - self._weight_prefix[start][1] - shared
+
+    def split_tie_bytes(self, start: int, stop: int) -> int:
+        """Gradient bytes of the parameters that layers [start, stop) share with
+        layers outside it: their gradient is summed with the other layers' per
+        microbatch, as autograd sums it, so it leaves the device per microbatch."""
+        return sum(t.numel for t in self.ties if 0 < t.in_range(start, stop) < len(t.layers)) * \
+            dtype_bytes(self.param_dtype)
 
     def optimizer_state_bytes(self, start: int = 0, stop: int | None = None) -> int:
         """Host bytes of optimizer state (fp32 master copies are separate)."""
         stop = len(self.layers) if stop is None else stop
-        n = sum(layer.param_numel for layer in self.layers[start:stop])
+        n = sum(layer.param_numel for layer in self.layers[start:stop]) - self._shared(start, stop)
         return n * 4 * OPTIMIZER_STATE_SLOTS[self.optimizer]
 
     def input_bytes(self, layer: int, u: float) -> float:
@@ -272,25 +319,46 @@ class ModelSpec:
         else the bytes the step streams (weights, gradient and every state
         tensor, read and written) over the CPU's optimizer bandwidth."""
         slots = OPTIMIZER_STATE_SLOTS[self.optimizer]
+        # a tied parameter is stepped by its first layer's update
+        stepped_elsewhere = {i: 0 for i in range(start, stop)}
+        for tie in self.ties:
+            for i in tie.layers[1:]:
+                if i in stepped_elsewhere:
+                    stepped_elsewhere[i] += tie.numel
         t = 0.0
-        for c in self.layers[start:stop]:
+        for i, c in enumerate(self.layers[start:stop], start):
             if c.update_time_s is not None:
                 t += c.update_time_s
             else:
-                t += c.param_numel * 4 * (3 + 2 * slots) / cpu_bytes_per_s
+                t += (c.param_numel - stepped_elsewhere[i]) * 4 * (3 + 2 * slots) / cpu_bytes_per_s
         return t
 
     # ---- working memory ----------------------------------------------------
     def fwd_work_bytes(self, start: int, stop: int, u: float) -> float:
-        """Transient device bytes of a forward pass without autograd: layers run
-        one after the other, so the worst layer counts."""
-        return max((c.fwd_extra(u) for c in self.layers[start:stop]), default=0.0)
+        """Transient device bytes of a forward pass without autograd, beyond the
+        pack's input and output buffers: layers run one after the other, each
+        holding its input (a transient itself inside the pack) and what it makes
+        (``fwd_extra``: output and temporaries; the last layer's output is the
+        pack's output buffer), so the worst layer counts."""
+        worst = 0.0
+        for i in range(start, stop):
+            held = self.layers[i].fwd_extra(u) + (self.input_bytes(i, u) if i > start else 0.0)
+            if i == stop - 1:
+                held -= self.input_bytes(stop, u)
+            worst = max(worst, held)
+        return worst
 
     def bwd_work_bytes(self, start: int, stop: int, u: float) -> float:
         """Device bytes of recompute + backward of a pack: autograd keeps every
         layer's saved activations until backward reaches it, so they add up
-        (the reference packer's conservative estimate)."""
-        return sum(c.bwd_extra(u) for c in self.layers[start:stop])
+        (the reference packer's conservative estimate). The pack's input is a
+        buffer of its own (a layer keeping it adds nothing), and a tensor passed
+        from one layer to the next is counted once when both keep it."""
+        layers = self.layers
+        total = sum(c.bwd_extra(u) for c in layers[start:stop]) - layers[start].saved_input(u)
+        for i in range(start + 1, stop):
+            total -= min(layers[i - 1].saved_output(u), layers[i].saved_input(u))
+        return max(0.0, total)
 
     # ---- derived specs -----------------------------------------------------
     def with_dtypes(self, param_dtype: str | None = None, act_dtype: str | None = None) -> "ModelSpec":
@@ -300,7 +368,8 @@ class ModelSpec:
         act_dtype = act_dtype or self.act_dtype
         r = dtype_bytes(act_dtype) / dtype_bytes(self.act_dtype)
         layers = tuple(
-            replace(c, fwd_extra=c.fwd_extra.scaled(r), bwd_extra=c.bwd_extra.scaled(r))
+            replace(c, fwd_extra=c.fwd_extra.scaled(r), bwd_extra=c.bwd_extra.scaled(r),
+                    saved_input=c.saved_input.scaled(r), saved_output=c.saved_output.scaled(r))
             for c in self.layers
         )
         return replace(self, layers=layers, param_dtype=param_dtype, act_dtype=act_dtype)

@@ -120,11 +120,11 @@ def test_trace_has_the_simulator_schema_and_counts_bytes():
 def test_out_of_memory_leaves_the_engine_unchanged_and_a_feasible_plan_then_works():
     data = batches(2)
     model = make_model()
-    tiny = EmulatedDevice(memory="60KB", h2d="1GB/s", d2h="1GB/s")
+    tiny = EmulatedDevice(memory="40KB", h2d="1GB/s", d2h="1GB/s")
     whole = Plan("harmony-pp", 1, B, B, B, (), ((0, 9),))
     engine = Engine(model, ADAMW, loss_fn, device=tiny, minibatch_size=B, plan=whole)
     before = [p.detach().clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
-    with pytest.raises(OutOfMemoryError, match=r"needs .* MB but only .* MB of 0.06 MB are free"):
+    with pytest.raises(OutOfMemoryError, match=r"needs .* MB but only .* MB of 0.04 MB are free"):
         engine.step(*data[0])
     after = [p.detach() for p in model.parameters()] + list(model.buffers())
     assert all(torch.equal(a, b) for a, b in zip(before, after))
@@ -255,5 +255,5 @@ def test_hugging_face_gpt2_with_tied_embeddings_trains_like_the_reference():
     for x, y in data:
         engine.step(x, y)
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
-        # the tied weight's two gradients are summed in another order than autograd's
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        # the tied weight's gradients are summed per microbatch, as autograd sums them
+        assert torch.equal(a, b), name

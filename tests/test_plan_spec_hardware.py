@@ -234,13 +234,34 @@ def test_spec_dtypes():
     half_a = spec.with_dtypes(act_dtype="bfloat16")
     assert half_a.weight_bytes() == spec.weight_bytes()
     assert half_a.input_bytes(0, 2) == 2 * (10 * 2 + 16)  # integer inputs keep their size
-    assert half_a.fwd_work_bytes(0, 2, 4) == pytest.approx(200.0)
+    # forward: the worst layer, the second holding its input (an inner activation) too
+    assert half_a.fwd_work_bytes(0, 2, 4) == pytest.approx(200.0 + 4 * (10 * 2 + 16))
     assert half_a.bwd_work_bytes(0, 2, 4) == pytest.approx(1200.0)
-    assert spec.fwd_work_bytes(0, 2, 4) == pytest.approx(400.0)  # max over layers
+    assert spec.fwd_work_bytes(0, 2, 4) == pytest.approx(400.0 + 4 * (10 * 4 + 16))
+    # one layer: what it makes but its output, which is the pack's output buffer
+    assert spec.fwd_work_bytes(0, 1, 4) == pytest.approx(400.0 - 4 * (10 * 4 + 16))
     assert spec.bwd_work_bytes(0, 2, 4) == pytest.approx(2400.0)  # sum over layers
     assert half_a.target_bytes(3) == spec.target_bytes(3) == 24
     back = half_a.with_dtypes(act_dtype="float32")
-    assert back.fwd_work_bytes(0, 2, 4) == pytest.approx(400.0)
+    assert back.fwd_work_bytes(0, 2, 4) == pytest.approx(spec.fwd_work_bytes(0, 2, 4))
+
+
+def test_working_memory_counts_a_tensor_kept_by_two_layers_once():
+    """bwd_extra includes the layer's own input and output when autograd keeps
+    them: the pack's input is a buffer of its own, and the tensor between two
+    layers of a pack is one tensor however many layers keep it."""
+    def layer(saved_in: float, saved_out: float) -> LayerCost:
+        return LayerCost("l", param_numel=10, input_numel_per_sample=25, bwd_extra=Curve.linear(300.0),
+                         saved_input=Curve.linear(saved_in), saved_output=Curve.linear(saved_out))
+
+    keeps_output, keeps_input = layer(0.0, 100.0), layer(100.0, 0.0)
+    spec = ModelSpec("k", (keeps_output, keeps_input, keeps_input))
+    assert spec.bwd_work_bytes(0, 1, 2) == pytest.approx(600.0)
+    assert spec.bwd_work_bytes(1, 2, 2) == pytest.approx(600.0 - 200.0)  # its input is the pack's buffer
+    assert spec.bwd_work_bytes(0, 2, 2) == pytest.approx(1200.0 - 200.0)  # one tensor between the two
+    assert spec.bwd_work_bytes(0, 3, 2) == pytest.approx(1800.0 - 200.0)  # layer 1 keeps no output
+    half = spec.with_dtypes(act_dtype="bfloat16")
+    assert half.bwd_work_bytes(0, 2, 2) == pytest.approx(500.0)
     assert spec.with_dtypes(param_dtype="float64").weight_bytes() == 2 * spec.weight_bytes()
 
 

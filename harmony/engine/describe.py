@@ -2,19 +2,25 @@
 
 The engine needs a spec to build its task graph even when it is handed a plan:
 the graph's structure and byte counts come from parameter and activation
-sizes, which one forward pass over a single sample tells. The profiler
-(:mod:`harmony.engine.profiler`) adds measured times and working memory.
+sizes, which a forward pass over two samples tells, and its memory from what
+the engine holds running each layer, which :func:`working_memory` measures
+the way the engine's meters count it (:mod:`harmony.engine.meters`): so the
+simulated peak of a plan is the peak the engine reaches. The profiler
+(:mod:`harmony.engine.profiler`) adds measured times.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from ..errors import HarmonyError
-from ..spec import LayerCost, ModelSpec
+from ..spec import Curve, LayerCost, ModelSpec, Tie
+from .meters import SavedBytes, storage_key
 from .reference_loop import as_args
 
 _FLOAT_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -34,15 +40,35 @@ def split_bytes(tensors) -> tuple[float, float]:
     return floats, fixed
 
 
-def layer_inputs(layers: Sequence[nn.Module], inputs: tuple) -> list[tuple]:
-    """The input of every layer (and, last, the chain's output) for ``inputs``."""
+def layer_inputs(layers: Sequence[nn.Module], inputs: tuple, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> list[tuple]:
+    """The input of every layer (and, last, the chain's output) for ``inputs``;
+    with ``dtype``, under ``torch.autocast`` on ``device`` (the layers' own)."""
     out = [inputs]
     h = inputs
-    with torch.no_grad():
+    kind = (device or torch.device("cpu")).type
+    with torch.no_grad(), torch.autocast(kind, dtype=dtype, enabled=dtype is not None):
         for layer in layers:
             h = as_args(layer(*h))
             out.append(h)
     return out
+
+
+class evaluating:
+    """Eval mode for the duration of a block, restoring every module's own flag
+    (``layer.train(mode)`` would overwrite the flags of its submodules)."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        self.modules = [m for layer in layers for m in layer.modules()]
+
+    def __enter__(self):
+        self.flags = [m.training for m in self.modules]
+        for m in self.modules:
+            m.training = False
+
+    def __exit__(self, *exc):
+        for m, flag in zip(self.modules, self.flags):
+            m.training = flag
 
 
 def norm_tensor_names(layer: nn.Module) -> set[str]:
@@ -52,6 +78,17 @@ def norm_tensor_names(layer: nn.Module) -> set[str]:
             for name, _ in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))}
 
 
+def microbatch_dependence(layers) -> str | None:
+    """Why the layers' results depend on how a minibatch is cut into microbatches
+    (so forward and backward must use one microbatch size), or None."""
+    for m in (m for layer in layers for m in layer.modules()):
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return "dropout: recompute must draw the forward pass's masks, which are seeded per microbatch"
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+            return "BatchNorm: its batch statistics depend on the microbatch"
+    return None
+
+
 def act_dtype(layers: Sequence[nn.Module]) -> str:
     for p in (p for layer in layers for p in layer.parameters()):
         return _FLOAT_NAMES.get(p.dtype, "float32")
@@ -59,28 +96,44 @@ def act_dtype(layers: Sequence[nn.Module]) -> str:
 
 
 def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, name: str = "model",
-             optimizer: str = "adamw") -> ModelSpec:
-    """Sizes per layer from one sample of ``inputs``; times and working memory zero."""
-    one = tuple(t[:1] for t in inputs)
-    was_training = [layer.training for layer in layers]
-    for layer in layers:
-        layer.eval()  # a forward for sizes must not touch BatchNorm statistics
+             optimizer: str = "adamw", loss_fn: Callable | None = None, device: torch.device | str = "cpu",
+             dtype: torch.dtype | None = None) -> ModelSpec:
+    """Sizes per layer, and the device memory the engine holds running each layer,
+    measured on one and two samples of ``inputs`` on ``device``; times zero (the
+    profiler measures them). With ``loss_fn`` the loss is checked on the first
+    samples and the last layer's working memory includes it, as in the fused
+    last pack. ``dtype``: mixed precision, as the engine runs it: weights and
+    activations cross in ``dtype`` and layers run under ``torch.autocast``."""
+    device = torch.device(device)
+    # two sizes for a line through what a layer holds (two samples at least: BatchNorm
+    # cannot train on one)
+    sizes = [2, 4] if target.shape[0] >= 4 else [1, 2] if target.shape[0] >= 2 else [1]
+    few = tuple(t[:sizes[-1]] for t in inputs)
     try:
-        acts = layer_inputs(layers, one)
+        with evaluating(layers):  # a forward for sizes must not touch BatchNorm statistics
+            acts = layer_inputs(layers, few)
+            # what the engine holds between layers: their outputs as autocast makes them
+            outs = acts[1:] if dtype is None else layer_inputs(layers, few, device, dtype)[1:]
     except Exception as e:  # the model's own error, about the user's inputs
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
         raise HarmonyError(
             f"the model cannot run on the given inputs ({shapes}): {type(e).__name__}: {e}. "
             "Pass inputs of the shape and dtype its first layer expects."
         ) from None
-    finally:
-        for layer, mode in zip(layers, was_training):
-            layer.train(mode)
-    dtype = act_dtype(layers)
+    if loss_fn is not None:
+        check_loss(loss_fn, acts[-1], target)
     norms = [norm_tensor_names(layer) for layer in layers]
     costs = []
     for i, layer in enumerate(layers):
-        floats, fixed = split_bytes(acts[i])
+        floats, fixed = split_bytes(tuple(t[:1] for t in acts[i]))
+        last = i == len(layers) - 1
+        try:
+            held = [working_memory(layer, tuple(t[:u] for t in acts[i]), loss_fn if last else None, target[:u],
+                                   device, dtype) for u in sizes]
+        except Exception as e:  # the layer's own error with autograd on, in training mode
+            raise HarmonyError(f"layer {i} ({type(layer).__name__}) fails in training mode on {sizes[0]} "
+                               f"samples: {type(e).__name__}: {e}") from None
+        out_bytes = sum(t[:1].numel() * t.element_size() for t in outs[i] if isinstance(t, torch.Tensor))
         costs.append(LayerCost(
             name=f"{i}:{type(layer).__name__}",
             param_numel=sum(p.numel() for p in layer.parameters()),
@@ -91,9 +144,117 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
             fixed_buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers() if not b.is_floating_point()),
             input_numel_per_sample=floats,
             input_fixed_bytes_per_sample=fixed,
+            fwd_extra=Curve.linear(float(out_bytes)),
+            bwd_extra=_line(sizes, [h.saved for h in held]),
+            saved_input=_line(sizes, [h.saved_input for h in held]),
+            saved_output=_line(sizes, [h.saved_output for h in held]),
         ))
     per_sample = target[:1]
-    return ModelSpec(name=name, layers=tuple(costs), optimizer=optimizer, param_dtype=dtype, act_dtype=dtype,
-                     master_dtype=dtype,
+    master = act_dtype(layers)
+    spec = ModelSpec(name=name, layers=tuple(costs), optimizer=optimizer, param_dtype=master, act_dtype=master,
+                     master_dtype=master, ties=ties(layers),
                      target_bytes_per_sample=float(per_sample.numel() * per_sample.element_size()),
-                     source="described from the real modules (sizes only)")
+                     source="described from the real modules (sizes and working memory)")
+    if dtype is None:
+        return spec
+    # the links carry the compute dtype; working memory was measured as it is under autocast
+    low = spec.with_dtypes(param_dtype=_FLOAT_NAMES[dtype], act_dtype=_FLOAT_NAMES[dtype])
+    return replace(low, layers=tuple(replace(c, fwd_extra=m.fwd_extra, bwd_extra=m.bwd_extra,
+                                             saved_input=m.saved_input, saved_output=m.saved_output)
+                                     for c, m in zip(low.layers, spec.layers)))
+
+
+def ties(layers: Sequence[nn.Module]) -> tuple[Tie, ...]:
+    """The parameters that several layers share, as the spec counts them."""
+    uses: dict[int, list[int]] = {}
+    numel: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            uses.setdefault(id(p), []).append(i)
+            numel[id(p)] = p.numel()
+    return tuple(Tie(tuple(v), numel[k]) for k, v in uses.items() if len(v) > 1)
+
+
+def _line(sizes: list[int], values: list[float]) -> Curve:
+    """The line through two measured points (the table of them if it would cross
+    zero before the first), or the one point, proportional."""
+    if len(sizes) == 2:
+        slope = (values[1] - values[0]) / (sizes[1] - sizes[0])
+        fixed = values[0] - slope * sizes[0]
+        if slope >= 0 and fixed >= 0:
+            return Curve.linear(slope, fixed)
+    return Curve.table(sizes, values)
+
+
+@dataclass(frozen=True)
+class Held:
+    """What autograd keeps while the engine recomputes one layer (bytes): in all,
+    and of it the layer's own input and its own output."""
+
+    saved: float
+    saved_input: float
+    saved_output: float
+
+
+def working_memory(layer: nn.Module, inputs: tuple, loss_fn: Callable | None, target: torch.Tensor,
+                   device: torch.device = torch.device("cpu"), dtype: torch.dtype | None = None) -> Held:
+    """Run ``layer`` with autograd the way the engine's recompute does (on copies
+    of its weights and buffers on ``device``, so nothing of the model changes,
+    and with the random generators restored after) and meter what autograd
+    saves. The input is passed as a non-leaf, as inside a pack, so that keeping
+    it counts. ``dtype``: under ``torch.autocast``, with activations in it."""
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().to(device, copy=True)
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    norms = norm_tensor_names(layer)
+    weights = {n: (p.detach().to(device, copy=True) if n in norms else copy(p)).requires_grad_(p.requires_grad)
+               for n, p in layer.named_parameters()}
+    weights.update({n: b.detach().to(device, copy=True) if n in norms else copy(b)
+                    for n, b in layer.named_buffers()})
+    leaves = tuple(copy(t).requires_grad_(True) if t.is_floating_point() else copy(t) for t in inputs)
+    xs = tuple(t.view_as(t) if t.requires_grad else t for t in leaves)
+    target = target.to(device, copy=True)
+    meter = SavedBytes(exclude=[*weights.values(), target])  # as the engine's: see StepRun.backward
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices), meter, torch.enable_grad(), \
+            torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        out = as_args(functional_call(layer, weights, xs))
+        if loss_fn is not None:
+            loss_fn(*out, target)
+
+    def kept(tensors) -> float:
+        keys = {storage_key(t): t.untyped_storage().nbytes() for t in tensors
+                if isinstance(t, torch.Tensor) and storage_key(t) in meter.seen}
+        return float(sum(keys.values()))
+
+    return Held(float(meter.total), kept(leaves), 0.0 if loss_fn is not None else kept(out))
+
+
+def check_loss(loss_fn: Callable, output: tuple, target: torch.Tensor) -> None:
+    """The loss of the model's output on the first samples must be a scalar tensor
+    that autograd can differentiate: say what is wrong before anything runs."""
+    out = tuple(t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                else t for t in output)
+    shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in out)
+    how = ("loss_fn(output, target) must return the mean loss of the microbatch as a scalar tensor, "
+           "e.g. torch.nn.functional.cross_entropy(output, target)")
+    try:
+        with torch.enable_grad():
+            loss = loss_fn(*out, target[:len(out[0])])
+    except Exception as e:  # the user's loss function on the user's data
+        raise HarmonyError(
+            f"the loss function fails on the model's output ({shapes}) and the target "
+            f"(per sample {tuple(target.shape[1:])} {target.dtype}): {type(e).__name__}: {e}. "
+            f"{'The last layer returns a tuple, whose elements are passed as separate arguments. ' if len(out) > 1 else ''}"
+            f"{how}"
+        ) from None
+    if not isinstance(loss, torch.Tensor):
+        raise HarmonyError(f"the loss function returned a {type(loss).__name__}, not a tensor: {how} "
+                           "(without .item() or float())")
+    if loss.numel() != 1:
+        raise HarmonyError(f"the loss function returned a tensor of shape {tuple(loss.shape)}, not a scalar "
+                           f"(reduction='none'?): {how}")
+    if not loss.is_floating_point() or not loss.requires_grad:
+        raise HarmonyError(f"the loss function returned a {loss.dtype} tensor that does not depend on the model's "
+                           f"output through autograd (detached?): {how}")

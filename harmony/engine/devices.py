@@ -136,17 +136,27 @@ class LinkPacer:
 
 
 class Ledger:
-    """Bytes in use on one device, with a peak and (optionally) a hard capacity."""
+    """Bytes in use on one device, with a peak and (optionally) a hard capacity.
+
+    ``in_use`` is what the device has given out: the buffers the task graph
+    declared, admitted in the plan's memory order, plus whatever a task held
+    beyond what its buffers declared (``undeclared``, charged as it happens).
+    ``held`` follows the bytes of the tensors themselves, to check that the
+    declared sizes cover them."""
 
     def __init__(self, device: str, capacity: float | None):
         self.device, self.capacity = device, capacity
         self.in_use = 0.0
         self.peak = 0.0
+        self.undeclared = 0.0
+        self.undeclared_peak = 0.0
+        self.held = 0.0
+        self.held_peak = 0.0
         self.history: list[tuple[float, float]] = []  # (seconds since reset, bytes in use)
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
 
-    def charge(self, nbytes: float, what: str) -> None:
+    def charge(self, nbytes: float, what: str, declared: bool = True) -> None:
         with self._lock:
             if self.capacity is not None and self.in_use + nbytes > self.capacity:
                 raise OutOfMemoryError(
@@ -156,18 +166,32 @@ class Ledger:
                 )
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
+            if not declared:
+                self.undeclared += nbytes
+                self.undeclared_peak = max(self.undeclared_peak, self.undeclared)
             self.history.append((time.perf_counter() - self._t0, self.in_use))
 
-    def release(self, nbytes: float) -> None:
+    def release(self, nbytes: float, declared: bool = True) -> None:
         if nbytes:
             with self._lock:
                 self.in_use -= nbytes
+                if not declared:
+                    self.undeclared -= nbytes
                 self.history.append((time.perf_counter() - self._t0, self.in_use))
 
+    def note_held(self, delta: float) -> None:
+        """Tensors of ``delta`` bytes now live on (or left) the device."""
+        if delta:
+            with self._lock:
+                self.held += delta
+                self.held_peak = max(self.held_peak, self.held)
+
     def reset(self, t0: float) -> None:
-        """Start a new step: peak from what is in use now, history from ``t0``."""
+        """Start a new step: peaks from what is in use now, history from ``t0``."""
         with self._lock:
             self.peak = self.in_use
+            self.undeclared_peak = self.undeclared
+            self.held_peak = self.held
             self._t0 = t0
             self.history = [(0.0, self.in_use)]
 

@@ -34,17 +34,18 @@ from ..hardware import GB, Hardware
 from ..plan import Plan
 from ..policies import build_graph, update_shards
 from ..policies.builder import layer_shard
+from ..simulate import play
 from ..trace import Trace
 from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from .decompose import decompose
-from .describe import describe, norm_tensor_names
+from .describe import describe, microbatch_dependence, norm_tensor_names
 from .buffers import BufferPool, HostLayout
 from .devices import Backend, EmulatedBackend, EmulatedServer, make_backends
 from .host_memory import check_host_memory
 from .reference_loop import as_args
 from .state import FORMAT as STATE_FORMAT
 from .state import apply_state, check_state, engine_state, load_optimizer_state, optimizer_state, param_names
-from .updates import UpdateJournal
+from .updates import UpdateJournal, optimizer_params
 
 NONFINITE = ("raise", "skip")
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,6 +121,13 @@ class Engine:
         # tensors, so other threads must never read them from the module.
         self.host_params = [dict(layer.named_parameters()) for layer in self.layers]
         self.host_buffers = [dict(layer.named_buffers()) for layer in self.layers]
+        # parameters several layers share (tied weights): the layers and the first name in each
+        self.tied: dict[int, list[tuple[int, str]]] = {}
+        for i, params in enumerate(self.host_params):
+            for name, p in params.items():
+                self.tied.setdefault(id(p), []).append((i, name))
+        self.tied = {k: v for k, v in self.tied.items() if len(v) > 1}
+        self._split_ties: dict[tuple[int, int], list] = {}
         # BatchNorm's parameters and statistics keep their dtype under mixed precision
         self.norm_tensors = [norm_tensor_names(layer) for layer in self.layers]
         # Layers that draw random numbers: with several compute threads, seeding the
@@ -153,6 +161,7 @@ class Engine:
         self.task_overhead_s = 0.0  # engine cost per compute task, measured when plan="auto" profiled
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer | None] = {}  # (pack, shard) ->
         self._graph_cache: TaskGraph | None = None
+        self._memory_order: dict | None = None  # of the cached graph's buffers, per device
         self._batch_kinds: tuple | None = None  # shapes and dtypes of the first minibatch
         if distributed is None:
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
@@ -219,13 +228,8 @@ class Engine:
         if plan.minibatch != self.minibatch_size:
             raise HarmonyError(f"plan is for minibatch {plan.minibatch} but the engine's is {self.minibatch_size}")
         if plan.fwd_microbatch != plan.bwd_microbatch:
-            for m in (m for layer in self.layers for m in layer.modules()):
-                if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-                    why = "dropout: recompute must draw the forward pass's masks, which are seeded per microbatch"
-                elif isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
-                    why = "BatchNorm: its batch statistics depend on the microbatch"
-                else:
-                    continue
+            why = microbatch_dependence(self.layers)
+            if why is not None:
                 raise HarmonyError(
                     f"forward and backward microbatch sizes must be equal (got {plan.fwd_microbatch} and "
                     f"{plan.bwd_microbatch}) for a model with {why}"
@@ -238,6 +242,8 @@ class Engine:
                     f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer: "
                     "pass e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)"
                 )
+            if params:
+                check_optimizer_holds(opt, params)
             optimizers[key] = opt
         names = param_names(self)
         load_optimizer_state(optimizers, optimizer_state(self.optimizers, names), names)
@@ -281,6 +287,20 @@ class Engine:
                         if owner[id(p)] == key and not (id(p) in seen or seen.add(id(p)))]
         return out
 
+    def split_ties(self, start: int, stop: int) -> list[tuple[int, str, nn.Parameter]]:
+        """The parameters that layers [start, stop) share with layers outside it,
+        each as (layer, name) of its first use inside, and the parameter."""
+        found = self._split_ties.get((start, stop))
+        if found is None:
+            found = []
+            for uses in self.tied.values():
+                inside = [(i, name) for i, name in uses if start <= i < stop]
+                if inside and len(inside) < len(uses):
+                    i, name = inside[0]
+                    found.append((i, name, self.host_params[i][name]))
+            self._split_ties[(start, stop)] = found
+        return found
+
     def replica(self, gpu: int, index: int) -> nn.Module:
         """Layer ``index`` to run on GPU ``gpu``: the host module on the first GPU, a
         weightless copy on the others (``functional_call`` swaps the weights of the
@@ -290,21 +310,29 @@ class Engine:
         with self._replica_lock:
             module = self._replicas.get((gpu, index))
             if module is None:
-                module = copy.deepcopy(self.layers[index]).to("meta")
+                module = weightless_copy(self.layers[index])
                 self._replicas[(gpu, index)] = module
             return module
 
     def _graph(self, inputs: tuple, target: torch.Tensor) -> TaskGraph:
         if self.spec is None:
-            self.spec = self.in_precision(describe(self.layers, inputs, target, name=type(self.model).__name__))
+            self.spec = describe(self.layers, inputs, target, name=type(self.model).__name__, loss_fn=self.loss_fn,
+                                 device=self.backend.torch_device, dtype=self.compute_dtype)
         if self.plan is None:
             from .planning import auto_plan
 
             self.set_plan(auto_plan(self, inputs, target))
         if self._graph_cache is None:
-            graph = build_graph(self.spec, self.hardware(), self.plan)
+            # the profile has the same sizes as the description, and times: the play
+            # that fixes the memory order then resembles the run
+            graph = build_graph(self.profile or self.spec, self.hardware(), self.plan)
             check_host_memory(self, graph)
             self._graph_cache = graph
+            # buffers are admitted on the devices in the simulator's order: the engine's
+            # peak is then the simulated one, whatever the timing (no memory to manage
+            # on the cpu backend)
+            managed = any(b.copies for b in self.backends)
+            self._memory_order = play(graph).order if managed else None
         return self._graph_cache
 
     # ---- one step -----------------------------------------------------------------
@@ -340,7 +368,7 @@ class Engine:
             self._batch_kinds = _kinds(inputs, target)
         if self.sync is not None:
             self.sync.start_step()
-        run = StepRun(self, graph, inputs, target)
+        run = StepRun(self, graph, inputs, target, memory_order=self._memory_order)
         try:
             run.execute()
         except NonFiniteError as err:
@@ -369,13 +397,6 @@ class Engine:
                 self.good_steps = 0
         self.trace = run.trace()
         return run.loss
-
-    def in_precision(self, spec):
-        """``spec`` with the bytes this engine moves: the compute dtype under mixed precision."""
-        if self.compute_dtype is None:
-            return spec
-        name = str(self.compute_dtype).removeprefix("torch.")
-        return spec.with_dtypes(param_dtype=name, act_dtype=name)
 
     # ---- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -413,6 +434,38 @@ class Engine:
                      plan="auto", seed=state["seed"], **kwargs)
         engine._continue(state, plan, str(path))
         return engine
+
+
+def check_optimizer_holds(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    """The optimizer a factory made must step exactly the parameters it was given
+    (one optimizer per pack): one built over ``model.parameters()`` would step
+    every weight once per pack."""
+    given = {id(p) for p in params}
+    held = optimizer_params(opt)
+    foreign = sum(1 for p in held if id(p) not in given)
+    missing = len(given - {id(p) for p in held})
+    if foreign or missing or len(held) != len({id(p) for p in held}):
+        raise HarmonyError(
+            f"the optimizer factory was given {len(given)} parameters but built an optimizer over {len(held)} "
+            f"({foreign} not among those given, {missing} of those given left out): build it over the "
+            "parameters passed in, e.g. lambda params: torch.optim.AdamW(params, lr=3e-4), not over "
+            "model.parameters()"
+        )
+
+
+def weightless_copy(layer: nn.Module) -> nn.Module:
+    """``layer`` with every parameter and buffer replaced by a tensor on the meta
+    device, shared where the layer shares it: a parameter that two submodules
+    hold (tied weights inside one layer) stays one parameter, so
+    ``functional_call`` ties both names to the one device tensor it is given.
+    Nothing is copied (``deepcopy`` then ``.to("meta")`` would copy every weight
+    and untie shared ones)."""
+    memo: dict[int, object] = {}
+    for p in layer.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in layer.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(layer, memo)
 
 
 def _kinds(inputs: tuple, target: torch.Tensor) -> tuple:

@@ -10,6 +10,10 @@ Bookkeeping is per lane, so a task's end wakes only the lanes that have a task
 waiting on it (not every lane), and picking the next task costs O(log n): each
 task counts its unfinished dependencies, and a lane keeps a heap of its tasks
 that are ready.
+
+With a :class:`~harmony.engine.admission.MemoryOrder`, a ready task also waits
+for its turn to take device memory: a lane runs the first ready task that is
+*admissible*, and memory is charged and given back in the simulator's order.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import time
 from typing import Callable
 
 from ..graph import Task, TaskGraph
+from .admission import MemoryOrder
 
 
 class Executor:
-    def __init__(self, graph: TaskGraph, run_task: Callable[[Task], None]):
+    def __init__(self, graph: TaskGraph, run_task: Callable[[Task], None], admission: MemoryOrder | None = None):
         self.graph = graph
         self.run_task = run_task
+        self.admission = admission
         n = len(graph.tasks)
         self.start = [float("nan")] * n
         self.end = [float("nan")] * n
@@ -51,10 +57,26 @@ class Executor:
         ready = self._ready[lane]
         if not ready:
             return None
+        admissible = self.admission.admissible if self.admission is not None else None
         if lane in self._in_order:
-            if ready[0] != next_position:
+            if ready[0] != next_position or (admissible and not admissible(ids[ready[0]])):
                 return None
-        return ids[heapq.heappop(ready)]
+            return ids[heapq.heappop(ready)]
+        if admissible is None or admissible(ids[ready[0]]):
+            return ids[heapq.heappop(ready)]
+        # the first ready task that may take its memory now, the others stay ready
+        for position in sorted(ready)[1:]:
+            if admissible(ids[position]):
+                ready.remove(position)
+                heapq.heapify(ready)
+                return ids[position]
+        return None
+
+    def _wake_waiting(self) -> None:
+        """Memory moved on: lanes with ready tasks may now admit one (lock held)."""
+        for lane, ready in self._ready.items():
+            if ready:
+                self._wake[lane].notify()
 
     def _finished(self, tid: int) -> None:
         """``tid`` ended: its dependents may now be ready (called with the lock held)."""
@@ -79,20 +101,34 @@ class Executor:
                     if pick is not None:
                         break
                     self._wake[lane].wait()
-            task = self.graph.tasks[pick]
+                task = self.graph.tasks[pick]
+                if self.admission is not None:
+                    try:
+                        self.admission.start(pick)
+                    except BaseException as e:  # noqa: BLE001 - out of memory: re-raised from run()
+                        self._fail(e)
+                        return
+                    self._wake_waiting()
             self.start[pick] = time.perf_counter() - t0
             try:
                 self.run_task(task)
             except BaseException as e:  # noqa: BLE001 - re-raised from run()
                 with self._lock:
-                    if self._error is None:
-                        self._error = e
-                    for cond in self._wake.values():
-                        cond.notify_all()
+                    self._fail(e)
                 return
             self.end[pick] = time.perf_counter() - t0
             with self._lock:
+                if self.admission is not None:
+                    self.admission.end(pick)
+                    self._wake_waiting()
                 self._finished(pick)
+
+    def _fail(self, error: BaseException) -> None:
+        """The first error stops every lane (lock held)."""
+        if self._error is None:
+            self._error = error
+        for cond in self._wake.values():
+            cond.notify_all()
 
     def run(self, t0: float | None = None) -> float:
         """Run every task; return the wall time. Raises the first task error.
@@ -112,5 +148,7 @@ class Executor:
         for th in threads:
             th.join()
         if self._error is not None:
+            if self.admission is not None:
+                self.admission.release_all()
             raise self._error
         return time.perf_counter() - t0

@@ -10,6 +10,7 @@ import torch
 from ..errors import HarmonyError
 from ..plan import Plan
 from ..search import search
+from .describe import microbatch_dependence
 from .devices import EmulatedServer
 from .profiler import measure_task_overhead, profile
 
@@ -43,17 +44,17 @@ def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
 
 
 def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
-    engine.profile = engine.in_precision(profile(engine.layers, inputs, target, engine.loss_fn,
-                                                 engine._optimizer_factory, device=engine.backend.torch_device,
-                                                 name=engine.spec.name, safe_updates=engine.safe_updates,
-                                                 dtype=engine.compute_dtype))
+    engine.profile = profile(engine.layers, inputs, target, engine.loss_fn, engine._optimizer_factory,
+                             device=engine.backend.torch_device, name=engine.spec.name,
+                             safe_updates=engine.safe_updates, dtype=engine.compute_dtype)
     engine.task_overhead_s = measure_task_overhead(one_gpu(engine.device))
     hw = engine.hardware()
     hw = replace(hw, gpu_memory=int(hw.gpu_memory * PLANNING_HEADROOM))
     try:
         n = len(engine.backends)
         policies = ("harmony-pp",) if n == 1 else ("harmony-pp", "harmony-dp")
-        df = search(engine.profile, hw, engine.minibatch_size, policies=policies, n_gpus=n, workers=1)
+        df = search(engine.profile, hw, engine.minibatch_size, policies=policies, n_gpus=n, workers=1,
+                    equal_microbatches=microbatch_dependence(engine.layers) is not None)
     except HarmonyError as e:
         raise HarmonyError(f"plan='auto' found no plan for this model on {engine.backend.kind}: {e}") from None
     return df.iloc[0]["plan"]

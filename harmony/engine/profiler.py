@@ -2,11 +2,10 @@
 
 For every layer and microbatch size ``u``: forward time without autograd,
 backward time *including the recompute forward* (the reference profiles'
-convention), the bytes the layer's output takes (``fwd_extra``), the bytes
-autograd saves during recompute (``bwd_extra``, counted the way the engine's
-ledger charges them), and the CPU time of the optimizer step. Layers are
-measured on copies, so the model's weights and BatchNorm statistics are left
-untouched.
+convention) and the CPU time of the optimizer step; sizes and working memory
+come from :func:`~harmony.engine.describe.describe`, measured the way the
+engine's meters count them. Layers are measured on copies, so the model's
+weights and BatchNorm statistics are left untouched.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from torch import nn
 
 from ..spec import Curve, ModelSpec
 from .describe import describe, layer_inputs
+from .meters import SavedBytes
 from .reference_loop import as_args
 from .updates import UpdateJournal, apply_update
 
@@ -46,33 +46,6 @@ def median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] =
     return statistics.median(times)
 
 
-class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes of the tensors autograd saves, once per storage; weights
-    and inputs (leaves that require grad) are held elsewhere and not counted.
-    The engine passes ``charge`` to put each new storage on its device ledger."""
-
-    def __init__(self, charge: Callable[[int], None] | None = None):
-        self.seen: set = set()
-        self.total = 0
-
-        def pack(t: torch.Tensor):
-            if not (t.is_leaf and t.requires_grad):
-                key = (t.untyped_storage().data_ptr(), t.dtype)
-                if key not in self.seen:
-                    n = t.untyped_storage().nbytes()
-                    if charge is not None:
-                        charge(n)
-                    self.seen.add(key)
-                    self.total += n
-            return t
-
-        super().__init__(pack, lambda t: t)
-
-
-def _nbytes(values) -> int:
-    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
-
-
 def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: Callable,
             optimizer: Callable | None = None, sizes: Sequence[int] | None = None, repeats: int = 3,
             device: torch.device | str = "cpu", name: str = "model", safe_updates: bool = True,
@@ -82,19 +55,19 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
     ``inputs``/``target``: an example minibatch (its size bounds ``sizes``).
     ``optimizer``: the factory the engine will use (for the CPU update time);
     ``safe_updates``: whether the engine journals updates (as it does by default).
-    ``dtype``: time forward and backward under ``torch.autocast`` in this dtype
-    (mixed precision); sizes stay those of float32 (see ``ModelSpec.with_dtypes``)."""
+    ``dtype``: mixed precision: time forward and backward under ``torch.autocast``
+    in this dtype, with the sizes the engine then moves (see ``describe``)."""
     inputs = as_args(inputs)
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    spec = describe(layers, inputs, target, name=name)
+    spec = describe(layers, inputs, target, name=name, loss_fn=loss_fn, device=device, dtype=dtype)
     sizes = list(sizes or default_sizes(target.shape[0]))
     copies = [copy.deepcopy(layer).to(device) for layer in layers]
 
     def autocast():
         return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
-    times = {(i, phase): [] for i in range(len(layers)) for phase in ("fwd", "bwd", "fx", "bx")}
+    times = {(i, phase): [] for i in range(len(layers)) for phase in ("fwd", "bwd")}
     for u in sizes:
         acts = layer_inputs(copies, tuple(t[:u].to(device) for t in inputs))
         y = target[:u].to(device)
@@ -118,17 +91,11 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
             times[(i, "fwd")].append(median_time(fwd, repeats, sync))
             # with the saved-tensor meter on, as the engine runs recompute (it charges the ledger)
             times[(i, "bwd")].append(median_time(lambda: bwd(SavedBytes()), repeats, sync))
-            meter = SavedBytes()
-            bwd(meter)
-            times[(i, "fx")].append(float(_nbytes(acts[i + 1])))
-            times[(i, "bx")].append(float(meter.total))
             layer.zero_grad(set_to_none=True)
     measured = tuple(
         replace(cost,
                 fwd_time=Curve.table(sizes, times[(i, "fwd")]),
                 bwd_time=Curve.table(sizes, times[(i, "bwd")]),
-                fwd_extra=Curve.table(sizes, times[(i, "fx")]),
-                bwd_extra=Curve.table(sizes, times[(i, "bx")]),
                 update_time_s=_update_time(layers[i], optimizer, repeats, safe_updates) if optimizer else None)
         for i, cost in enumerate(spec.layers)
     )
@@ -177,8 +144,10 @@ def measure_task_overhead(device, repeats: int = 9) -> float:
     layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
     packs = tuple((i, i + 1) for i in range(len(layers)))
     plan = Plan("harmony-pp", 1, 8, 2, 2, packs[:-1], packs)
+    # distributed=False: a throw-away engine on this server alone must not join the
+    # collectives of the process group the real engine uses
     engine = Engine(layers, lambda ps: torch.optim.SGD(ps, lr=0.0), nn.functional.mse_loss, device=device,
-                    minibatch_size=8, plan=plan, safe_updates=False)
+                    minibatch_size=8, plan=plan, safe_updates=False, distributed=False)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     step = median_time(lambda: engine.step(x, y), repeats)
     computes = sum(1 for t in engine._graph_cache.tasks if not t.is_transfer and t.kind != "UPD")

@@ -25,8 +25,9 @@ from ..policies.builder import layer_shard
 from ..trace import Trace, summarize
 from .buffers import BufferPool, copy_runs
 from .devices import Backend, LinkPacer
+from .admission import MemoryOrder
 from .executor import Executor
-from .profiler import SavedBytes
+from .meters import SavedBytes, WorkMeter
 from .reference_loop import as_args, seed_layer
 from .updates import apply_update, optimizer_params as _params
 
@@ -61,6 +62,53 @@ def _assemble(pieces: list[tuple[tuple[int, int], tuple]], a: int, b: int) -> tu
     return tuple(out)
 
 
+class TiedGradients:
+    """Sums, on the host, the gradient of each parameter tied across packs the
+    way autograd sums it in the plain loop: per microbatch, the packs' parts in
+    backward order (the highest layers first, as autograd reaches them), and
+    those sums over the microbatches in order, into the parameter's ``.grad``."""
+
+    def __init__(self, engine: "Engine", graph: TaskGraph, lock: threading.Lock):
+        self.e, self.lock = engine, lock
+        self.params: dict[int, torch.Tensor] = {}
+        self.packs: dict[int, set] = defaultdict(set)  # parameter -> packs that send a part
+        ranges: dict[int, set] = defaultdict(set)
+        for t in graph.tasks:
+            if t.data[:1] == ("tied",):
+                s, e, a, b = t.data[1:]
+                for _, _, p in engine.split_ties(s, e):
+                    self.params[id(p)] = p
+                    self.packs[id(p)].add(s)
+                    ranges[id(p)].add((a, b))
+        self.ranges = {k: sorted(v) for k, v in ranges.items()}
+        self.folded = {k: 0 for k in self.params}  # microbatches summed into .grad
+        self.parts: dict[tuple, dict[int, torch.Tensor]] = defaultdict(dict)  # (param, samples) -> pack -> part
+
+    def add(self, pack_start: int, samples: tuple[int, int], parts: dict[int, torch.Tensor]) -> None:
+        with self.lock:
+            for key, part in parts.items():
+                self.parts[(key, samples)][pack_start] = part
+                self._fold(key)
+
+    def _fold(self, key: int) -> None:
+        p, ranges = self.params[key], self.ranges[key]
+        while self.folded[key] < len(ranges):
+            got = self.parts.get((key, ranges[self.folded[key]]), {})
+            if len(got) < len(self.packs[key]):
+                return
+            del self.parts[(key, ranges[self.folded[key]])]
+            ordered = [got[s] for s in sorted(got, reverse=True)]
+            total = ordered[0].to(p.dtype)
+            for part in ordered[1:]:
+                total = total + part.to(p.dtype)
+            if p.grad is None:  # a buffer kept from step to step
+                p.grad = self.e.host_layout.grad_buffer(p)
+                p.grad.copy_(total)
+            else:
+                p.grad.add_(total)
+            self.folded[key] += 1
+
+
 @dataclass
 class SharedDevices:
     """A server's devices as several models' steps share them: their ledgers,
@@ -73,10 +121,14 @@ class SharedDevices:
 
 class StepRun:
     def __init__(self, engine: "Engine", graph: TaskGraph, inputs: tuple, target: torch.Tensor,
-                 shared: "SharedDevices | None" = None):
+                 shared: "SharedDevices | None" = None, memory_order: dict | None = None):
         """``shared``: devices this step shares with other models' steps (several
-        models on one server); default: the engine's own, reset for this step."""
+        models on one server); default: the engine's own, reset for this step.
+        ``memory_order``: the order in which :meth:`execute` admits the graph's
+        buffers on each device (:class:`harmony.simulate.Played`); None: as they come."""
         self.e, self.graph, self.inputs, self.target = engine, graph, inputs, target
+        self.memory_order = memory_order
+        self.grads_lock = threading.Lock()
         backends = shared.backends if shared else engine.backends
         self.backends: dict[str, Backend] = {b.name: b for b in backends}
         self.paced = any(b.paced for b in backends)
@@ -88,6 +140,9 @@ class StepRun:
         self.buffer_version: dict[int, int] = defaultdict(int)
         self.loaded_version: dict[int, dict[int, int]] = {}
         self.pacer = shared.pacer if shared else LinkPacer(graph.links)
+        # the graph sends the gradients of parameters tied across packs per microbatch
+        self.splits_ties = any(t.data[:1] == ("tied",) for t in graph.tasks)
+        self.ties = TiedGradients(engine, graph, self.grads_lock) if self.splits_ties else None
         # several compute threads: dropout seeds and draws under the engine's lock
         self.parallel_compute = shared.parallel_compute if shared else len(graph.in_order_lanes()) > 1
         self.handlers = {W_IN: self.weights_in, DATA_IN: self.data_in, STASH_IN: self.host_in,
@@ -103,7 +158,6 @@ class StepRun:
         self.loss = 0.0
         self.poisoned: str | None = None  # why this server sends NaN gradients (across servers)
         self.lock = threading.Lock()
-        self.grads_lock = threading.Lock()
         # Buffers from the pools go back when the step ends, not when the graph frees
         # them: each of a step's copies then has its own buffer, so how many of each
         # size a step takes is fixed by the plan, whatever order the lanes ran in, and
@@ -115,7 +169,7 @@ class StepRun:
         # pack) can undo them (safe_updates).
         engine.journal.start_step()
         self.tasks_left = len(graph.tasks)
-        self.buffers_before = ([b.detach().clone() for b in engine.model.buffers()]
+        self.buffers_before = ([b.detach().clone() for b in engine.host_module.buffers()]
                                if engine.safe_updates else None)
         self.t0 = time.perf_counter()
         if shared is None:
@@ -123,15 +177,22 @@ class StepRun:
                 b.ledger.reset(self.t0)
 
     # ---- bookkeeping --------------------------------------------------------------
+    # The executor charges each buffer's declared bytes to its device when the task
+    # that makes it is admitted (see harmony.engine.admission); a step only notes the
+    # bytes its tensors really take and charges what goes beyond the declared size.
     def reserve(self, buf: int, nbytes: int) -> None:
-        """Charge a buffer before it is filled, as an allocator would before a copy."""
+        """``buf`` is about to hold ``nbytes`` (before a copy fills it)."""
         b = self.graph.buffers[buf]
-        self.backends[b.device].ledger.charge(nbytes, b.what)
+        ledger = self.backends[b.device].ledger
+        excess = max(0.0, nbytes - b.nbytes)
+        if excess:
+            ledger.charge(excess, f"{b.what}, beyond the {b.nbytes / 1e6:.3f} MB its spec declared", declared=False)
+        ledger.note_held(nbytes)
         with self.lock:
-            self.charged[buf] = nbytes
+            self.charged[buf] = (nbytes, excess)
 
     def put(self, buf: int, value) -> None:
-        """Keep ``value`` in ``buf``; charge it unless it was reserved."""
+        """Keep ``value`` in ``buf`` (noting its bytes unless reserved)."""
         if buf not in self.charged:
             self.reserve(buf, _nbytes(value))
         with self.lock:
@@ -146,9 +207,19 @@ class StepRun:
                 last = self.refs[b] == 0
                 if last:
                     self.store.pop(b, None)
-                    n = self.charged.pop(b, 0)
+                    n, excess = self.charged.pop(b, (0, 0.0))
             if last:
-                self.backends[self.graph.buffers[b].device].ledger.release(n)
+                self._give_back(b, n, excess)
+
+    def _give_back(self, buf: int, nbytes: float, excess: float) -> None:
+        ledger = self.backends[self.graph.buffers[buf].device].ledger
+        ledger.note_held(-nbytes)
+        ledger.release(excess, declared=False)
+
+    def work_meter(self, task: Task) -> WorkMeter:
+        """The meter of what ``task`` holds beyond its buffers, against its declared working memory."""
+        declared = self.graph.buffers[task.io["work"]].nbytes if "work" in task.io else 0.0
+        return WorkMeter(self.backends[task.device].ledger, declared, f"{task.what}")
 
     def take(self, pool: BufferPool, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer from ``pool``, given back when the step ends."""
@@ -238,7 +309,11 @@ class StepRun:
 
     # ---- the step ------------------------------------------------------------------
     def execute(self) -> None:
-        self.executor = Executor(self.graph, self.run_task)
+        admission = None
+        if self.memory_order is not None:
+            admission = MemoryOrder(self.graph, self.memory_order,
+                                    {name: b.ledger for name, b in self.backends.items()})
+        self.executor = Executor(self.graph, self.run_task, admission)
         try:
             self.wall_s = self.executor.run(self.t0)
         finally:
@@ -268,12 +343,12 @@ class StepRun:
         self.e.journal.undo()
         if self.buffers_before is not None:
             with torch.no_grad():
-                for b, old in zip(self.e.model.buffers(), self.buffers_before):
+                for b, old in zip(self.e.host_module.buffers(), self.buffers_before):
                     b.copy_(old)
-        for p in self.e.model.parameters():
+        for p in self.e.host_module.parameters():
             p.grad = None
-        for buf, n in self.charged.items():
-            self.backends[self.graph.buffers[buf].device].ledger.release(n)
+        for buf, (n, excess) in self.charged.items():
+            self._give_back(buf, n, excess)
         self.store.clear()
         self.charged.clear()
         self.close()
@@ -347,16 +422,25 @@ class StepRun:
         backend = self.backends[task.device]
         backward = "grads" in task.io
         started = time.perf_counter()
-        entries = [(i, name, t, is_param) for i in range(s, e)
-                   for is_param, tensors in ((True, self.e.host_params[i]), (False, self.e.host_buffers[i]))
-                   for name, t in tensors.items()]
+        # a tensor that several layers of the pack share crosses once, and they share
+        # its copy (so autograd sums their gradients as it does in the model)
+        entries, aliases, first = [], [], {}
+        for i in range(s, e):
+            for is_param, tensors in ((True, self.e.host_params[i]), (False, self.e.host_buffers[i])):
+                for name, t in tensors.items():
+                    if id(t) in first:
+                        aliases.append((i, name, first[id(t)]))
+                    else:
+                        first[id(t)] = (i, name)
+                        entries.append((i, name, t, is_param))
         # under mixed precision, BatchNorm's parameters and statistics keep their dtype
         dtypes = [t.dtype if name in self.e.norm_tensors[i] else self.wire_dtype(t) for i, name, t, _ in entries]
         sizes = [t.numel() * d.itemsize for (_, _, t, _), d in zip(entries, dtypes)]
         self.reserve(task.io["weights"], sum(sizes))
+        split = {id(p) for _, _, p in self.e.split_ties(s, e)} if self.splits_ties else set()
         if backward:
             self.reserve(task.io["grads"], sum(n for (_, _, t, is_param), n in zip(entries, sizes)
-                                               if is_param and t.requires_grad))
+                                               if is_param and t.requires_grad and id(t) not in split))
         with self.lock:  # read before the copy: a write-back during it shows as a newer version
             self.loaded_version[task.io["weights"]] = {i: self.buffer_version[i] for i in range(s, e)
                                                        if self.e.host_buffers[i]}
@@ -364,10 +448,16 @@ class StepRun:
         weights: dict[int, dict] = {i: {} for i in range(s, e)}
         for (i, name, t, is_param), d in zip(entries, device):
             weights[i][name] = d.requires_grad_(backward and is_param and t.requires_grad)
+        for i, name, (j, other) in aliases:
+            weights[i][name] = weights[j][other]
         self._moved(task, sum(d.numel() * d.element_size() for d in device), started)
         self.put(task.io["weights"], weights)
         if backward:
-            leaves = {i: {k: v for k, v in w.items() if v.requires_grad} for i, w in weights.items()}
+            # the gradients this group accumulates: a shared tensor's under its first
+            # name only, a split tie's not at all (it leaves per microbatch)
+            owned = {(i, name) for i, name, t, _ in entries if id(t) not in split}
+            leaves = {i: {k: v for k, v in weights[i].items() if v.requires_grad and (i, k) in owned}
+                      for i in range(s, e)}
             self.put(task.io["grads"], leaves)
 
     def data_in(self, task: Task) -> None:
@@ -405,6 +495,9 @@ class StepRun:
     def grads_out(self, task: Task) -> None:
         """A pack's gradient (data parallel: one shard, summed over the GPUs in
         order) into the host copy's ``.grad``."""
+        if task.data[0] == "tied":
+            self.tied_out(task)
+            return
         s, e, r, k = task.data[1:]
         started = time.perf_counter()
         replicas = [self.store[b] for b in task.io["src"]]
@@ -437,6 +530,17 @@ class StepRun:
                 dst.add_(src)
         self._moved(task, sum(g.numel() * g.element_size() for _, g in sums), started)
 
+    def tied_out(self, task: Task) -> None:
+        """One microbatch's gradient of the parameters a pack shares with other
+        packs, to the host, where the ties are summed as autograd sums them."""
+        s, e, a, b = task.data[1:]
+        started = time.perf_counter()
+        piece = self.store[task.io["src"][0]]
+        keys = list(piece)
+        host = self.to_host(self.backends[task.device], [piece[k] for k in keys], non_blocking=False)
+        self.ties.add(s, (a, b), dict(zip(keys, host)))
+        self._moved(task, sum(piece[k].numel() * piece[k].element_size() for k in keys), started)
+
     def update(self, task: Task) -> None:
         _, _, _, r, _ = task.data
         key = (task.pack, r)
@@ -457,14 +561,14 @@ class StepRun:
 
     # ---- compute ----------------------------------------------------------------------
     def _run_layers(self, task: Task, weights: dict, h: tuple, stash: dict | None = None,
-                    charge_intermediates: bool = False) -> tuple:
-        """Run the task's layers on ``h``. Without autograd, each layer's output is
-        charged to the ledger while the next layer computes (with autograd, the
-        saved-tensor meter charges what stays)."""
+                    meter: WorkMeter | None = None) -> tuple:
+        """Run the task's layers on ``h``. Without autograd (``meter`` given), each
+        layer's output is held while the next layer computes (with autograd, the
+        saved-tensor meter counts what stays)."""
         s, e = task.layers
         backend = self.backends[task.device]
         gpu = int(task.device[3:])
-        ledger, held = backend.ledger, 0
+        held = 0
         try:
             for i in range(s, e):
                 if stash and i in stash:
@@ -480,13 +584,14 @@ class StepRun:
                         h = as_args(functional_call(module, weights[i], h))
                 else:  # draws nothing, so must not reseed under another GPU's dropout
                     h = as_args(functional_call(module, weights[i], h))
-                if charge_intermediates and i < e - 1:
+                if meter is not None and i < e - 1:
                     n = _nbytes(h)
-                    ledger.charge(n, f"activations inside {task.what}")
-                    ledger.release(held)
+                    meter.charge(n)
+                    meter.release(held)
                     held = n
         finally:
-            ledger.release(held)
+            if meter is not None:
+                meter.release(held)
         return h
 
     def _buffer_writers(self) -> dict[int, str] | None:
@@ -533,8 +638,12 @@ class StepRun:
         weights = self.store[task.io["weights"]]
         h = _assemble(self.pieces(task.io["input"]), a, b)
         self._refresh_buffers(task, weights)
-        with torch.no_grad(), self.autocast(task):
-            out = self._run_layers(task, weights, h, task.io.get("stash"), charge_intermediates=True)
+        meter = self.work_meter(task)
+        try:
+            with torch.no_grad(), self.autocast(task):
+                out = self._run_layers(task, weights, h, task.io.get("stash"), meter)
+        finally:
+            meter.close()
         self.put(task.io["output"], self.wire(out))
         self._write_back_buffers(task, weights)
 
@@ -550,8 +659,12 @@ class StepRun:
             h = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in h)
         saved_before = None if fused else {
             (i, name): weights[i][name].clone() for i in range(s, e) for name in self.e.host_buffers[i]}
-        ledger = self.backends[task.device].ledger
-        meter = SavedBytes(lambda n: ledger.charge(n, f"autograd-saved tensors of {task.what}"))
+        work = self.work_meter(task)
+        # the weights, the pack's input and the labels are buffers of their own
+        held = [t for w in weights.values() for t in w.values()] + list(h)
+        if fused:
+            held.append(self.store[task.io["labels"]][0])
+        meter = SavedBytes(work.charge, exclude=held)
         try:
             with meter, torch.enable_grad(), self.autocast(task):
                 out = self._run_layers(task, weights, h)
@@ -576,7 +689,14 @@ class StepRun:
                 pairs = [(o, g.to(o.dtype)) for o, g in zip(out, grad_in) if g is not None and o.requires_grad]
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         finally:
-            ledger.release(meter.total)
+            work.close()
+        if "tied" in task.io:  # this microbatch's part of the ties, on its own (see tied_out)
+            piece = {}
+            for i, name, p in self.e.split_ties(s, e):
+                leaf = weights[i][name]
+                piece[id(p)] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                leaf.grad = None
+            self.put(task.io["tied"], piece)
         if fused:
             self._write_back_buffers(task, weights)
         else:

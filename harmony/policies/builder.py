@@ -94,7 +94,12 @@ class _Group:
 
 
 class GraphBuilder:
-    def __init__(self, spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0):
+    def __init__(self, spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0, split_ties: bool = True):
+        """``split_ties``: the gradient of a parameter that the group's layers share
+        with layers of other packs (:class:`~harmony.spec.Tie`) leaves the GPU after
+        every microbatch, so that the host sums the packs' parts per microbatch
+        as autograd does (exactness); off for policies that reduce gradients
+        across GPUs, where the part stays in the group's gradient."""
         if plan.n_gpus > hw.n_gpus:
             raise HarmonyError(
                 f"plan uses {plan.n_gpus} GPUs but hardware {hw.name!r} has {hw.n_gpus}"
@@ -119,6 +124,8 @@ class GraphBuilder:
         self._costs: dict[tuple, tuple[float, float]] = {}
         self._stash_layers = set(plan.stash_layers())
         self._prefetch = plan.option("prefetch_packs")
+        self.split_ties = split_ties and bool(spec.ties)
+        self._tie_pieces: list[tuple[tuple[int, int], int]] = []  # (layers of the op, its tied-gradient G_OUT)
 
     # ---- primitives ------------------------------------------------------------
     def buffer(self, device: str, nbytes: float, what: str, samples: tuple[int, int] = (0, 0)) -> int:
@@ -165,7 +172,11 @@ class GraphBuilder:
                shard: tuple[int, int] = (0, 1)) -> Task:
         """The CPU optimizer step of a pack's parameters, or of its ``shard``
         ``(r, k)``: the layers :func:`layer_shard` gives."""
-        deps = sorted(set(deps))
+        # the parts of a tied parameter's gradient, from every pack that holds it,
+        # are all in before the pack of its first layer steps it
+        owned = {tie for tie in self.spec.ties if layers[0] <= tie.layers[0] < layers[1]}
+        deps = sorted(set(deps) | {out for (a, b), out in self._tie_pieces
+                                   if any(tie.in_range(a, b) for tie in owned)})
         duration = sum(self.spec.update_time(i, i + 1, self.hw.cpu_update_bandwidth)
                        for i in layer_shard(layers, *shard))
         lane = f"cpu{worker % self.hw.cpu_update_workers}"
@@ -223,7 +234,7 @@ class GraphBuilder:
             w.io["weights"] = w.io.pop("dst")
             bwd = None
             if op.kind != FWD:
-                grad = self.buffer(dev, spec.grad_bytes(s, e), f"grads {op.layers}")
+                grad = self.buffer(dev, spec.grad_bytes(s, e) - self._split_bytes(s, e), f"grads {op.layers}")
                 w.allocs.append(grad)
                 w.io["grads"] = grad
                 bwd = BwdGroup(g, op.pack, op.layers, grad_buffer=grad)
@@ -274,6 +285,7 @@ class GraphBuilder:
                            microbatch=op.microbatch, samples=op.samples, io=io,
                            what=f"{op.kind} layers {s}..{e - 1} samples {a}..{b - 1}"))
         t.allocs.append(self.buffer(dev, work, f"working memory {op.kind} {op.layers}"))
+        io["work"] = t.allocs[-1]
         self.release(t, t.allocs[-1])
         for buf in local:
             self.release(t, buf)
@@ -283,6 +295,8 @@ class GraphBuilder:
             group.bwd.ops.append(t.id)
 
         # Outputs.
+        if op.kind != FWD and self._split_bytes(s, e):
+            self._tie_piece(op, t)
         if op.kind == FWD:
             self._stash(op, t, input_buffers)
             out = self.buffer(dev, spec.input_bytes(e, n), f"activations into layer {e} {op.samples}", op.samples)
@@ -294,6 +308,23 @@ class GraphBuilder:
             t.allocs.append(out)
             io["output"] = out
             self._produce(("grad", s), op, t, out)
+
+    def _split_bytes(self, s: int, e: int) -> int:
+        return self.spec.split_tie_bytes(s, e) if self.split_ties else 0
+
+    def _tie_piece(self, op: Op, task: Task) -> None:
+        """This microbatch's gradient of the parameters the op's layers share with
+        other packs: a buffer the op fills, sent to the host at once."""
+        dev = f"gpu{op.gpu}"
+        nbytes = self._split_bytes(*op.layers)
+        piece = self.buffer(dev, nbytes, f"tied gradients {op.layers} {op.samples}", op.samples)
+        task.allocs.append(piece)
+        task.io["tied"] = piece
+        out = self.transfer(G_OUT, f"{dev}.d2h", dev, self.d2h_route(op.gpu), nbytes, [task.id],
+                            f"tied gradients {op.layers} {op.samples}", data=("tied", *op.layers, *op.samples),
+                            src=[piece], pack=op.pack, layers=op.layers, microbatch=op.microbatch,
+                            samples=op.samples)
+        self._tie_pieces.append((op.layers, out.id))
 
     def _compute_cost(self, forward: bool, s: int, e: int, n: int) -> tuple[float, float]:
         """(seconds, working bytes) of a pack on ``n`` samples; microbatches repeat, so cache."""
@@ -402,7 +433,10 @@ class GraphBuilder:
         is read, and freed once every shard is out)."""
         dev = f"gpu{group.gpu}"
         replicas = replicas or [group]
-        nbytes = sum(self.spec.grad_bytes(i, i + 1) for i in layer_shard(group.layers, *shard))
+        if shard == (0, 1):  # a tied parameter once, and its split part already out
+            nbytes = self.spec.grad_bytes(*group.layers) - self._split_bytes(*group.layers)
+        else:
+            nbytes = sum(self.spec.grad_bytes(i, i + 1) for i in layer_shard(group.layers, *shard))
         return self.transfer(G_OUT, f"{dev}.d2h", dev, self.d2h_route(group.gpu), nbytes,
                              [group.ops[-1]] + list(deps or []), f"gradients {group.layers}",
                              data=("grads", *group.layers, *shard), src=[g.grad_buffer for g in replicas],

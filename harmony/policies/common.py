@@ -80,8 +80,9 @@ def data_bytes(spec: ModelSpec, samples: int) -> float:
 
 
 def pack_weight_bytes(spec: ModelSpec, plan: Plan) -> float:
-    """Weights loaded by one pass of every forward pack and every backward pack."""
-    return spec.weight_bytes(0, plan.bwd_packs[-1][0]) + spec.weight_bytes()
+    """Weights loaded by one pass of every forward pack and every backward pack
+    (a parameter tied across packs with each)."""
+    return sum(spec.weight_bytes(*p) for p in (*plan.fwd_packs, *plan.bwd_packs))
 
 
 def microbatch_ops(plan: Plan, samples: tuple[int, int], m: int, gpu_of_step, offload,
@@ -177,17 +178,22 @@ def reduce_scatter_out(b: GraphBuilder, groups: list[BwdGroup]) -> list[Task]:
 
 
 def volume(spec: ModelSpec, plan: Plan, *, weight_passes: float, grad_passes: float, p2p: float = 0.0,
-           via_host: float = 0.0, reduce: float = 0.0) -> dict[str, float]:
+           via_host: float = 0.0, reduce: float = 0.0, tie_passes: float | None = None) -> dict[str, float]:
     """Bytes per transfer kind of one iteration: ``weight_passes`` loads of every
-    pack (:func:`pack_weight_bytes`), ``grad_passes`` of the whole gradient out,
-    the minibatch's stashes and data, ``p2p`` bytes of activations between GPUs,
-    ``via_host`` bytes of activations out to host memory (and as many back) and
-    ``reduce`` bytes of gradient exchange between GPUs."""
+    pack (:func:`pack_weight_bytes`), ``grad_passes`` of every pack's gradient
+    out, of which the parameters tied across packs leave ``tie_passes`` times
+    (once per microbatch; default ``grad_passes``: their groups are per
+    microbatch anyway), the minibatch's stashes and data, ``p2p`` bytes of
+    activations between GPUs, ``via_host`` bytes of activations out to host
+    memory (and as many back) and ``reduce`` bytes of gradient exchange between
+    GPUs."""
     B = plan.minibatch
     stash_out, stash_in = stash_bytes(spec, plan, B)
+    grads = sum(spec.grad_bytes(*p) for p in plan.bwd_packs)  # a parameter tied across packs in each
+    split = sum(spec.split_tie_bytes(*p) for p in plan.bwd_packs)
     return {
         W_IN: weight_passes * pack_weight_bytes(spec, plan),
-        G_OUT: grad_passes * spec.grad_bytes(),
+        G_OUT: grad_passes * (grads - split) + (grad_passes if tie_passes is None else tie_passes) * split,
         STASH_OUT: stash_out,
         STASH_IN: stash_in,
         DATA_IN: data_bytes(spec, B),

@@ -39,4 +39,4 @@ def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
     moved = boundary_bytes(spec, plan, plan.minibatch)
     offload = plan.option("offload_activations") and plan.n_gpus == 1
     return volume(spec, plan, weight_passes=1, grad_passes=1, p2p=moved if plan.n_gpus > 1 else 0.0,
-                  via_host=moved if offload else 0.0)
+                  via_host=moved if offload else 0.0, tie_passes=len(plan.bwd_microbatches()))

@@ -67,7 +67,8 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
 
 def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
     _check(plan)
-    return volume(spec, plan, weight_passes=1, grad_passes=1, via_host=boundary_bytes(spec, plan, plan.minibatch))
+    return volume(spec, plan, weight_passes=1, grad_passes=1, via_host=boundary_bytes(spec, plan, plan.minibatch),
+                  tie_passes=len(plan.bwd_microbatches()))
 
 
 def choose_plan(spec: ModelSpec, hw: Hardware, minibatch: int, microbatch: int | None = None) -> Plan:

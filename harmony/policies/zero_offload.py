@@ -74,7 +74,7 @@ def microbatches_per_gpu(plan: Plan) -> int:
 
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
-    b = GraphBuilder(spec, hw, plan, model)
+    b = GraphBuilder(spec, hw, plan, model, split_ties=False)  # gradients reduced across GPUs
     offload = plan.option("offload_activations")
     per_replica = replica_microbatches(plan)
     # lockstep: microbatch by microbatch, step by step, GPU by GPU
