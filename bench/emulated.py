@@ -146,7 +146,7 @@ def precision(args, cfg, device, hw, spec, plan, x, y) -> None:
     layers = list(build_model("gpt2-tiny", 0, dropout=0.0, **cfg))
     bf16 = profile(layers, (x,), y, lm_loss, lambda ps: FlatAdamW(ps, lr=1e-4), name="gpt2-bench", dtype=torch.bfloat16)
     for p, engine in engines.items():
-        sim = harmony.simulate(engine.in_precision(spec if p == "fp32" else bf16), hw, plan).summary["iteration_s"]
+        sim = harmony.simulate(spec if p == "fp32" else bf16, hw, plan).summary["iteration_s"]
         print(f"  {p}: measured {statistics.median(times[p][1:]):.3f} s/step, simulated {sim:.3f} s "
               f"(its own profile), bytes moved {engine.trace.summary['swap_bytes'] / 1e6:.1f} MB")
     print("  fp32 / bf16 bytes: " + ", ".join(f"{k} {v / moved['bf16'][k]:.2f}" for k, v in moved["fp32"].items()

@@ -72,7 +72,6 @@ from torch.utils.checkpoint import checkpoint
 import harmony
 from harmony import Engine, FlatAdamW
 from harmony.baselines import TorchOffload, fastest_microbatch, timed
-from harmony.engine.planning import PLANNING_HEADROOM
 from harmony.engine.profiler import default_sizes, measure_task_overhead, profile
 from harmony.experiments import gpt2_config, torch_offload_comparison
 from harmony.hardware import parse_bytes
@@ -315,10 +314,11 @@ def harmony_on_cuda(model: nn.Sequential, x, y, args, dev: torch.device, cap: in
     capped memory (less the engine's planning headroom) instead of the whole GPU."""
     engine = Engine(copy.deepcopy(model), flat_adamw, lm_loss, device="cuda:0", minibatch_size=args.minibatch,
                     precision=args.precision)
-    spec = engine.in_precision(profile(engine.layers, (x,), y, lm_loss, flat_adamw, device=dev, name="gpt2-bench",
-                                       dtype=engine.compute_dtype))
+    spec = profile(engine.layers, (x,), y, lm_loss, flat_adamw, device=dev, name="gpt2-bench",
+                   dtype=engine.compute_dtype)
     engine.task_overhead_s = measure_task_overhead("cuda:0")
-    hw = replace(engine.hardware(), gpu_memory=int(cap * PLANNING_HEADROOM))
+    # 90% of the cap: the CUDA allocator's own slack, as Engine leaves it on a whole GPU
+    hw = replace(engine.hardware(), gpu_memory=int(cap * 0.9))
     df = search(spec, hw, args.minibatch, policies=("harmony-pp",), n_gpus=1, workers=1)
     engine.set_plan(df.iloc[0]["plan"])
     print(f"harmony-pp: {engine.plan.describe()} (simulated {df.iloc[0]['iteration_s']:.3f} s/step)")

@@ -543,15 +543,11 @@ def baseline_comparison(engine, device, batch: tuple, run_engine: bool = True, t
     measured and as simulated on the engine's measured profile) against the
     best virtualized-memory plan for the same device (simulated and, with
     ``run_engine``, run for one step in a fresh engine)."""
-    from dataclasses import replace
-
     from .engine import Engine
-    from .engine.planning import PLANNING_HEADROOM
 
     hw = device.hardware()
-    planning_hw = replace(hw, gpu_memory=int(hw.gpu_memory * PLANNING_HEADROOM))
     spec = engine.profile or engine.spec
-    vm = search(spec, planning_hw, engine.minibatch_size, policies=[BASELINE], n_gpus=1, workers=1).iloc[0]["plan"]
+    vm = search(spec, hw, engine.minibatch_size, policies=[BASELINE], n_gpus=1, workers=1).iloc[0]["plan"]
     rows = []
     for policy, plan in (("harmony-pp", engine.plan), (BASELINE, vm)):
         sim = simulate(spec, hw, plan).summary

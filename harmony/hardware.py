@@ -154,6 +154,14 @@ def _parse_amount(value: str | int | float, what: str) -> float:
     return amount
 
 
+def format_bytes(n: float) -> str:
+    """``1234567`` -> ``'1.23 MB'``: three significant digits in the unit that fits."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 def parse_rate(value: str | int | float, what: str = "bandwidth") -> float:
     """``"200MB/s"`` -> 2e8 bytes/s. Must be positive."""
     text = value if not isinstance(value, str) else re.sub(r"\s*/\s*s(ec)?\s*$", "", value)

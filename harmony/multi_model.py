@@ -670,6 +670,8 @@ class _Training:
                 self.done[(m, s)].close()
 
     def _trace(self, executor, wall: float) -> Trace:
+        from .engine.step import memory_checks
+
         graph, origin = self.sched.graph, self.sched.origin
         moved = [self.done[(m, s)].moved_task.get(i, 0.0) for m, s, i in origin]
         by_kind: dict[str, float] = defaultdict(float)
@@ -689,7 +691,8 @@ class _Training:
         peak = {name: b.ledger.peak for name, b in self.backends.items()}
         capacity = {name: float(b.ledger.capacity) for name, b in self.backends.items()}
         summary = summarize(wall, graph.samples, dict(by_kind), peak, capacity, bounds)
-        summary.update({k: graph.info[k] for k in ("policy", "model", "hardware")}, executor="engine")
+        summary.update({k: graph.info[k] for k in ("policy", "model", "hardware")}, executor="engine",
+                       **memory_checks(self.backends.values()))
         start, end = list(executor.start), list(executor.end)
 
         def rows():

@@ -15,11 +15,14 @@ from .spec import ModelSpec
 BUDGETS = (0.5, 0.3, 0.15)
 
 
-def microbatch_sizes(limit: int, cap: int | None) -> list[int]:
+def microbatch_sizes(limit: int, cap: int | None, smallest: int = 1) -> list[int]:
+    """Powers of two up to ``limit`` samples (and ``limit`` itself), at most
+    ``cap``, leaving no microbatch of fewer than ``smallest`` samples (the
+    model's :attr:`~harmony.spec.ModelSpec.min_microbatch`)."""
     top = min(limit, cap) if cap else limit
     sizes = {1 << i for i in range(top.bit_length()) if (1 << i) <= top}
     sizes.add(top)
-    return sorted(sizes)
+    return sorted(u for u in sizes if u >= smallest and not 0 < limit % u < smallest)
 
 
 def bwd_pack_bytes(spec: ModelSpec, a: int, b: int, u: int) -> float:

@@ -76,6 +76,25 @@ class Plan:
             )
         object.__setattr__(self, "options", tuple(sorted(opts.items())))
 
+    @classmethod
+    def uniform(cls, policy: str, n_gpus: int, minibatch: int, microbatch: int, num_layers: int,
+                layers_per_pack: int, fwd_microbatch: int | None = None, **options: Any) -> "Plan":
+        """Backward packs of ``layers_per_pack`` layers cut from the last layer, so
+        the fused last pack is full and the first pack takes the remainder;
+        forward packs on the same boundaries (all but the fused pack);
+        ``microbatch`` samples per backward microbatch (and forward, unless
+        ``fwd_microbatch``); ``options`` as :data:`DEFAULT_OPTIONS`, those equal
+        to their default left out."""
+        if not isinstance(layers_per_pack, int) or layers_per_pack < 1:
+            raise HarmonyError(f"layers_per_pack must be an integer >= 1, got {layers_per_pack!r}")
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise HarmonyError(f"num_layers must be an integer >= 1, got {num_layers!r}")
+        cuts = list(range(num_layers, 0, -layers_per_pack)) + [0]
+        bwd = tuple(reversed([(max(a, 0), b) for b, a in zip(cuts, cuts[1:])]))
+        kept = {k: v for k, v in options.items() if k not in DEFAULT_OPTIONS or v != DEFAULT_OPTIONS[k]}
+        return cls(policy, n_gpus, minibatch, microbatch if fwd_microbatch is None else fwd_microbatch,
+                   microbatch, bwd[:-1], bwd, kept)
+
     # ---- accessors -----------------------------------------------------------
     def option(self, name: str) -> Any:
         return dict(self.options).get(name, DEFAULT_OPTIONS[name])

@@ -34,7 +34,7 @@ from typing import Iterable
 import pandas as pd
 
 from .errors import HarmonyError, OutOfMemoryError
-from .hardware import Hardware
+from .hardware import Hardware, format_bytes
 from .packing import BUDGETS, balanced_packs, bwd_pack_bytes, greedy_packs, microbatch_sizes
 from .plan import Pack, Plan
 from .policies import build_graph, get_policy, karma
@@ -55,9 +55,10 @@ class _Candidate:
 
 
 def _min_layer_bytes(spec: ModelSpec) -> tuple[int, float]:
-    """The layer that needs the most memory at one sample, and how much."""
-    worst = max(range(len(spec)), key=lambda i: bwd_pack_bytes(spec, i, i + 1, 1))
-    return worst, bwd_pack_bytes(spec, worst, worst + 1, 1)
+    """The layer that needs the most memory at the smallest microbatch, and how much."""
+    u = spec.min_microbatch
+    worst = max(range(len(spec)), key=lambda i: bwd_pack_bytes(spec, i, i + 1, u))
+    return worst, bwd_pack_bytes(spec, worst, worst + 1, u)
 
 
 def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
@@ -92,8 +93,8 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
     worst, need = _min_layer_bytes(spec)
     if need > hardware.gpu_memory:
         raise OutOfMemoryError(
-            f"layer {worst} ({spec.layers[worst].name}) alone needs {need / 1e9:.2f} GB for backward at "
-            f"microbatch 1 (weights, gradients, activations), more than the {hardware.gpu_memory / 1e9:.2f} GB "
+            f"layer {worst} ({spec.layers[worst].name}) alone needs {format_bytes(need)} for backward at "
+            f"microbatch {spec.min_microbatch} (weights, gradients, activations), more than the {format_bytes(hardware.gpu_memory)} "
             f"of one GPU of {hardware.name!r}: no plan can fit; split that layer or use bigger GPUs"
         )
 
@@ -131,7 +132,7 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
                 return _Candidate(Plan(policy, n, minibatch_size, ub, ub, bwd[:-1], bwd, options), "A")
 
             # Stage A: the backward microbatch size, with the largest packs that fit ...
-            packings = {ub: _bwd_packings(spec, ub, hardware, n, policy) for ub in microbatch_sizes(share, bcap)}
+            packings = {ub: _bwd_packings(spec, ub, hardware, n, policy) for ub in microbatch_sizes(share, bcap, spec.min_microbatch)}
             found = run([plan_for(ub, ps[0]) for ub, ps in packings.items() if ps])
             # ... then every backward packing for the best sizes.
             sizes = [r["plan"].bwd_microbatch for r in _fastest(found, top_k)]
@@ -142,7 +143,7 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
             for r in best:
                 p: Plan = r["plan"]
                 # Forward needs no autograd memory, so only sizes >= uB are worth trying.
-                ufs = [u for u in microbatch_sizes(share, fcap) if u >= p.bwd_microbatch]
+                ufs = [u for u in microbatch_sizes(share, fcap, spec.min_microbatch) if u >= p.bwd_microbatch]
                 one_size = get_policy(policy).PER_MICROBATCH or equal_microbatches
                 for uf in ([p.bwd_microbatch] if one_size else ufs):
                     for fwd in _fwd_packings(spec, p, uf, hardware):
@@ -159,9 +160,10 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
         tried = (f"{rejected} candidates simulated, all over capacity" if rejected else
                  "no packing of the layers fits the planner's per-pack budget")
         raise OutOfMemoryError(
-            f"no plan for {spec.name} at minibatch {minibatch_size} fits in {hardware.gpu_memory / 1e9:.2f} GB "
+            f"no plan for {spec.name} at minibatch {minibatch_size} fits in {format_bytes(hardware.gpu_memory)} "
             f"per GPU ({tried}); the most demanding layer, {worst} ({spec.layers[worst].name}), needs "
-            f"{need / 1e9:.2f} GB for backward at microbatch 1. Use GPUs with more memory or split that layer."
+            f"{format_bytes(need)} for backward at microbatch {spec.min_microbatch}. Use GPUs with more memory or "
+            "split that layer."
         )
     df = pd.DataFrame(rows).sort_values("iteration_s", kind="stable").reset_index(drop=True)
     df.insert(0, "rank", range(1, len(df) + 1))

@@ -213,6 +213,9 @@ class ModelSpec:
     source: str = ""
     #: parameters shared by several layers
     ties: tuple[Tie, ...] = ()
+    #: the fewest samples the model trains on at once (2 with BatchNorm over features:
+    #: it needs more than one value per channel)
+    min_microbatch: int = 1
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -226,6 +229,9 @@ class ModelSpec:
         if self.master_dtype is not None:
             dtype_bytes(self.master_dtype)
         object.__setattr__(self, "ties", tuple(self.ties))
+        if not isinstance(self.min_microbatch, int) or self.min_microbatch < 1:
+            raise HarmonyError(f"model spec {self.name!r}: min_microbatch must be an integer >= 1, "
+                               f"got {self.min_microbatch!r}")
         for t in self.ties:
             if (not isinstance(t, Tie) or len(t.layers) < 2 or list(t.layers) != sorted(set(t.layers))
                     or t.layers[0] < 0 or t.layers[-1] >= len(self.layers)
@@ -294,6 +300,13 @@ class ModelSpec:
             return 0.0
         c = self.layers[layer]
         return u * (c.input_numel_per_sample * dtype_bytes(self.act_dtype) + c.input_fixed_bytes_per_sample)
+
+    def input_grad_bytes(self, layer: int, u: float) -> float:
+        """Bytes of the gradient of the input of ``layer`` (its floating-point part:
+        token ids and boolean masks have none)."""
+        if layer >= len(self.layers):
+            return 0.0
+        return u * self.layers[layer].input_numel_per_sample * dtype_bytes(self.act_dtype)
 
     def target_bytes(self, u: float) -> float:
         return u * self.target_bytes_per_sample

@@ -321,6 +321,33 @@ def _check(ok: bool, message: str) -> None:
         raise HarmonyError(message)
 
 
+def _check_fields(config) -> None:
+    """Every setting of a ``*Config`` has the type its annotation says and a sane
+    range (sizes and counts >= 1, dropout in [0, 1), epsilons > 0), so a bad
+    ``--set`` is one clear error, not a traceback deep in a module or a model
+    with no layers. Lists become tuples."""
+    name = type(config).__name__
+    for f in fields(config):
+        v = getattr(config, f.name)
+        kind = str(f.type)
+        if kind == "int":
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                   f"{name}.{f.name} must be an integer >= 1, got {v!r}")
+        elif kind == "float":
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                   f"{name}.{f.name} must be a number, got {v!r}")
+            if f.name == "dropout":
+                _check(0 <= v < 1, f"{name}.dropout must be in [0, 1), got {v!r}")
+            else:
+                _check(v > 0, f"{name}.{f.name} must be > 0, got {v!r}")
+            object.__setattr__(config, f.name, float(v))
+        elif kind.startswith("tuple"):
+            _check(isinstance(v, (list, tuple)) and len(v) >= 1
+                   and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v),
+                   f"{name}.{f.name} must be a list of integers >= 1, got {v!r}")
+            object.__setattr__(config, f.name, tuple(v))
+
+
 @dataclass(frozen=True)
 class GPT2Config:
     """A GPT-2 language model. vLayers: embeddings, ``n_layer`` blocks, final LayerNorm, LM head, loss."""
@@ -336,6 +363,7 @@ class GPT2Config:
     optimizer: ClassVar[str] = "adamw"
 
     def __post_init__(self):
+        _check_fields(self)
         _check(self.hidden % self.heads == 0, f"hidden {self.hidden} is not a multiple of heads {self.heads}")
         _check(self.seq_len <= self.max_position,
                f"seq_len {self.seq_len} exceeds max_position {self.max_position}; raise max_position too")
@@ -374,6 +402,7 @@ class BertConfig:
     optimizer: ClassVar[str] = "adam"
 
     def __post_init__(self):
+        _check_fields(self)
         _check(self.hidden % self.heads == 0, f"hidden {self.hidden} is not a multiple of heads {self.heads}")
         _check(self.seq_len <= self.max_position,
                f"seq_len {self.seq_len} exceeds max_position {self.max_position}; raise max_position too")
@@ -412,6 +441,7 @@ class VGGConfig:
     optimizer: ClassVar[str] = "sgd-momentum"
 
     def __post_init__(self):
+        _check_fields(self)
         stages = len(self.widths)
         _check(len(self.convs_per_stage) == stages, "convs_per_stage and widths need the same length")
         _check(min(self.convs_per_stage) >= 1, "every stage needs at least one convolution")
@@ -447,6 +477,7 @@ class ResNetConfig:
     optimizer: ClassVar[str] = "sgd-momentum"
 
     def __post_init__(self):
+        _check_fields(self)
         stages = len(self.widths)
         _check(len(self.blocks_per_stage) == stages, "blocks_per_stage and widths need the same length")
         _check(min(self.blocks_per_stage) >= 1, "every stage needs at least one block")

@@ -231,7 +231,7 @@ def test_not_enough_host_memory_is_said_before_the_first_step(monkeypatch):
     engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1000)
     before = weights(engine.model)
-    with pytest.raises(HarmonyError, match=r"host memory: this plan needs .* GB more host memory \(gradients"):
+    with pytest.raises(HarmonyError, match=r"host memory: this plan needs .* KB more host memory \(gradients"):
         engine.step(*batches(1)[0])
     assert same(before, weights(engine.model)) and engine.step_count == 0
     monkeypatch.undo()

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import HarmonyError
+from ..hardware import format_bytes
 
 
 class BufferPool:
@@ -132,8 +133,8 @@ class HostLayout:
         need = max((sum(t.numel() * t.element_size() for t in ts) for ts in groups.values()), default=0)
         available = available_host_bytes() if available is None else available
         if available is not None and need > available:
-            why = (f"host memory: laying out the weights in flat buffers needs {need / 1e9:.2f} GB free at once "
-                   f"but {available / 1e9:.2f} GB are available")
+            why = (f"host memory: laying out the weights in flat buffers needs {format_bytes(need)} free at once "
+                   f"but {format_bytes(available)} are available")
             if pin:
                 raise HarmonyError(f"{why}; page-locked weights need it on CUDA: free host memory first")
             warnings.warn(f"{why}: weights are copied tensor by tensor", stacklevel=3)

@@ -2,7 +2,7 @@
 
 The engine needs a spec to build its task graph even when it is handed a plan:
 the graph's structure and byte counts come from parameter and activation
-sizes, which a forward pass over two samples tells, and its memory from what
+sizes, which a forward pass over a few samples tells, and its memory from what
 the engine holds running each layer, which :func:`working_memory` measures
 the way the engine's meters count it (:mod:`harmony.engine.meters`): so the
 simulated peak of a plan is the peak the engine reaches. The profiler
@@ -99,16 +99,13 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
              optimizer: str = "adamw", loss_fn: Callable | None = None, device: torch.device | str = "cpu",
              dtype: torch.dtype | None = None) -> ModelSpec:
     """Sizes per layer, and the device memory the engine holds running each layer,
-    measured on one and two samples of ``inputs`` on ``device``; times zero (the
+    measured on two microbatch sizes of ``inputs`` on ``device``; times zero (the
     profiler measures them). With ``loss_fn`` the loss is checked on the first
     samples and the last layer's working memory includes it, as in the fused
     last pack. ``dtype``: mixed precision, as the engine runs it: weights and
     activations cross in ``dtype`` and layers run under ``torch.autocast``."""
     device = torch.device(device)
-    # two sizes for a line through what a layer holds (two samples at least: BatchNorm
-    # cannot train on one)
-    sizes = [2, 4] if target.shape[0] >= 4 else [1, 2] if target.shape[0] >= 2 else [1]
-    few = tuple(t[:sizes[-1]] for t in inputs)
+    few = tuple(t[:4] for t in inputs)
     try:
         with evaluating(layers):  # a forward for sizes must not touch BatchNorm statistics
             acts = layer_inputs(layers, few)
@@ -122,6 +119,13 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
         ) from None
     if loss_fn is not None:
         check_loss(loss_fn, acts[-1], target)
+    smallest = min_microbatch(layers, acts, device, dtype)
+    if smallest > target.shape[0]:
+        raise HarmonyError(f"the model trains on {smallest} samples at least (a BatchNorm over features needs "
+                           f"more than one value per channel), but the minibatch has {target.shape[0]}")
+    # two sizes for a line through what a layer holds
+    base = max(smallest, 2) if target.shape[0] >= 4 else smallest
+    sizes = [u for u in (base, 2 * base) if u <= target.shape[0]]
     norms = [norm_tensor_names(layer) for layer in layers]
     costs = []
     for i, layer in enumerate(layers):
@@ -152,7 +156,7 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
     per_sample = target[:1]
     master = act_dtype(layers)
     spec = ModelSpec(name=name, layers=tuple(costs), optimizer=optimizer, param_dtype=master, act_dtype=master,
-                     master_dtype=master, ties=ties(layers),
+                     master_dtype=master, ties=ties(layers), min_microbatch=smallest,
                      target_bytes_per_sample=float(per_sample.numel() * per_sample.element_size()),
                      source="described from the real modules (sizes and working memory)")
     if dtype is None:
@@ -162,6 +166,19 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
     return replace(low, layers=tuple(replace(c, fwd_extra=m.fwd_extra, bwd_extra=m.bwd_extra,
                                              saved_input=m.saved_input, saved_output=m.saved_output)
                                      for c, m in zip(low.layers, spec.layers)))
+
+
+def min_microbatch(layers: Sequence[nn.Module], acts: list[tuple], device: torch.device,
+                   dtype: torch.dtype | None) -> int:
+    """1 if every layer trains on one sample of its input ``acts[i]``, else 2
+    (BatchNorm over features needs more than one value per channel;
+    :func:`describe` reports a layer that fails on two as well)."""
+    for i, layer in enumerate(layers):
+        try:
+            working_memory(layer, tuple(t[:1] for t in acts[i]), None, torch.empty(0), device, dtype)
+        except Exception:  # noqa: BLE001 - the layer's own error on one sample
+            return 2
+    return 1
 
 
 def ties(layers: Sequence[nn.Module]) -> tuple[Tie, ...]:

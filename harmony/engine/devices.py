@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from ..errors import HarmonyError, OutOfMemoryError
-from ..hardware import GB, Hardware, parse_bytes, parse_rate
+from ..hardware import GB, Hardware, format_bytes, parse_bytes, parse_rate
 from .buffers import BufferPool
 
 
@@ -160,8 +160,8 @@ class Ledger:
         with self._lock:
             if self.capacity is not None and self.in_use + nbytes > self.capacity:
                 raise OutOfMemoryError(
-                    f"{self.device} out of memory: {what} needs {nbytes / 1e6:.2f} MB but only "
-                    f"{(self.capacity - self.in_use) / 1e6:.2f} MB of {self.capacity / 1e6:.2f} MB are free. "
+                    f"{self.device} out of memory: {what} needs {format_bytes(nbytes)} but only "
+                    f"{format_bytes(self.capacity - self.in_use)} of {format_bytes(self.capacity)} are free. "
                     "Use a plan with smaller microbatches or more (smaller) packs."
                 )
             self.in_use += nbytes

@@ -105,6 +105,7 @@ class Engine:
             raise HarmonyError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
         self.chain = decompose(model)
         self.layers: list[nn.Module] = list(self.chain.layers)
+        check_on_host(self.layers)
         self.model = model
         # the module whose state_dict holds every host weight and buffer
         self.host_module = model if isinstance(model, nn.Module) else nn.ModuleList(self.layers)
@@ -323,6 +324,13 @@ class Engine:
 
             self.set_plan(auto_plan(self, inputs, target))
         if self._graph_cache is None:
+            smallest = min(b - a for mbs in (self.plan.fwd_microbatches(), self.plan.bwd_microbatches())
+                           for a, b in mbs)
+            if smallest < self.spec.min_microbatch:
+                raise HarmonyError(
+                    f"plan {self.plan.describe()} runs microbatches of {smallest} sample(s), but this model trains "
+                    f"on {self.spec.min_microbatch} at least (a BatchNorm over features needs more than one value "
+                    "per channel): use larger microbatches (a divisor of the minibatch)")
             # the profile has the same sizes as the description, and times: the play
             # that fixes the memory order then resembles the run
             graph = build_graph(self.profile or self.spec, self.hardware(), self.plan)
@@ -434,6 +442,23 @@ class Engine:
                      plan="auto", seed=state["seed"], **kwargs)
         engine._continue(state, plan, str(path))
         return engine
+
+
+def check_on_host(layers: list[nn.Module]) -> None:
+    """The model is the host copy of the weights: its tensors must be real and in
+    host memory."""
+    for i, layer in enumerate(layers):
+        for name, t in (*layer.named_parameters(), *layer.named_buffers()):
+            if t.device.type == "meta":
+                raise HarmonyError(
+                    f"layer {i} ({type(layer).__name__}) has {name} on the meta device, which holds no values: "
+                    "build the model on the CPU (e.g. harmony.zoo.build(name, device='cpu')) or load its weights "
+                    "first (module.to_empty(device='cpu') and a state_dict)")
+            if t.device.type != "cpu":
+                raise HarmonyError(
+                    f"layer {i} ({type(layer).__name__}) has {name} on {t.device}: the engine keeps the model in "
+                    "host memory and moves packs to the devices itself; pass the model on the CPU "
+                    "(model.to('cpu')) and the GPUs as device=")
 
 
 def check_optimizer_holds(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:

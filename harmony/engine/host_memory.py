@@ -19,6 +19,7 @@ import torch
 
 from ..errors import HarmonyError
 from ..graph import ACT_IN, DATA_IN, P2P, STASH_IN, W_IN, TaskGraph
+from ..hardware import format_bytes
 from ..policies.common import boundary_bytes
 from .updates import optimizer_params
 
@@ -78,9 +79,9 @@ def check_host_memory(engine: "Engine", graph: TaskGraph | None = None, availabl
     need = host_bytes_needed(engine, graph)
     total = sum(need.values())
     if total > available:
-        parts = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in need.items() if v)
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in need.items() if v)
         raise HarmonyError(
-            f"host memory: this plan needs {total / 1e9:.2f} GB more host memory ({parts}) but only "
-            f"{available / 1e9:.2f} GB are available. Free host memory, use an optimizer with less state "
+            f"host memory: this plan needs {format_bytes(total)} more host memory ({parts}) but only "
+            f"{format_bytes(available)} are available. Free host memory, use an optimizer with less state "
             "(e.g. SGD), or a plan that stashes less (fewer backward packs) or, on an emulated GPU, moves less."
         )

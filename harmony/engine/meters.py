@@ -16,6 +16,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..hardware import format_bytes
+
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """Counts the bytes of the tensors autograd saves, once per storage. Storages
@@ -64,7 +66,7 @@ class WorkMeter:
         self.ledger.note_held(nbytes)
         over = self.held - self.declared
         if over > self.excess:
-            self.ledger.charge(over - self.excess, f"{self.what}, beyond the {self.declared / 1e6:.3f} MB of "
+            self.ledger.charge(over - self.excess, f"{self.what}, beyond the {format_bytes(self.declared)} of "
                                                    "working memory its spec declared", declared=False)
             self.excess = over
 

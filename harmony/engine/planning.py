@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,11 +15,6 @@ from .profiler import measure_task_overhead, profile
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-#: the planner plans for this share of the device: estimates of working memory
-#: from a profile are not exact, and a step that runs out is abandoned
-PLANNING_HEADROOM = 0.85
-
 
 def one_gpu(device):
     """One GPU of ``device``, to measure on."""
@@ -48,13 +42,13 @@ def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
                              device=engine.backend.torch_device, name=engine.spec.name,
                              safe_updates=engine.safe_updates, dtype=engine.compute_dtype)
     engine.task_overhead_s = measure_task_overhead(one_gpu(engine.device))
+    # the whole device: the engine takes memory exactly as the simulator plays it
     hw = engine.hardware()
-    hw = replace(hw, gpu_memory=int(hw.gpu_memory * PLANNING_HEADROOM))
     try:
         n = len(engine.backends)
         policies = ("harmony-pp",) if n == 1 else ("harmony-pp", "harmony-dp")
         df = search(engine.profile, hw, engine.minibatch_size, policies=policies, n_gpus=n, workers=1,
                     equal_microbatches=microbatch_dependence(engine.layers) is not None)
-    except HarmonyError as e:
-        raise HarmonyError(f"plan='auto' found no plan for this model on {engine.backend.kind}: {e}") from None
+    except HarmonyError as e:  # out of memory stays out of memory
+        raise type(e)(f"plan='auto' found no plan for this model on {engine.backend.kind}: {e}") from None
     return df.iloc[0]["plan"]

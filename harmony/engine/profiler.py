@@ -61,7 +61,7 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     spec = describe(layers, inputs, target, name=name, loss_fn=loss_fn, device=device, dtype=dtype)
-    sizes = list(sizes or default_sizes(target.shape[0]))
+    sizes = [u for u in sizes or default_sizes(target.shape[0]) if u >= spec.min_microbatch]
     copies = [copy.deepcopy(layer).to(device) for layer in layers]
 
     def autocast():

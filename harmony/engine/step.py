@@ -21,6 +21,7 @@ from torch.func import functional_call
 from ..errors import HarmonyError, NonFiniteError, OutOfMemoryError
 from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, REDUCE, STASH_IN, STASH_OUT, UPD,
                      W_IN, Task, TaskGraph)
+from ..hardware import format_bytes
 from ..policies.builder import layer_shard
 from ..trace import Trace, summarize
 from .buffers import BufferPool, copy_runs
@@ -60,6 +61,14 @@ def _assemble(pieces: list[tuple[tuple[int, int], tuple]], a: int, b: int) -> tu
         whole = parts[0] if len(parts) == 1 else torch.cat(parts)
         out.append(whole[a - lo:b - lo])
     return tuple(out)
+
+
+def memory_checks(backends) -> dict:
+    """What the devices' ledgers say beyond the peak: the most that tasks held
+    beyond what the graph declared for them (0 when the spec counts right) and
+    the peak of the tensors themselves (at most the peak)."""
+    return {"undeclared_bytes": {b.name: b.ledger.undeclared_peak for b in backends},
+            "held_peak_memory": {b.name: b.ledger.held_peak for b in backends}}
 
 
 class TiedGradients:
@@ -186,7 +195,7 @@ class StepRun:
         ledger = self.backends[b.device].ledger
         excess = max(0.0, nbytes - b.nbytes)
         if excess:
-            ledger.charge(excess, f"{b.what}, beyond the {b.nbytes / 1e6:.3f} MB its spec declared", declared=False)
+            ledger.charge(excess, f"{b.what}, beyond the {format_bytes(b.nbytes)} its spec declared", declared=False)
         ledger.note_held(nbytes)
         with self.lock:
             self.charged[buf] = (nbytes, excess)
@@ -375,7 +384,7 @@ class StepRun:
         cap = {name: float(b.ledger.capacity or float("inf")) for name, b in self.backends.items()}
         summary = summarize(self.wall_s, graph.samples, dict(self.moved), peak, cap, bounds)
         summary.update(policy=self.e.plan.policy, model=self.e.spec.name, hardware=self.e.backend.kind,
-                       executor="engine")
+                       executor="engine", **memory_checks(self.backends.values()))
         # buffers the pools had to make during this step: none once the plan has run a step
         (n0, b0), (n1, b1) = self.allocations_before, self.allocations()
         summary.update(new_buffers=n1 - n0, new_buffer_bytes=b1 - b0)
@@ -447,7 +456,10 @@ class StepRun:
         device = self.to_device(backend, [t for _, _, t, _ in entries], dtypes)
         weights: dict[int, dict] = {i: {} for i in range(s, e)}
         for (i, name, t, is_param), d in zip(entries, device):
-            weights[i][name] = d.requires_grad_(backward and is_param and t.requires_grad)
+            # requires_grad as in the model, forward packs too: some kernels choose
+            # how to compute by it (matmul folds batch dimensions when the weight
+            # requires grad), and forward must compute as the plain loop does
+            weights[i][name] = d.requires_grad_(is_param and t.requires_grad)
         for i, name, (j, other) in aliases:
             weights[i][name] = weights[j][other]
         self._moved(task, sum(d.numel() * d.element_size() for d in device), started)

@@ -272,7 +272,7 @@ class GraphBuilder:
             deps += d
             local += bufs
             io["stash_in"] = bufs
-            d, bufs = self._bring(("grad", e), op, k, ACT_IN, spec.input_bytes(e, n))
+            d, bufs = self._bring(("grad", e), op, k, ACT_IN, spec.input_grad_bytes(e, n))
             deps += d
             local += bufs
             io["grad_in"] = bufs
@@ -304,7 +304,7 @@ class GraphBuilder:
             io["output"] = out
             self._produce(("act", e), op, t, out)
         elif s > 0:
-            out = self.buffer(dev, spec.input_bytes(s, n), f"gradient into layer {s} {op.samples}", op.samples)
+            out = self.buffer(dev, spec.input_grad_bytes(s, n), f"gradient into layer {s} {op.samples}", op.samples)
             t.allocs.append(out)
             io["output"] = out
             self._produce(("grad", s), op, t, out)

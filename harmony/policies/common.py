@@ -8,7 +8,7 @@ from typing import Container, Iterable
 from ..errors import HarmonyError, OutOfMemoryError
 from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, REDUCE, STASH_IN, STASH_OUT, W_IN,
                      Task)
-from ..hardware import Hardware
+from ..hardware import Hardware, format_bytes
 from ..packing import microbatch_sizes
 from ..plan import Plan, split_samples
 from ..reference import max_profiled
@@ -62,8 +62,9 @@ def boundary_bytes(spec: ModelSpec, plan: Plan, samples: int, steps: Container[i
     forward packs and into the fused pack, then activation gradients between
     backward packs), for every step or only for ``steps``."""
     seq = pack_sequence(plan)[:-1]  # the last step (backward of layer 0) hands nothing on
-    layers = [plan.fwd_packs[p][1] if kind == FWD else plan.bwd_packs[p][0] for kind, p in seq]
-    return sum(spec.input_bytes(layer, samples) for i, layer in enumerate(layers) if steps is None or i in steps)
+    handed = [(plan.fwd_packs[p][1], spec.input_bytes) if kind == FWD else  # an activation
+              (plan.bwd_packs[p][0], spec.input_grad_bytes) for kind, p in seq]  # ... or its gradient
+    return sum(size(layer, samples) for i, (layer, size) in enumerate(handed) if steps is None or i in steps)
 
 
 def stash_bytes(spec: ModelSpec, plan: Plan, samples: int) -> tuple[float, float]:
@@ -220,10 +221,10 @@ def fastest_fitting(spec: ModelSpec, hw: Hardware, plans: Iterable[Plan], build,
         if s["fits"] and s["iteration_s"] < best_s:
             best, best_s = plan, s["iteration_s"]
     if best is None:
-        why = (f"the leanest of {tried} candidates needs {leanest / 1e9:.2f} GB at peak" if tried else
+        why = (f"the leanest of {tried} candidates needs {format_bytes(leanest)} at peak" if tried else
                "no packing of its layers fits the per-pack memory budget")
         raise OutOfMemoryError(
-            f"no {policy} plan for {spec.name} fits in the {hw.gpu_memory / 1e9:.2f} GB of a GPU of "
+            f"no {policy} plan for {spec.name} fits in the {format_bytes(hw.gpu_memory)} of a GPU of "
             f"{hw.name!r}: {why}; use smaller microbatches, more GPUs or GPUs with more memory"
         )
     return best
@@ -235,4 +236,4 @@ def microbatch_candidates(spec: ModelSpec, share: int, microbatch: int | None) -
     if microbatch is not None:
         return [microbatch]
     caps = [c for c in max_profiled(spec) if c]
-    return microbatch_sizes(share, min(caps) if caps else None)
+    return microbatch_sizes(share, min(caps) if caps else None, spec.min_microbatch)

@@ -25,7 +25,8 @@ PER_MICROBATCH = False
 
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
-    b = GraphBuilder(spec, hw, plan, model, split_ties=False)  # gradients reduced across GPUs
+    # tied gradients split per microbatch unless they are reduced across GPUs
+    b = GraphBuilder(spec, hw, plan, model, split_ties=plan.n_gpus == 1)
     n = plan.n_gpus
     offload = plan.option("offload_activations")
     per_replica = [grouped_ops(plan, share, lambda i, r=r: r, lambda i: offload)
@@ -48,4 +49,5 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
 def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
     k = sum(1 for a, b in replica_shares(plan.minibatch, plan.n_gpus) if b > a)
     return volume(spec, plan, weight_passes=k, grad_passes=1, via_host=offloaded_bytes(spec, plan),
-                  reduce=(k - 1) * sum(spec.grad_bytes(*p) for p in plan.bwd_packs))
+                  reduce=(k - 1) * sum(spec.grad_bytes(*p) for p in plan.bwd_packs),
+                  tie_passes=len(plan.bwd_microbatches()) if plan.n_gpus == 1 else None)

@@ -74,7 +74,8 @@ def microbatches_per_gpu(plan: Plan) -> int:
 
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
-    b = GraphBuilder(spec, hw, plan, model, split_ties=False)  # gradients reduced across GPUs
+    # tied gradients split per microbatch unless they are reduced across GPUs
+    b = GraphBuilder(spec, hw, plan, model, split_ties=plan.n_gpus == 1)
     offload = plan.option("offload_activations")
     per_replica = replica_microbatches(plan)
     # lockstep: microbatch by microbatch, step by step, GPU by GPU
