@@ -22,14 +22,14 @@ swapping.
 
 import argparse
 import time
-from dataclasses import replace
 
 import pandas as pd
 import torch
 
 import harmony
 from harmony import EmulatedServer, Engine, OutOfMemoryError
-from harmony.engine.profiler import link_like_1080ti, measure_task_overhead, profile
+from harmony.engine.calibrate import calibrate
+from harmony.engine.profiler import link_like_1080ti, profile
 from harmony.experiments import median_step_s, system_plans, systems_table
 from harmony.training import build_model, lm_loss
 
@@ -76,7 +76,7 @@ def measured(args) -> pd.DataFrame:
     print(f"  emulated server: 2 GPUs of {capacity / 1e6:.0f} MB, links {rate / 1e6:.1f} MB/s per direction "
           f"(one uplink as fast), P2P {PAPER_P2P_OVER_PCIE * rate / 1e6:.1f} MB/s; model {params:,} params, "
           f"training footprint {footprint / 1e6:.0f} MB = {footprint / capacity:.1f}x one GPU", flush=True)
-    hw = replace(server.hardware(), task_overhead_s=measure_task_overhead(server.device()))
+    hw = calibrate(server)
     rows = []
     for policy, plan in system_plans(spec, hw, B, POLICIES, workers=1).items():
         sim = harmony.simulate(spec, hw, plan).summary
@@ -84,7 +84,7 @@ def measured(args) -> pd.DataFrame:
                "simulated peak MB": max(sim["peak_memory"].values()) / 1e6}
         device = server if plan.n_gpus == server.gpus else server.device()
         engine = Engine(build_model("gpt2-tiny", 0, dropout=0.0, **cfg), opt, lm_loss, device=device,
-                        minibatch_size=B, plan=plan)
+                        minibatch_size=B, plan=plan, spec=spec)
         try:
             step_s = median_step_s(engine, (x,), y, args.steps)
         except OutOfMemoryError as err:  # the engine's timing can differ from the simulator's

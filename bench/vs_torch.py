@@ -72,7 +72,7 @@ from torch.utils.checkpoint import checkpoint
 import harmony
 from harmony import Engine, FlatAdamW
 from harmony.baselines import TorchOffload, fastest_microbatch, timed
-from harmony.engine.profiler import default_sizes, measure_task_overhead, profile
+from harmony.engine.profiler import default_sizes, profile
 from harmony.experiments import gpt2_config, torch_offload_comparison
 from harmony.hardware import parse_bytes
 from harmony.plan import split_samples
@@ -316,7 +316,6 @@ def harmony_on_cuda(model: nn.Sequential, x, y, args, dev: torch.device, cap: in
                     precision=args.precision)
     spec = profile(engine.layers, (x,), y, lm_loss, flat_adamw, device=dev, name="gpt2-bench",
                    dtype=engine.compute_dtype)
-    engine.task_overhead_s = measure_task_overhead("cuda:0")
     # 90% of the cap: the CUDA allocator's own slack, as Engine leaves it on a whole GPU
     hw = replace(engine.hardware(), gpu_memory=int(cap * 0.9))
     df = search(spec, hw, args.minibatch, policies=("harmony-pp",), n_gpus=1, workers=1)

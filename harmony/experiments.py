@@ -30,7 +30,8 @@ import pandas as pd
 from .baselines import TorchOffload, fastest_microbatch, timed
 from .catalog import model_spec
 from .engine import EmulatedDevice, Engine
-from .engine.profiler import default_sizes, link_like_1080ti, measure_task_overhead, profile
+from .engine.calibrate import calibrate
+from .engine.profiler import default_sizes, link_like_1080ti, profile
 from .errors import HarmonyError, OutOfMemoryError
 from .hardware import Hardware, parse_rate, preset
 from .multi_model import Job, compare_schedules, simulate_many
@@ -618,14 +619,13 @@ def fidelity_grid(pack_sizes: Sequence[int], microbatches: Sequence[int], miniba
     emulated GPU. The simulator plays the plan on the model's profile measured
     here and the engine's cost per task measured on the same device; the engine
     runs it (median over ``steps`` after a warm-up step)."""
-    from dataclasses import replace
-
     from .engine import EmulatedDevice, Engine
-    from .engine.profiler import measure_task_overhead, profile
+    from .engine.calibrate import calibrate
+    from .engine.profiler import profile
 
     device = EmulatedDevice(memory=memory, h2d=bandwidth, d2h=bandwidth)
     with torch_threads(threads):
-        hw = replace(device.hardware(), task_overhead_s=measure_task_overhead(device))
+        hw = calibrate(device)
         model = gpt2_tiny(seed, **model_overrides)
         (x,), y = synthetic_batches(1, minibatch, seed=seed + 1, **model_overrides)[0]
         spec = profile(list(model), (x,), y, lm_loss, adamw(1e-3), name="gpt2-tiny")
@@ -642,7 +642,7 @@ def fidelity_grid(pack_sizes: Sequence[int], microbatches: Sequence[int], miniba
                     rows.append({**row, "status": "over memory (simulated)"})
                     continue
                 engine = Engine(gpt2_tiny(seed, **model_overrides), adamw(1e-3), lm_loss, device=device,
-                                minibatch_size=minibatch, plan=plan, seed=seed)
+                                minibatch_size=minibatch, plan=plan, seed=seed, spec=spec)
                 rows.append({**row, "status": "ran", "measured_s": median_step_s(engine, (x,), y, steps),
                              "measured_peak_mb": engine.trace.summary["peak_memory"]["gpu0"] / 1e6})
     df = pd.DataFrame(rows)
@@ -782,7 +782,7 @@ def torch_offload_comparison(hidden: int = 256, blocks: int = 6, minibatch: int 
         (x,), y = example_input("gpt2-tiny", minibatch, **cfg)
         spec = profile(list(model), (x,), y, lm_loss, optimizer, name=f"gpt2 {blocks}x{hidden}")
         params = sum(p.numel() for p in model.parameters())
-        hw = replace(device.hardware(), task_overhead_s=measure_task_overhead(device))
+        hw = calibrate(device)
         best = search(spec, hw, minibatch, policies=("harmony-pp",), n_gpus=1, workers=1).iloc[0]
         plan = best["plan"]
         details: dict[str, Any] = {

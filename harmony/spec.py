@@ -240,6 +240,12 @@ class ModelSpec:
                                    f"order, each holding its elements; got {t!r}")
 
     # ---- sizes -------------------------------------------------------------
+    @property
+    def has_times(self) -> bool:
+        """Whether every layer's times are known (measured, or FLOPs to derive them from)."""
+        return all((c.fwd_time is not None or c.fwd_flops_per_sample > 0) and
+                   (c.bwd_time is not None or c.bwd_flops_per_sample > 0) for c in self.layers)
+
     def __len__(self) -> int:
         return len(self.layers)
 

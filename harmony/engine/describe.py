@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import HarmonyError
 from ..spec import Curve, LayerCost, ModelSpec, Tie
@@ -99,8 +100,8 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
              optimizer: str = "adamw", loss_fn: Callable | None = None, device: torch.device | str = "cpu",
              dtype: torch.dtype | None = None) -> ModelSpec:
     """Sizes per layer, and the device memory the engine holds running each layer,
-    measured on two microbatch sizes of ``inputs`` on ``device``; times zero (the
-    profiler measures them). With ``loss_fn`` the loss is checked on the first
+    measured on two microbatch sizes of ``inputs`` on ``device``, and the FLOPs
+    per sample (times are derived from them until the profiler measures them). With ``loss_fn`` the loss is checked on the first
     samples and the last layer's working memory includes it, as in the fused
     last pack. ``dtype``: mixed precision, as the engine runs it: weights and
     activations cross in ``dtype`` and layers run under ``torch.autocast``."""
@@ -148,6 +149,9 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
             fixed_buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers() if not b.is_floating_point()),
             input_numel_per_sample=floats,
             input_fixed_bytes_per_sample=fixed,
+            # times from the FLOP rate until measured: backward recomputes, then costs twice the forward
+            fwd_flops_per_sample=held[-1].flops / sizes[-1],
+            bwd_flops_per_sample=3 * held[-1].flops / sizes[-1],
             fwd_extra=Curve.linear(float(out_bytes)),
             bwd_extra=_line(sizes, [h.saved for h in held]),
             saved_input=_line(sizes, [h.saved_input for h in held]),
@@ -206,11 +210,12 @@ def _line(sizes: list[int], values: list[float]) -> Curve:
 @dataclass(frozen=True)
 class Held:
     """What autograd keeps while the engine recomputes one layer (bytes): in all,
-    and of it the layer's own input and its own output."""
+    and of it the layer's own input and its own output; and the forward's FLOPs."""
 
     saved: float
     saved_input: float
     saved_output: float
+    flops: float
 
 
 def working_memory(layer: nn.Module, inputs: tuple, loss_fn: Callable | None, target: torch.Tensor,
@@ -234,7 +239,7 @@ def working_memory(layer: nn.Module, inputs: tuple, loss_fn: Callable | None, ta
     target = target.to(device, copy=True)
     meter = SavedBytes(exclude=[*weights.values(), target])  # as the engine's: see StepRun.backward
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices), meter, torch.enable_grad(), \
+    with torch.random.fork_rng(devices), meter, torch.enable_grad(), FlopCounterMode(display=False) as flops, \
             torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         out = as_args(functional_call(layer, weights, xs))
         if loss_fn is not None:
@@ -245,7 +250,8 @@ def working_memory(layer: nn.Module, inputs: tuple, loss_fn: Callable | None, ta
                 if isinstance(t, torch.Tensor) and storage_key(t) in meter.seen}
         return float(sum(keys.values()))
 
-    return Held(float(meter.total), kept(leaves), 0.0 if loss_fn is not None else kept(out))
+    return Held(float(meter.total), kept(leaves), 0.0 if loss_fn is not None else kept(out),
+                float(flops.get_total_flops()))
 
 
 def check_loss(loss_fn: Callable, output: tuple, target: torch.Tensor) -> None:

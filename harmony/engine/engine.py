@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,17 +29,19 @@ from torch import nn
 
 from ..errors import HarmonyError, NonFiniteError
 from ..graph import TaskGraph
-from ..hardware import GB, Hardware
+from ..hardware import Hardware
 from ..plan import Plan
 from ..policies import build_graph, update_shards
 from ..policies.builder import layer_shard
-from ..simulate import play
+from ..simulate import play, simulate_graph
+from ..spec import ModelSpec
 from ..trace import Trace
 from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from .decompose import decompose
 from .describe import describe, microbatch_dependence, norm_tensor_names
 from .buffers import BufferPool, HostLayout
-from .devices import Backend, EmulatedBackend, EmulatedServer, make_backends
+from .calibrate import calibrate
+from .devices import Backend, make_backends
 from .host_memory import check_host_memory
 from .reference_loop import as_args
 from .state import FORMAT as STATE_FORMAT
@@ -91,7 +92,8 @@ class Engine:
 
     def __init__(self, model, optimizer: Callable, loss_fn: Callable, device="cpu", minibatch_size: int = 32,
                  plan: Plan | str = "auto", seed: int = 0, safe_updates: bool = True,
-                 distributed: bool | None = None, nonfinite: str = "raise", precision: str = "fp32"):
+                 distributed: bool | None = None, nonfinite: str = "raise", precision: str = "fp32",
+                 spec: ModelSpec | None = None, hardware: Hardware | None = None):
         if nonfinite not in NONFINITE:
             raise HarmonyError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         if precision not in PRECISIONS:
@@ -157,9 +159,15 @@ class Engine:
         self.trace: Trace | None = None
         self._optimizer_factory = optimizer
         self.plan: Plan | None = None
+        if spec is not None and not isinstance(spec, ModelSpec):
+            raise HarmonyError(f"spec must be a harmony.ModelSpec (e.g. from harmony.profile), got {type(spec).__name__}")
+        if hardware is not None and not isinstance(hardware, Hardware):
+            raise HarmonyError(f"hardware must be a harmony.Hardware, got {type(hardware).__name__}")
         self.spec = None  # sizes of the chain, from the first minibatch
-        self.profile = None  # measured costs, when plan="auto" profiled
-        self.task_overhead_s = 0.0  # engine cost per compute task, measured when plan="auto" profiled
+        # the cost model with times the graph is played with (the memory order): given,
+        # or measured when plan="auto" profiles; None: the sizes, with FLOP-rate times
+        self.profile = spec
+        self._hardware = hardware
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer | None] = {}  # (pack, shard) ->
         self._graph_cache: TaskGraph | None = None
         self._memory_order: dict | None = None  # of the cached graph's buffers, per device
@@ -185,35 +193,17 @@ class Engine:
 
     # ---- set-up -------------------------------------------------------------------
     def hardware(self) -> Hardware:
-        """The devices as the planner and the simulator see them."""
-        return replace(self._hardware(), task_overhead_s=self.task_overhead_s)
+        """The devices as the planner and the simulator see them: as given, or
+        calibrated on this machine (:func:`~harmony.engine.calibrate.calibrate`)."""
+        return self._hardware if self._hardware is not None else calibrate(self.device)
 
-    def _hardware(self) -> Hardware:
-        if isinstance(self.device, EmulatedServer):
-            return self.device.hardware()
-        if isinstance(self.backend, EmulatedBackend):
-            return self.backend.spec.hardware()
-        n = len(self.backends)
-        if self.backend.kind == "cuda":
-            return self._measured_cuda_hardware()
-        # the cpu backend moves nothing: links and memory are no limit
-        return Hardware(name=self.backend.kind, n_gpus=n, gpu_memory=10**15, gpu_flops=1e12, h2d=100 * GB,
-                        d2h=100 * GB, uplink=100 * GB * n, gpus_per_switch=n, p2p=100 * GB,
-                        cpu_update_bandwidth=10 * GB, cpu_update_workers=n, host_memory=10**15)
-
-    def _measured_cuda_hardware(self) -> Hardware:
-        """The GPUs at hand: memory from the driver (90% usable: the CUDA context and
-        the caching allocator take the rest), link bandwidth measured; all GPUs
-        assumed behind one uplink of their summed bandwidth and with peer access."""
-        from .profiler import measure_link
-
-        dev = self.backend.torch_device
-        h2d, d2h = measure_link(dev)
-        props = torch.cuda.get_device_properties(dev)
-        n = len(self.backends)
-        return Hardware(name=f"{n}x {props.name}", n_gpus=n, gpu_memory=int(0.9 * props.total_memory),
-                        gpu_flops=1e13, h2d=h2d, d2h=d2h, uplink=n * max(h2d, d2h), gpus_per_switch=n,
-                        p2p=h2d, cpu_update_bandwidth=10 * GB, cpu_update_workers=n, host_memory=10**12)
+    def simulate(self) -> Trace:
+        """The simulator's play of the graph the engine runs (after the first step):
+        the engine takes device memory in this play's order, so its peak is this
+        trace's peak."""
+        if self._graph_cache is None:
+            raise HarmonyError("the engine has no graph yet: it is made from the first minibatch; run a step first")
+        return simulate_graph(self._graph_cache)
 
     def set_plan(self, plan: Plan) -> None:
         """Run the next steps with ``plan`` (e.g. a smaller one after an
@@ -319,6 +309,8 @@ class Engine:
         if self.spec is None:
             self.spec = describe(self.layers, inputs, target, name=type(self.model).__name__, loss_fn=self.loss_fn,
                                  device=self.backend.torch_device, dtype=self.compute_dtype)
+            if self.profile is not None:
+                check_same_sizes(self.profile, self.spec)
         if self.plan is None:
             from .planning import auto_plan
 
@@ -459,6 +451,21 @@ def check_on_host(layers: list[nn.Module]) -> None:
                     f"layer {i} ({type(layer).__name__}) has {name} on {t.device}: the engine keeps the model in "
                     "host memory and moves packs to the devices itself; pass the model on the CPU "
                     "(model.to('cpu')) and the GPUs as device=")
+
+
+def check_same_sizes(given: ModelSpec, described: ModelSpec) -> None:
+    """A cost model given to the engine must be of its chain, in its precision."""
+    if len(given) != len(described):
+        raise HarmonyError(f"the spec given has {len(given)} layers but the model has {len(described)}: "
+                           "give the spec harmony.profile made of this model's layers")
+    for i, (a, b) in enumerate(zip(given.layers, described.layers)):
+        if (given.weight_bytes(i, i + 1), given.input_bytes(i, 1)) != (described.weight_bytes(i, i + 1),
+                                                                        described.input_bytes(i, 1)):
+            raise HarmonyError(
+                f"layer {i} of the spec given ({a.name}) has other sizes than the model's ({b.name}): "
+                f"{given.weight_bytes(i, i + 1)} vs {described.weight_bytes(i, i + 1)} bytes of weights, "
+                f"{given.input_bytes(i, 1)} vs {described.input_bytes(i, 1)} bytes of input per sample; give the "
+                "spec harmony.profile made of this model, in the engine's precision")
 
 
 def check_optimizer_holds(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:

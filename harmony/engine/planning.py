@@ -10,18 +10,10 @@ from ..errors import HarmonyError
 from ..plan import Plan
 from ..search import search
 from .describe import microbatch_dependence
-from .devices import EmulatedServer
-from .profiler import measure_task_overhead, profile
+from .profiler import profile
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-def one_gpu(device):
-    """One GPU of ``device``, to measure on."""
-    if isinstance(device, EmulatedServer):
-        return device.device()
-    return device[0] if isinstance(device, (list, tuple)) else device
-
 
 def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
     """The fastest plan for ``engine``'s chain on its devices (across servers:
@@ -38,10 +30,10 @@ def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
 
 
 def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
-    engine.profile = profile(engine.layers, inputs, target, engine.loss_fn, engine._optimizer_factory,
-                             device=engine.backend.torch_device, name=engine.spec.name,
-                             safe_updates=engine.safe_updates, dtype=engine.compute_dtype)
-    engine.task_overhead_s = measure_task_overhead(one_gpu(engine.device))
+    if engine.profile is None or not engine.profile.has_times:
+        engine.profile = profile(engine.layers, inputs, target, engine.loss_fn, engine._optimizer_factory,
+                                 device=engine.backend.torch_device, name=engine.spec.name,
+                                 safe_updates=engine.safe_updates, dtype=engine.compute_dtype)
     # the whole device: the engine takes memory exactly as the simulator plays it
     hw = engine.hardware()
     try:

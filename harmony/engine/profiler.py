@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ..hardware import Hardware
 from ..spec import Curve, ModelSpec
 from .describe import describe, layer_inputs
 from .meters import SavedBytes
@@ -133,6 +134,10 @@ def measure_link(device: torch.device, nbytes: int = 256 * 2**20, repeats: int =
     return nbytes / h2d, nbytes / d2h
 
 
+_ANY_GPU = Hardware(name="any", n_gpus=1, gpu_memory=10**12, gpu_flops=1e12, h2d=1e10, d2h=1e10, uplink=1e10,
+                    gpus_per_switch=1, p2p=None, cpu_update_bandwidth=1e10, cpu_update_workers=1, host_memory=10**12)
+
+
 def measure_task_overhead(device, repeats: int = 9) -> float:
     """Seconds the engine spends per GPU compute task beyond the compute itself,
     on ``device`` (anything :class:`~harmony.engine.Engine` accepts as one GPU):
@@ -145,9 +150,10 @@ def measure_task_overhead(device, repeats: int = 9) -> float:
     packs = tuple((i, i + 1) for i in range(len(layers)))
     plan = Plan("harmony-pp", 1, 8, 2, 2, packs[:-1], packs)
     # distributed=False: a throw-away engine on this server alone must not join the
-    # collectives of the process group the real engine uses
+    # collectives of the process group the real engine uses; hardware given: a
+    # calibration must not calibrate itself (any will do for eight tiny layers)
     engine = Engine(layers, lambda ps: torch.optim.SGD(ps, lr=0.0), nn.functional.mse_loss, device=device,
-                    minibatch_size=8, plan=plan, safe_updates=False, distributed=False)
+                    minibatch_size=8, plan=plan, safe_updates=False, distributed=False, hardware=_ANY_GPU)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     step = median_time(lambda: engine.step(x, y), repeats)
     computes = sum(1 for t in engine._graph_cache.tasks if not t.is_transfer and t.kind != "UPD")
@@ -160,14 +166,14 @@ def measure_task_overhead(device, repeats: int = 9) -> float:
 FLOP_PER_BYTE_1080TI = 11.3e12 / 12.3e9
 
 
-def cpu_flops() -> float:
-    """FLOP/s of one CPU thread on a large float32 matmul."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+def cpu_flops(dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
+    """FLOP/s of the CPU (torch's threads) on an ``n`` x ``n`` matmul in ``dtype``."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     t0 = time.perf_counter()
     for _ in range(5):
         a @ b
-    return 5 * 2 * 1024**3 / (time.perf_counter() - t0)
+    return 5 * 2 * n**3 / (time.perf_counter() - t0)
 
 
 def link_like_1080ti() -> float:

@@ -69,7 +69,7 @@ def engine_state(engine: "Engine") -> dict:
         "seed": engine.seed,
         "minibatch_size": engine.minibatch_size,
         "plan": engine.plan.to_dict() if engine.plan is not None else None,
-        "task_overhead_s": engine.task_overhead_s,
+        "task_overhead_s": engine.hardware().task_overhead_s,  # informative: recalibrated on load
         "precision": engine.precision,
         "loss_scale": engine.loss_scale,
         "good_steps": engine.good_steps,
@@ -120,6 +120,5 @@ def apply_state(engine: "Engine", state: dict, plan: Plan | None) -> None:
     load_optimizer_state(engine.optimizers, state["optimizer"], param_names(engine))
     engine.step_count = state["step"]
     engine.skipped_steps = state["skipped_steps"]
-    engine.task_overhead_s = state["task_overhead_s"]
     engine.loss_scale, engine.good_steps = state["loss_scale"], state["good_steps"]
     torch.set_rng_state(state["torch_rng"])
