@@ -110,6 +110,49 @@ STEPS = {  # id: (inputs, target, message)
 }
 
 
+class TupleOut(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+LOSSES = {  # id: (model change, loss, target, message)
+    "target of the wrong dtype": (None, loss_fn, torch.randn(B), "expected target dtype|Long"),
+    "target of the wrong shape": (None, loss_fn, torch.zeros(B, 3, dtype=torch.long), "target"),
+    "last layer returning a tuple": (TupleOut(), loss_fn, Y, "returns a tuple, whose elements are passed"),
+    "loss without reduction": (None, lambda o, t: nn.functional.cross_entropy(o, t, reduction="none"), Y,
+                               r"not a scalar \(reduction='none'\?\)"),
+    "loss as a Python float": (None, lambda o, t: float(nn.functional.cross_entropy(o, t)), Y,
+                               "returned a float, not a tensor"),
+    "loss detached from the output": (None, lambda o, t: nn.functional.cross_entropy(o.detach(), t), Y,
+                                      "does not depend on the model's output"),
+}
+
+
+@pytest.mark.parametrize("case", list(LOSSES))
+def test_a_loss_that_cannot_train_is_refused_before_anything_runs(case):
+    extra, loss, target, message = LOSSES[case]
+    model = make_model()
+    if extra is not None:
+        model.append(extra)
+    n = len(model)
+    e = Engine(model, ADAMW, loss, minibatch_size=B, plan=Plan("harmony-pp", 1, B, 4, 4, ((0, 3),), ((0, 3), (3, n))))
+    before = [t.clone() for t in model.state_dict().values()]
+    with pytest.raises(HarmonyError, match=message):
+        e.step(X, target)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values())) and e.step_count == 0
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    with pytest.raises(HarmonyError, match="on the meta device, which holds no values"):
+        Engine(nn.Sequential(*harmony.zoo.build("gpt2-tiny")[:-1]), ADAMW, loss_fn, minibatch_size=B)
+
+
+def test_an_optimizer_over_other_parameters_is_refused():
+    model = make_model()
+    with pytest.raises(HarmonyError, match="build it over the parameters passed in"):
+        Engine(model, lambda ps: torch.optim.AdamW(model.parameters()), loss_fn, minibatch_size=B, plan=PLAN)
+
+
 @pytest.mark.parametrize("case", list(STEPS))
 def test_bad_minibatches_are_refused_before_anything_runs(case):
     inputs, target, message = STEPS[case]
@@ -143,6 +186,12 @@ def test_a_checkpoint_of_something_else_is_refused(tmp_path):
     (["train", "--resume"], "needs a checkpoint directory"),
     (["train", "--memory", "12XB"], "cannot read emulated device memory '12XB'"),
     (["train", "--plan", "missing-plan.json"], "missing-plan.json"),
+    (["train", "--set", "n_layer=abc"], "n_layer must be an integer >= 1, got 'abc'"),
+    (["train", "--set", "n_layer=-1"], "n_layer must be an integer >= 1, got -1"),
+    (["train", "--set", "dropout=1.5"], "dropout must be in [0, 1), got 1.5"),
+    (["train", "--set", "hidden=65"], "hidden 65 is not a multiple of heads 4"),
+    (["train", "--set", "turbo=1"], "gpt2-tiny has no setting turbo"),
+    (["train", "--model", "vgg-tiny", "--set", "widths=[8,16]"], "need the same length"),
 ])
 def test_cli_train_errors_are_one_line(capsys, argv, message):
     assert cli(argv) == 2
@@ -151,6 +200,6 @@ def test_cli_train_errors_are_one_line(capsys, argv, message):
 
 
 def test_the_table_is_big_enough():
-    assert len(CONSTRUCTION) + len(STEPS) >= 30
+    assert len(CONSTRUCTION) + len(STEPS) + len(LOSSES) >= 36
     assert all(issubclass(e, HarmonyError) for e in (CheckpointError, harmony.OutOfMemoryError,
                                                      harmony.NonFiniteError, harmony.DeadlockError))

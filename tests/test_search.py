@@ -194,3 +194,13 @@ def test_greedy_packs_respect_the_budget_and_cover(args):
             assert size(spec, b - 1, d, u) > budget  # fills from the last layer
         else:
             assert size(spec, a, b + 1, u) > budget
+
+
+def test_equal_microbatches_only_when_the_model_needs_them():
+    """A model with dropout or BatchNorm trains exactly only with one microbatch
+    size: the search then proposes nothing else (what plan='auto' asks for)."""
+    spec, hw = harmony.model_spec("bert-large"), harmony.preset("paper-4x1080ti")
+    free = harmony.search(spec, hw, 32, policies=["harmony-pp"], n_gpus=1, workers=1)
+    assert (free.fwd_microbatch != free.bwd_microbatch).any()
+    tied = harmony.search(spec, hw, 32, policies=["harmony-pp"], n_gpus=1, workers=1, equal_microbatches=True)
+    assert (tied.fwd_microbatch == tied.bwd_microbatch).all() and len(tied) > 0
