@@ -29,7 +29,7 @@ import harmony
 from harmony import EmulatedDevice, Engine, FlatAdamW, Plan
 from harmony.engine import buffers, host_memory
 from harmony.engine.profiler import median_time
-from harmony.training import build_model, lm_loss, torch_threads
+from harmony.workbench.training import build_model, lm_loss, torch_threads
 
 
 def pack_copies(layers, pack: int, repeats: int) -> None:

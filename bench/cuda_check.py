@@ -14,7 +14,7 @@ import time
 import torch
 
 import harmony
-from harmony.training import build_model, lm_loss
+from harmony.workbench.training import build_model, lm_loss
 from harmony import Engine, Plan, reference_step
 
 

@@ -28,11 +28,11 @@ import time
 import torch
 
 import harmony
-from harmony.training import build_model, lm_loss
+from harmony.workbench.training import build_model, lm_loss
 from harmony import EmulatedDevice, Engine, FlatAdamW
 from harmony.engine.calibrate import calibrate
 from harmony.engine.profiler import FLOP_PER_BYTE_1080TI, cpu_flops, profile
-from harmony.search import search
+from harmony.planner.search import search
 
 def exposed_update(trace: harmony.Trace) -> tuple[float, float]:
     """Time from the end of the last forward/backward task, and from the last

@@ -20,7 +20,7 @@ import torch
 from harmony import EmulatedDevice, EmulatedServer, Engine, OutOfMemoryError
 from harmony.simulate import simulate_graph
 from harmony.testing import random_model
-from harmony.training import torch_threads
+from harmony.workbench.training import torch_threads
 
 
 def main() -> None:

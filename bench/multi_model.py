@@ -31,8 +31,8 @@ import torch
 import harmony
 from harmony import EmulatedServer, Engine, Job, Plan
 from harmony.engine.profiler import profile
-from harmony.experiments import depth_grid_jobs, schedules_table
-from harmony.training import build_model, lm_loss, synthetic_batch
+from harmony.workbench.experiments import depth_grid_jobs, schedules_table
+from harmony.workbench.training import build_model, lm_loss, synthetic_batch
 
 FMT = lambda v: f"{v:.3g}"  # noqa: E731
 

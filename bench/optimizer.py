@@ -34,7 +34,7 @@ import time
 import torch
 
 import harmony
-from harmony.optim import FlatAdamW, fused_kernel_available
+from harmony.engine.optim import FlatAdamW, fused_kernel_available
 
 BYTES_PER_ELEMENT = 7 * 4  # AdamW in float32: 4 tensors read, 3 written
 

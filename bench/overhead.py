@@ -21,7 +21,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import harmony
-from harmony.training import build_model, lm_loss
+from harmony.workbench.training import build_model, lm_loss
 from harmony import Engine, Plan, reference_step
 
 

@@ -26,7 +26,7 @@ import torch
 
 from harmony import CheckpointDir, Plan, decompose
 from harmony.engine.checkpoint import read_checkpoint
-from harmony.training import build_model
+from harmony.workbench.training import build_model
 
 def train_command(workdir: Path, out: Path, checkpoints: bool, steps: int) -> list[str]:
     """``harmony train`` for the run; with checkpoints every step and --resume."""

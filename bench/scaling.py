@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 import harmony
-from harmony.training import build_model, lm_loss
+from harmony.workbench.training import build_model, lm_loss
 from harmony import EmulatedServer, Engine, Plan
 from harmony.engine.profiler import profile
 
@@ -62,7 +62,7 @@ def emulated(args) -> pd.DataFrame:
             rows.append({"policy": policy, "gpus": n, "measured_samples_s": B / measured,
                          "simulated_samples_s": B / sim, "measured_over_simulated": measured / sim})
             if policy == "harmony-pp" and n == 4:
-                from harmony.viz import save, timeline_chart
+                from harmony.workbench.charts import save, timeline_chart
 
                 save(timeline_chart(engine.trace, title=f"Harmony-PP on 4 emulated GPUs: {plan.describe()}"),
                      os.path.join("figures", "scaling_pp4_timeline"))

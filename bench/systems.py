@@ -30,8 +30,8 @@ import harmony
 from harmony import EmulatedServer, Engine, OutOfMemoryError
 from harmony.engine.calibrate import calibrate
 from harmony.engine.profiler import link_like_1080ti, profile
-from harmony.experiments import median_step_s, system_plans, systems_table
-from harmony.training import build_model, lm_loss
+from harmony.workbench.experiments import median_step_s, system_plans, systems_table
+from harmony.workbench.training import build_model, lm_loss
 
 POLICIES = ("harmony-pp", "harmony-dp", "virtual-memory", "karma", "hydra", "zero-offload", "gpipe-swap")
 PAPER_P2P_OVER_PCIE = 8.2 / 11.5  # paper-4x1080ti: peer copies vs host link

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from harmony import EmulatedDevice, Engine, Plan, reference_step
-from harmony.training import torch_threads
+from harmony.workbench.training import torch_threads
 
 
 def timed(fn, steps: int) -> float:

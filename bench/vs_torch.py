@@ -71,13 +71,13 @@ from torch.utils.checkpoint import checkpoint
 
 import harmony
 from harmony import Engine, FlatAdamW
-from harmony.baselines import TorchOffload, fastest_microbatch, timed
+from harmony.workbench.baselines import TorchOffload, fastest_microbatch, timed
 from harmony.engine.profiler import default_sizes, profile
-from harmony.experiments import gpt2_config, torch_offload_comparison
-from harmony.hardware import parse_bytes
+from harmony.workbench.experiments import gpt2_config, torch_offload_comparison
+from harmony.costs.hardware import parse_bytes
 from harmony.plan import split_samples
-from harmony.search import search
-from harmony.training import build_model, lm_loss
+from harmony.planner.search import search
+from harmony.workbench.training import build_model, lm_loss
 
 DEFAULTS = {
     "emulated": dict(steps=6, hidden=256, blocks=6, minibatch=32, memory="56MB", seq_len=64, vocab=512),

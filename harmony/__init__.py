@@ -6,20 +6,21 @@ TaskGraph, which :func:`simulate` plays (and the engine runs for real),
 giving a Trace. :func:`search` picks the plan.
 """
 
-from .catalog import known_models, model_spec
+from .costs import zoo
+from .costs.catalog import known_models, model_spec
 from .engine import Chain, EmulatedDevice, EmulatedServer, Engine, decompose, reference_step
 from .engine.profiler import profile
 from .engine.checkpoint import CheckpointDir, CheckpointError
 from .errors import DeadlockError, HarmonyError, NonFiniteError, OutOfMemoryError
 from .graph import Task, TaskGraph
-from .hardware import PRESETS, Hardware, parse_bytes, parse_rate, preset
+from .costs.hardware import PRESETS, Hardware, parse_bytes, parse_rate, preset
 from .multi_model import Job, compare_schedules, simulate_many, train_many
-from .optim import FlatAdamW
+from .engine.optim import FlatAdamW
 from .plan import Plan
 from .policies import POLICIES, build_graph, swap_volume
-from .search import search
+from .planner.search import search
 from .simulate import simulate, simulate_graph
-from .spec import Curve, LayerCost, ModelSpec
+from .costs.spec import Curve, LayerCost, ModelSpec
 from .trace import Trace
 
 __version__ = "0.1.0"
@@ -31,5 +32,5 @@ __all__ = [
     "NonFiniteError", "OutOfMemoryError", "POLICIES", "PRESETS", "Plan", "Task", "TaskGraph", "Trace",
     "build_graph", "known_models", "profile", "model_spec", "parse_bytes", "parse_rate", "preset",
     "search", "simulate", "simulate_graph", "swap_volume",
-    "Job", "compare_schedules", "simulate_many", "train_many",
+    "Job", "compare_schedules", "simulate_many", "train_many", "zoo",
 ]

@@ -124,15 +124,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _spec_and_hw(args):
-    from .catalog import model_spec
-    from .hardware import preset
+    from .costs.catalog import model_spec
+    from .costs.hardware import preset
 
     return model_spec(args.model, args.source), preset(args.hardware)
 
 
 def _cmd_search(args) -> int:
     from . import search
-    from .report import format_search
+    from .workbench.report import format_search
 
     spec, hw = _spec_and_hw(args)
     kwargs = {}
@@ -153,7 +153,7 @@ def _cmd_search(args) -> int:
 def _cmd_simulate(args) -> int:
     from . import search, simulate
     from .plan import Plan
-    from .report import format_summary
+    from .workbench.report import format_summary
 
     spec, hw = _spec_and_hw(args)
     if args.plan is not None:
@@ -161,7 +161,7 @@ def _cmd_simulate(args) -> int:
             raise HarmonyError("give --plan or --policy, not both: the plan names its policy")
         plan = Plan.from_json(args.plan)
     elif args.minibatch is not None and args.policy is not None:
-        from .experiments import system_plans
+        from .workbench.experiments import system_plans
 
         plan = system_plans(spec, hw, args.minibatch, [args.policy])[args.policy]
     elif args.minibatch is not None:
@@ -174,7 +174,7 @@ def _cmd_simulate(args) -> int:
     if args.csv:
         trace.timeline.to_csv(args.csv, index=False)
     if args.timeline:
-        from .viz import save, timeline_chart
+        from .workbench.charts import save, timeline_chart
 
         save(timeline_chart(trace, title=f"{spec.name} on {hw.name}: {plan.describe()}"), args.timeline)
     if args.json:
@@ -200,7 +200,7 @@ def _overrides(pairs: list[str]) -> dict:
 def _cmd_train(args) -> int:
     from .plan import Plan
     from .engine.checkpoint import CheckpointDir
-    from .training import device_from_args, save_weights, train
+    from .workbench.training import device_from_args, save_weights, train
 
     device = device_from_args(args.gpus, args.memory, args.h2d, args.d2h, args.uplink, args.p2p)
     plan = "auto" if args.plan == "auto" else Plan.from_json(Path(args.plan))
@@ -218,7 +218,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_models(args) -> int:
-    from . import reference, zoo
+    from .costs import reference, zoo
 
     for name in sorted(set(reference.VARIANTS) | set(zoo.MODELS)):
         sources = [s for s, table in (("reference", reference.VARIANTS), ("zoo", zoo.MODELS)) if name in table]
@@ -227,7 +227,7 @@ def _cmd_models(args) -> int:
 
 
 def _cmd_presets(args) -> int:
-    from .hardware import PRESETS
+    from .costs.hardware import PRESETS
 
     for hw in PRESETS.values():
         print(f"{hw.name:16s} {hw.n_gpus} GPU x {hw.gpu_memory / 1e9:.1f} GB, host link {hw.h2d / 1e9:.1f} GB/s"
@@ -245,7 +245,7 @@ def _cmd_policies(args) -> int:
 
 
 def _cmd_reproduce(args) -> int:
-    from .reproduce import list_experiments, reproduce
+    from .workbench.reproduce import list_experiments, reproduce
 
     if args.list:
         print(list_experiments())

@@ -67,11 +67,11 @@ import pandas as pd
 
 from .errors import HarmonyError, OutOfMemoryError
 from .graph import G_OUT, IN_ORDER_KINDS, UPD, W_IN, Buffer, Task, TaskGraph
-from .hardware import Hardware
+from .costs.hardware import Hardware
 from .plan import Plan
 from .policies import build_graph
 from .simulate import play, simulate_graph
-from .spec import ModelSpec
+from .costs.spec import ModelSpec
 from .trace import Trace, summarize
 
 SCHEDULES = ("sequential", "task-parallel", "merged")

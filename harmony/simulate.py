@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from .errors import DeadlockError
 from .graph import TaskGraph
-from .hardware import Hardware
+from .costs.hardware import Hardware
 from .plan import Plan
-from .spec import ModelSpec
+from .costs.spec import ModelSpec
 from .trace import Trace
 
 _EPS = 1e-12

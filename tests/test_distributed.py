@@ -16,7 +16,7 @@ import torch
 import harmony
 from harmony import Plan, reference_step
 from harmony.policies.common import microbatches
-from harmony.training import build_model, loss_for, synthetic_batch
+from harmony.workbench.training import build_model, loss_for, synthetic_batch
 
 MODEL, STEPS, B, LR = "gpt2-tiny", 3, 8, 1e-3
 OVERRIDES = {"dropout": 0.0}

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from harmony import reproduce as rp
+from harmony.workbench import reproduce as rp
 from harmony.errors import HarmonyError
 
 from test_notebooks import NOTEBOOKS, ROOT, parameter_names

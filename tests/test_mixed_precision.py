@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harmony import EmulatedDevice, Engine, HarmonyError, Plan, reference_step, simulate, swap_volume
-from harmony.training import build_model, lm_loss, synthetic_batch
+from harmony.workbench.training import build_model, lm_loss, synthetic_batch
 
 NAME, B, STEPS = "gpt2-tiny", 8, 3
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.5)  # noqa: E731  (Adam's sign-like steps hide small differences)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-import harmony.optim
+import harmony.engine.optim
 from harmony import Engine, FlatAdamW, HarmonyError, Plan, reference_step
-from harmony.optim import fused_kernel_available
+from harmony.engine.optim import fused_kernel_available
 
 BLOCK = 1024  # small blocks, so that small tensors span several (the arithmetic is the same at any size)
 # tensors spanning blocks at odd offsets, small and odd-sized ones, matrices
@@ -22,7 +22,7 @@ needs_fused = pytest.mark.skipif(not fused_kernel_available(), reason="this torc
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(harmony.optim, "BLOCK", BLOCK)
+    monkeypatch.setattr(harmony.engine.optim, "BLOCK", BLOCK)
 
 
 def make_params(strided: bool = False, dtypes=None) -> list[nn.Parameter]:

@@ -11,7 +11,7 @@ import pytest
 
 import harmony
 from harmony import Curve, HarmonyError, Hardware, LayerCost, ModelSpec, Plan, parse_bytes, parse_rate, preset
-from harmony import reference
+from harmony.costs import reference
 
 from conftest import tiny_spec
 

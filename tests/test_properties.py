@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import harmony
 from harmony import DeadlockError, OutOfMemoryError, Plan, build_graph, simulate_graph, swap_volume
 from harmony.graph import COMPUTE_KINDS, FWDBWD, TRANSFER_KINDS, W_IN, Task, TaskGraph
-from harmony.search import SEARCHABLE
+from harmony.planner.search import SEARCHABLE
 from harmony.simulate import fair_rates, play
 
 from conftest import (POLICY_NAMES, hardwares, model_specs, plans, scenarios, simple_hardware,
@@ -175,7 +175,7 @@ def test_memory_peak_covers_every_buffer_and_ledger_returns_to_zero(case):
 @st.composite
 def search_cases(draw):
     spec = draw(model_specs(max_layers=8))
-    from harmony.search import bwd_pack_bytes
+    from harmony.planner.search import bwd_pack_bytes
 
     need = max(bwd_pack_bytes(spec, i, i + 1, 1) for i in range(len(spec)))
     factor = draw(st.floats(1.5, 40.0))

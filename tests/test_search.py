@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import harmony
 from harmony import HarmonyError, OutOfMemoryError
-from harmony.reference import max_profiled
-from harmony.packing import balanced_packs, bwd_pack_bytes, fwd_pack_bytes, greedy_packs, microbatch_sizes
+from harmony.costs.reference import max_profiled
+from harmony.planner.packing import balanced_packs, bwd_pack_bytes, fwd_pack_bytes, greedy_packs, microbatch_sizes
 
 from conftest import simple_hardware, tiny_spec
 

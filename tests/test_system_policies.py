@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import harmony
 from harmony import EmulatedDevice, EmulatedServer, HarmonyError, LayerCost, ModelSpec, OutOfMemoryError, Plan
 from harmony.graph import BWD, FWD, P2P, REDUCE, UPD, W_IN
-from harmony.packing import bwd_pack_bytes, fwd_pack_bytes
+from harmony.planner.packing import bwd_pack_bytes, fwd_pack_bytes
 from harmony.policies import gpipe_swap, hydra, karma, zero_offload
 from harmony.policies.common import microbatches, replica_shares
 from harmony.simulate import play

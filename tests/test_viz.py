@@ -2,7 +2,7 @@
 
 import harmony
 from harmony.plan import Plan, uniform_packs
-from harmony.viz import MAX_ROWS, coalesce, memory_chart, timeline_chart
+from harmony.workbench.charts import MAX_ROWS, coalesce, memory_chart, timeline_chart
 
 
 def _trace(minibatch=64, u=1):

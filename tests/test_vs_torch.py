@@ -1,7 +1,7 @@
-"""PyTorch's own offload recipe (:class:`harmony.baselines.TorchOffload`) trains
+"""PyTorch's own offload recipe (:class:`harmony.workbench.baselines.TorchOffload`) trains
 exactly as a plain PyTorch loop does, moves the bytes its docstring says, and
 runs out of emulated device memory where its ledger says so; the comparison
-with harmony (``harmony.experiments.torch_offload_comparison``) reports both."""
+with harmony (``harmony.workbench.experiments.torch_offload_comparison``) reports both."""
 
 import copy
 
@@ -13,9 +13,9 @@ from harmony import EmulatedDevice, FlatAdamW
 from harmony.engine.profiler import profile
 from harmony.engine.reference_loop import reference_step
 from harmony.errors import OutOfMemoryError
-from harmony.baselines import TorchOffload
-from harmony.experiments import torch_offload_comparison
-from harmony.training import build_model, lm_loss
+from harmony.workbench.baselines import TorchOffload
+from harmony.workbench.experiments import torch_offload_comparison
+from harmony.workbench.training import build_model, lm_loss
 
 CFG = dict(hidden=32, n_layer=2, heads=2, seq_len=16, max_position=16, vocab=64)
 B, U = 4, 2

@@ -13,8 +13,8 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("altair")
 
 import harmony  # noqa: E402
-from harmony.viz import MAX_ROWS  # noqa: E402
-from harmony.widgets import MAX_TASKS, PackExplorer, RunForReal, thin_memory  # noqa: E402
+from harmony.workbench.charts import MAX_ROWS  # noqa: E402
+from harmony.workbench.widgets import MAX_TASKS, PackExplorer, RunForReal, thin_memory  # noqa: E402
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_explorer.ipynb"
 

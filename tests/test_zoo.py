@@ -12,7 +12,7 @@ import harmony
 from harmony import zoo
 from harmony.errors import HarmonyError
 
-REFERENCE = Path(harmony.__file__).parent / "data/reference/harmony-1080ti"
+REFERENCE = Path(harmony.__file__).parent / "costs/data/reference/harmony-1080ti"
 TINY = ["gpt2-tiny", "bert-tiny", "vgg-tiny", "resnet-tiny"]
 
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import HarmonyError
-from ..hardware import format_bytes
+from ..costs.hardware import format_bytes
 
 
 class BufferPool:

@@ -3,7 +3,7 @@
 A device description (``"cpu"``, ``"cuda:N"``, a list of them,
 :class:`~harmony.engine.devices.EmulatedDevice`,
 :class:`~harmony.engine.devices.EmulatedServer`) says most of a
-:class:`~harmony.hardware.Hardware`; :func:`calibrate` adds what only a
+:class:`~harmony.costs.hardware.Hardware`; :func:`calibrate` adds what only a
 measurement on this machine tells: the engine's own cost per compute task
 (every backend), the FLOP rate of this CPU (the cpu and emulated backends
 compute on it) and, for a real GPU, its link bandwidth and memory. Each
@@ -19,12 +19,12 @@ from functools import cache
 import torch
 
 from ..errors import HarmonyError
-from ..hardware import GB, Hardware
+from ..costs.hardware import GB, Hardware
 from .devices import EmulatedDevice, EmulatedServer
 
 
 def calibrate(device) -> Hardware:
-    """``device`` as a :class:`~harmony.hardware.Hardware`, with the engine's cost
+    """``device`` as a :class:`~harmony.costs.hardware.Hardware`, with the engine's cost
     per compute task and the compute rate measured on this machine."""
     if isinstance(device, EmulatedServer):
         hw = device.hardware(gpu_flops=_cpu_flops())

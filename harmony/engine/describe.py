@@ -20,7 +20,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import HarmonyError
-from ..spec import Curve, LayerCost, ModelSpec, Tie
+from ..costs.spec import Curve, LayerCost, ModelSpec, Tie
 from .meters import SavedBytes, storage_key
 from .reference_loop import as_args
 

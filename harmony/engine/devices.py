@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from ..errors import HarmonyError, OutOfMemoryError
-from ..hardware import GB, Hardware, format_bytes, parse_bytes, parse_rate
+from ..costs.hardware import GB, Hardware, format_bytes, parse_bytes, parse_rate
 from .buffers import BufferPool
 
 

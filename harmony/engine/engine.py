@@ -29,12 +29,12 @@ from torch import nn
 
 from ..errors import HarmonyError, NonFiniteError
 from ..graph import TaskGraph
-from ..hardware import Hardware
+from ..costs.hardware import Hardware
 from ..plan import Plan
 from ..policies import build_graph, update_shards
 from ..policies.builder import layer_shard
 from ..simulate import play, simulate_graph
-from ..spec import ModelSpec
+from ..costs.spec import ModelSpec
 from ..trace import Trace
 from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from .decompose import decompose

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import HarmonyError
 from ..graph import ACT_IN, DATA_IN, P2P, STASH_IN, W_IN, TaskGraph
-from ..hardware import format_bytes
+from ..costs.hardware import format_bytes
 from ..policies.common import boundary_bytes
 from .updates import optimizer_params
 

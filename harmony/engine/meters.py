@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..hardware import format_bytes
+from ..costs.hardware import format_bytes
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):

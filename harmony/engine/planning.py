@@ -8,7 +8,7 @@ import torch
 
 from ..errors import HarmonyError
 from ..plan import Plan
-from ..search import search
+from ..planner.search import search
 from .describe import microbatch_dependence
 from .profiler import profile
 

@@ -20,8 +20,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ..hardware import Hardware
-from ..spec import Curve, ModelSpec
+from ..costs.hardware import Hardware
+from ..costs.spec import Curve, ModelSpec
 from .describe import describe, layer_inputs
 from .meters import SavedBytes
 from .reference_loop import as_args
@@ -51,7 +51,7 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
             optimizer: Callable | None = None, sizes: Sequence[int] | None = None, repeats: int = 3,
             device: torch.device | str = "cpu", name: str = "model", safe_updates: bool = True,
             dtype: torch.dtype | None = None) -> ModelSpec:
-    """A measured :class:`~harmony.spec.ModelSpec` of ``layers`` on ``device``.
+    """A measured :class:`~harmony.costs.spec.ModelSpec` of ``layers`` on ``device``.
 
     ``inputs``/``target``: an example minibatch (its size bounds ``sizes``).
     ``optimizer``: the factory the engine will use (for the CPU update time);

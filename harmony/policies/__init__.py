@@ -7,9 +7,9 @@ from types import ModuleType
 
 from ..errors import HarmonyError
 from ..graph import TaskGraph
-from ..hardware import Hardware
+from ..costs.hardware import Hardware
 from ..plan import Plan
-from ..spec import ModelSpec
+from ..costs.spec import ModelSpec
 from . import gpipe_swap, harmony_dp, harmony_pp, hydra, karma, virtual_memory, zero_offload
 from .common import replica_shares
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from ..errors import HarmonyError
 from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, STASH_IN, STASH_OUT, UPD,
                      W_IN, Buffer, Task, TaskGraph)
-from ..hardware import Hardware
+from ..costs.hardware import Hardware
 from ..plan import Plan
-from ..spec import ModelSpec
+from ..costs.spec import ModelSpec
 
 HOST = "host"
 
@@ -96,7 +96,7 @@ class _Group:
 class GraphBuilder:
     def __init__(self, spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0, split_ties: bool = True):
         """``split_ties``: the gradient of a parameter that the group's layers share
-        with layers of other packs (:class:`~harmony.spec.Tie`) leaves the GPU after
+        with layers of other packs (:class:`~harmony.costs.spec.Tie`) leaves the GPU after
         every microbatch, so that the host sums the packs' parts per microbatch
         as autograd does (exactness); off for policies that reduce gradients
         across GPUs, where the part stays in the group's gradient."""

@@ -8,12 +8,12 @@ from typing import Container, Iterable
 from ..errors import HarmonyError, OutOfMemoryError
 from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, REDUCE, STASH_IN, STASH_OUT, W_IN,
                      Task)
-from ..hardware import Hardware, format_bytes
-from ..packing import microbatch_sizes
+from ..costs.hardware import Hardware, format_bytes
+from ..planner.packing import microbatch_sizes
 from ..plan import Plan, split_samples
-from ..reference import max_profiled
+from ..costs.reference import max_profiled
 from ..simulate import simulate_graph
-from ..spec import ModelSpec
+from ..costs.spec import ModelSpec
 from .builder import BwdGroup, GraphBuilder, Op
 
 

@@ -37,10 +37,10 @@ import bisect
 
 from ..errors import HarmonyError
 from ..graph import FWD, TaskGraph
-from ..hardware import Hardware
-from ..packing import BUDGETS, balanced_packs, greedy_packs
+from ..costs.hardware import Hardware
+from ..planner.packing import BUDGETS, balanced_packs, greedy_packs
 from ..plan import Plan
-from ..spec import ModelSpec
+from ..costs.spec import ModelSpec
 from .builder import GraphBuilder
 from .common import (boundary_bytes, check_one_microbatch_size, fastest_fitting, microbatch_candidates,
                      microbatch_ops, microbatches, pack_sequence, replica_shares, update_after_gradients, volume)
@@ -98,7 +98,7 @@ def choose_plan(spec: ModelSpec, hw: Hardware, minibatch: int, microbatch: int |
                 n_gpus: int | None = None) -> Plan:
     """A GPipe-with-swap plan on ``n_gpus`` GPUs (default: all of ``hw``): for
     each microbatch size (``microbatch``, or powers of two up to the
-    minibatch) and memory budget of :data:`~harmony.packing.BUDGETS`, the
+    minibatch) and memory budget of :data:`~harmony.planner.packing.BUDGETS`, the
     largest packs that fit, and as many packs balanced by backward time,
     rounded up to a multiple of the GPUs so that stages hold equal counts;
     the fastest that fits when simulated."""

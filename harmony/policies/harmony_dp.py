@@ -13,9 +13,9 @@ others does not pile up gradient accumulators waiting for the exchange.
 from __future__ import annotations
 
 from ..graph import TaskGraph
-from ..hardware import Hardware
+from ..costs.hardware import Hardware
 from ..plan import Plan
-from ..spec import ModelSpec
+from ..costs.spec import ModelSpec
 from .builder import GraphBuilder
 from .common import (grouped_ops, offloaded_bytes, reduce_scatter_out, replica_shares, reuse_gradient_buffers,
                      volume)

@@ -11,9 +11,9 @@ CPU update starts as soon as it lands, overlapping the rest of backward.
 from __future__ import annotations
 
 from ..graph import TaskGraph
-from ..hardware import Hardware
+from ..costs.hardware import Hardware
 from ..plan import Plan
-from ..spec import ModelSpec
+from ..costs.spec import ModelSpec
 from .builder import GraphBuilder
 from .common import boundary_bytes, grouped_ops, volume
 

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 from ..errors import HarmonyError
 from ..graph import TaskGraph
-from ..hardware import Hardware
-from ..packing import BUDGETS, greedy_packs
+from ..costs.hardware import Hardware
+from ..planner.packing import BUDGETS, greedy_packs
 from ..plan import Plan
-from ..spec import ModelSpec
+from ..costs.spec import ModelSpec
 from .builder import GraphBuilder
 from .common import (boundary_bytes, fastest_fitting, grouped_ops, microbatch_candidates, update_after_gradients,
                      volume)
@@ -74,7 +74,7 @@ def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
 def choose_plan(spec: ModelSpec, hw: Hardware, minibatch: int, microbatch: int | None = None) -> Plan:
     """HYDRA's shards: for each microbatch size (``microbatch``, or powers of
     two up to the minibatch), the largest shards under each memory budget of
-    :data:`~harmony.packing.BUDGETS`, filled from the last layer; the fastest
+    :data:`~harmony.planner.packing.BUDGETS`, filled from the last layer; the fastest
     plan that fits when simulated."""
     plans = []
     for u in microbatch_candidates(spec, minibatch, microbatch):

@@ -37,10 +37,10 @@ from __future__ import annotations
 import math
 
 from ..graph import TaskGraph
-from ..hardware import Hardware
-from ..packing import BUDGETS, bwd_pack_bytes, fwd_pack_bytes
+from ..costs.hardware import Hardware
+from ..planner.packing import BUDGETS, bwd_pack_bytes, fwd_pack_bytes
 from ..plan import Pack, Plan
-from ..spec import ModelSpec
+from ..costs.spec import ModelSpec
 from . import virtual_memory
 from .common import fastest_fitting
 
@@ -90,8 +90,8 @@ def pack_seconds(spec: ModelSpec, hw: Hardware, u: int, n_gpus: int, a: int, b: 
 def model_packs(spec: ModelSpec, hw: Hardware, u: int, n_gpus: int, budget: float) -> tuple[Pack, ...] | None:
     """The backward packs KARMA's choice makes for microbatches of ``u``: the
     packing with the least total :func:`pack_seconds`, each pack within
-    ``budget`` bytes (:func:`~harmony.packing.bwd_pack_bytes`,
-    :func:`~harmony.packing.fwd_pack_bytes`), found by dynamic programming
+    ``budget`` bytes (:func:`~harmony.planner.packing.bwd_pack_bytes`,
+    :func:`~harmony.planner.packing.fwd_pack_bytes`), found by dynamic programming
     over where packs start; None when no packing fits. Merging two packs
     never costs time in this model, so it swaps as few boundaries as memory
     allows, and places them where the swap costs least against the compute
@@ -133,7 +133,7 @@ def model_packs(spec: ModelSpec, hw: Hardware, u: int, n_gpus: int, budget: floa
 def choose_plan(spec: ModelSpec, hw: Hardware, minibatch: int, microbatch: int, n_gpus: int = 1) -> Plan:
     """KARMA's plan for microbatches of ``microbatch`` on ``n_gpus`` GPUs: the
     packs of :func:`model_packs` at each memory budget of
-    :data:`~harmony.packing.BUDGETS`, forward packs on the same boundaries; the
+    :data:`~harmony.planner.packing.BUDGETS`, forward packs on the same boundaries; the
     fastest that fits when simulated."""
     plans = []
     for frac in BUDGETS:

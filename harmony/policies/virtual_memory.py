@@ -13,9 +13,9 @@ input-batch grouping. Packs of one layer give the classic per-layer swapping.
 from __future__ import annotations
 
 from ..graph import TaskGraph
-from ..hardware import Hardware
+from ..costs.hardware import Hardware
 from ..plan import Plan
-from ..spec import ModelSpec
+from ..costs.spec import ModelSpec
 from .builder import GraphBuilder
 from .common import (check_one_microbatch_size, data_parallel_microbatch_ops, offloaded_bytes,
                      replica_microbatches, update_after_gradients, volume)

@@ -40,9 +40,9 @@ from __future__ import annotations
 
 from ..errors import HarmonyError
 from ..graph import TaskGraph
-from ..hardware import Hardware
+from ..costs.hardware import Hardware
 from ..plan import Plan, uniform_packs
-from ..spec import ModelSpec
+from ..costs.spec import ModelSpec
 from .builder import BwdGroup, GraphBuilder
 from .common import (check_one_microbatch_size, fastest_fitting, microbatch_candidates, microbatch_ops,
                      offloaded_bytes, pack_sequence, reduce_scatter_out, replica_microbatches, replica_shares,

@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import zoo
-from .engine import EmulatedDevice, EmulatedServer, Engine
-from .engine.checkpoint import CheckpointDir
-from .engine.distributed import init_from_env
-from .engine.reference_loop import layer_seed
-from .errors import HarmonyError
-from .optim import FlatAdamW
-from .plan import Plan
+from ..costs import zoo
+from ..engine import EmulatedDevice, EmulatedServer, Engine
+from ..engine.checkpoint import CheckpointDir
+from ..engine.distributed import init_from_env
+from ..engine.reference_loop import layer_seed
+from ..errors import HarmonyError
+from ..engine.optim import FlatAdamW
+from ..plan import Plan
 
 
 @contextlib.contextmanager

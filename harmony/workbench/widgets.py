@@ -27,24 +27,24 @@ import pandas as pd
 import torch
 from torch import nn
 
-from . import zoo
-from .catalog import SOURCES, known_models, model_spec
-from .engine import EmulatedDevice, Engine
-from .engine.profiler import default_sizes, profile
-from .errors import HarmonyError
-from .hardware import PRESETS, Hardware, preset
-from .plan import DEFAULT_OPTIONS, Plan, uniform_packs
-from .policies import POLICIES, get_policy
-from .simulate import simulate
-from .spec import ModelSpec
-from .trace import Trace
+from ..costs import zoo
+from ..costs.catalog import SOURCES, known_models, model_spec
+from ..engine import EmulatedDevice, Engine
+from ..engine.profiler import default_sizes, profile
+from ..errors import HarmonyError
+from ..costs.hardware import PRESETS, Hardware, preset
+from ..plan import DEFAULT_OPTIONS, Plan, uniform_packs
+from ..policies import POLICIES, get_policy
+from ..simulate import simulate
+from ..costs.spec import ModelSpec
+from ..trace import Trace
 from .training import lm_loss, torch_threads
-from .viz import MAX_ROWS, _altair, bar_chart, memory_chart, timeline_chart
+from .charts import MAX_ROWS, _altair, bar_chart, memory_chart, timeline_chart
 
 try:
     import ipywidgets as w
 except ImportError:  # pragma: no cover - depends on the install
-    raise ImportError("harmony.widgets needs ipywidgets: pip install -e '.[notebooks]'") from None
+    raise ImportError("harmony.workbench.widgets needs ipywidgets: pip install -e '.[notebooks]'") from None
 
 #: the largest task graph simulated interactively (about a second per policy)
 MAX_TASKS = 20_000
@@ -108,7 +108,7 @@ def _spec(model: str, source: str) -> ModelSpec:
 # ---- chart helpers ------------------------------------------------------------------------
 def thin_memory(trace: Trace, max_rows: int = MAX_ROWS) -> Trace:
     """``trace`` with its memory steps cut to at most ``max_rows`` points, for
-    :func:`~harmony.viz.memory_chart`: per time bin and device, the highest
+    :func:`~harmony.workbench.charts.memory_chart`: per time bin and device, the highest
     level reached in the bin (at the bin's start, so peaks stay visible) and the
     level it ends on."""
     if sum(len(steps) for steps in trace.memory.values()) <= max_rows:

@@ -11,9 +11,9 @@ from FLOPs / bytes per sample).
 
 Where a spec comes from:
 
-* :mod:`harmony.zoo` builds real modules on the ``meta`` device and counts
+* :mod:`harmony.costs.zoo` builds real modules on the ``meta`` device and counts
   FLOPs and activation sizes per layer (any size, no memory);
-* :mod:`harmony.reference` loads the per-layer profiles measured on GTX 1080 Ti
+* :mod:`harmony.costs.reference` loads the per-layer profiles measured on GTX 1080 Ti
   by the Harmony authors;
 * the engine's profiler measures the layers on the device at hand.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Sequence
 
-from .errors import HarmonyError
+from ..errors import HarmonyError
 
 #: Bytes per element of the dtypes that move between host and device.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .errors import HarmonyError
-from .trace import Trace
+from ..errors import HarmonyError
+from ..trace import Trace
 
 #: one colour per task kind, grouped: compute warm, host link cool, GPU-GPU green
 KIND_COLORS = {

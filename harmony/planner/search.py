@@ -33,14 +33,14 @@ from typing import Iterable
 
 import pandas as pd
 
-from .errors import HarmonyError, OutOfMemoryError
-from .hardware import Hardware, format_bytes
+from ..errors import HarmonyError, OutOfMemoryError
+from ..costs.hardware import Hardware, format_bytes
 from .packing import BUDGETS, balanced_packs, bwd_pack_bytes, greedy_packs, microbatch_sizes
-from .plan import Pack, Plan
-from .policies import build_graph, get_policy, karma
-from .reference import max_profiled
-from .simulate import simulate_graph
-from .spec import ModelSpec
+from ..plan import Pack, Plan
+from ..policies import build_graph, get_policy, karma
+from ..costs.reference import max_profiled
+from ..simulate import simulate_graph
+from ..costs.spec import ModelSpec
 
 DEFAULT_POLICIES = ("harmony-pp", "harmony-dp", "virtual-memory")
 #: policies the search plans; the others choose their plans themselves (their module's ``choose_plan``)

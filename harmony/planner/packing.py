@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .plan import Pack
-from .spec import ModelSpec
+from ..plan import Pack
+from ..costs.spec import ModelSpec
 
 #: fractions of GPU memory tried for one pack (double buffering keeps two resident)
 BUDGETS = (0.5, 0.3, 0.15)
@@ -18,7 +18,7 @@ BUDGETS = (0.5, 0.3, 0.15)
 def microbatch_sizes(limit: int, cap: int | None, smallest: int = 1) -> list[int]:
     """Powers of two up to ``limit`` samples (and ``limit`` itself), at most
     ``cap``, leaving no microbatch of fewer than ``smallest`` samples (the
-    model's :attr:`~harmony.spec.ModelSpec.min_microbatch`)."""
+    model's :attr:`~harmony.costs.spec.ModelSpec.min_microbatch`)."""
     top = min(limit, cap) if cap else limit
     sizes = {1 << i for i in range(top.bit_length()) if (1 << i) <= top}
     sizes.add(top)

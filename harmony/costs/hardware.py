@@ -13,7 +13,7 @@ import numbers
 import re
 from dataclasses import asdict, dataclass, replace
 
-from .errors import HarmonyError
+from ..errors import HarmonyError
 
 GiB = 1024**3
 GB = 10**9

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .plan import Plan
-from .trace import Trace
+from ..plan import Plan
+from ..trace import Trace
 
 
 def gb(x: float) -> str:

@@ -8,7 +8,7 @@ plus the target (see :func:`forward`).
 * :func:`build` makes the chain on any device. On ``meta`` a 40-billion-parameter
   GPT-2 costs no memory.
 * :func:`example_input` makes a batch of inputs and targets with the right dtypes.
-* :func:`spec` derives a :class:`~harmony.spec.ModelSpec` analytically. It runs
+* :func:`spec` derives a :class:`~harmony.costs.spec.ModelSpec` analytically. It runs
   every layer on ``meta`` tensors at batch size 1, counts FLOPs with
   :class:`~torch.utils.flop_counter.FlopCounterMode` and sizes the tensors that
   autograd saves. Layers with the same structure are measured only once.
@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from .errors import HarmonyError
+from ..errors import HarmonyError
 from .spec import Curve, LayerCost, ModelSpec, dtype_bytes
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]

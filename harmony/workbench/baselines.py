@@ -35,11 +35,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .engine.devices import EmulatedDevice, Ledger, LinkPacer
-from .engine.reference_loop import as_args
-from .errors import OutOfMemoryError
-from .plan import split_samples
-from .spec import ModelSpec
+from ..engine.devices import EmulatedDevice, Ledger, LinkPacer
+from ..engine.reference_loop import as_args
+from ..errors import OutOfMemoryError
+from ..plan import split_samples
+from ..costs.spec import ModelSpec
 
 #: out of device memory: the emulated ledger's error, or the CUDA allocator's
 OOM = (OutOfMemoryError, torch.OutOfMemoryError)

@@ -2,7 +2,7 @@
 
 The CSV files in ``harmony/data/reference/harmony-1080ti`` (with their README:
 provenance, MIT license of the source repository, caveats) are loaded into a
-:class:`~harmony.spec.ModelSpec` with measured time and memory curves.
+:class:`~harmony.costs.spec.ModelSpec` with measured time and memory curves.
 
 Memory: the profiler's per-layer peak covers the layer's weights (and for
 backward, their gradients) and its input; the spec keeps only what comes on
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .errors import HarmonyError
+from ..errors import HarmonyError
 from .spec import Curve, LayerCost, ModelSpec
 
 REFERENCE_DIR = Path(__file__).parent / "data" / "reference" / "harmony-1080ti"

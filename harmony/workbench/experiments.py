@@ -28,21 +28,21 @@ from typing import Any, Iterable, Sequence
 import pandas as pd
 
 from .baselines import TorchOffload, fastest_microbatch, timed
-from .catalog import model_spec
-from .engine import EmulatedDevice, Engine
-from .engine.calibrate import calibrate
-from .engine.profiler import default_sizes, link_like_1080ti, profile
-from .errors import HarmonyError, OutOfMemoryError
-from .hardware import Hardware, parse_rate, preset
-from .multi_model import Job, compare_schedules, simulate_many
-from .optim import FlatAdamW
-from .plan import Pack, Plan
-from .policies import POLICIES, get_policy
-from .search import SEARCHABLE, search
-from .simulate import simulate
+from ..costs.catalog import model_spec
+from ..engine import EmulatedDevice, Engine
+from ..engine.calibrate import calibrate
+from ..engine.profiler import default_sizes, link_like_1080ti, profile
+from ..errors import HarmonyError, OutOfMemoryError
+from ..costs.hardware import Hardware, parse_rate, preset
+from ..multi_model import Job, compare_schedules, simulate_many
+from ..engine.optim import FlatAdamW
+from ..plan import Pack, Plan
+from ..policies import POLICIES, get_policy
+from ..planner.search import SEARCHABLE, search
+from ..simulate import simulate
 from .training import build_model, lm_loss, torch_threads
-from .viz import bar_chart, save
-from .zoo import example_input
+from .charts import bar_chart, save
+from ..costs.zoo import example_input
 
 HARDWARE = "paper-4x1080ti"
 HARDWARE_8 = "paper-8x1080ti"
@@ -249,7 +249,7 @@ def pack_microbatch_grid(model: str = "bert-large", minibatch: int = 64, n_gpus:
     pack, microbatch size) with uF = uB and forward packs on the backward
     boundaries. ``iteration_s`` is NaN where the plan does not fit in GPU memory
     (``status`` says why)."""
-    from .reference import max_profiled
+    from ..costs.reference import max_profiled
 
     spec = model_spec(model)
     hw = hardware_for(n_gpus, hardware)
@@ -383,7 +383,7 @@ def synthetic_batches(n: int, minibatch: int, seed: int = 1, **overrides) -> lis
     """``n`` random (token ids, targets) minibatches for the toy GPT-2."""
     import torch
 
-    from . import zoo
+    from ..costs import zoo
 
     torch.manual_seed(seed)
     return [zoo.example_input("gpt2-tiny", minibatch, **overrides) for _ in range(n)]
@@ -438,7 +438,7 @@ def train_side_by_side(steps: int, minibatch: int, device, plan: Plan | str = "a
 
 def _train_side_by_side(steps, minibatch, device, plan, microbatch, lr, dropout, n_batches, seed,
                         **model_overrides) -> TrainingRun:
-    from .engine import Engine, reference_step
+    from ..engine import Engine, reference_step
 
     data = synthetic_batches(n_batches, minibatch, seed=seed + 1, **model_overrides)
     engine = Engine(gpt2_tiny(seed, dropout, **model_overrides), adamw(lr), lm_loss, device=device,
@@ -499,7 +499,7 @@ def exactness_variants(steps: int, minibatch: int, microbatch: int, layers_per_p
     expected, max |loss difference|, max |weight difference|, bitwise equal.
     Variants on ``multi_gpu`` emulated GPUs need the engine's multi-GPU
     support; where it is missing the row says so (status) instead."""
-    from . import engine as engine_module
+    from .. import engine as engine_module
 
     n_layers = len(gpt2_tiny(seed))
     one = engine_module.EmulatedDevice(memory=memory, h2d=bandwidth, d2h=bandwidth)
@@ -544,7 +544,7 @@ def baseline_comparison(engine, device, batch: tuple, run_engine: bool = True, t
     measured and as simulated on the engine's measured profile) against the
     best virtualized-memory plan for the same device (simulated and, with
     ``run_engine``, run for one step in a fresh engine)."""
-    from .engine import Engine
+    from ..engine import Engine
 
     hw = device.hardware()
     spec = engine.profile or engine.spec
@@ -589,7 +589,7 @@ def emulated_throughput(gpus: int = 2, minibatch: int = 16, microbatch: int = 2,
     of ``gpus`` GPUs (per-GPU links of ``bandwidth``, one uplink as fast as two
     of them), for Harmony-PP, Harmony-DP and the virtual-memory baseline on
     the same packs and microbatches (median step after a warm-up)."""
-    from .engine import EmulatedServer, Engine
+    from ..engine import EmulatedServer, Engine
 
     server = EmulatedServer(gpus=gpus, memory=memory, h2d=bandwidth, d2h=bandwidth, p2p=bandwidth)
     rows = []
@@ -619,9 +619,9 @@ def fidelity_grid(pack_sizes: Sequence[int], microbatches: Sequence[int], miniba
     emulated GPU. The simulator plays the plan on the model's profile measured
     here and the engine's cost per task measured on the same device; the engine
     runs it (median over ``steps`` after a warm-up step)."""
-    from .engine import EmulatedDevice, Engine
-    from .engine.calibrate import calibrate
-    from .engine.profiler import profile
+    from ..engine import EmulatedDevice, Engine
+    from ..engine.calibrate import calibrate
+    from ..engine.profiler import profile
 
     device = EmulatedDevice(memory=memory, h2d=bandwidth, d2h=bandwidth)
     with torch_threads(threads):
@@ -758,7 +758,7 @@ def gpt2_config(hidden: int, blocks: int, seq_len: int, vocab: int) -> dict[str,
 def torch_offload_comparison(hidden: int = 256, blocks: int = 6, minibatch: int = 32, memory: str = "56MB",
                              steps: int = 5, seq_len: int = 64, vocab: int = 512, link: float | str | None = None,
                              threads: int | None = 1) -> tuple[pd.DataFrame, dict[str, Any]]:
-    """Harmony and PyTorch's own offload (:class:`~harmony.baselines.TorchOffload`)
+    """Harmony and PyTorch's own offload (:class:`~harmony.workbench.baselines.TorchOffload`)
     training one GPT-2 (``blocks`` x ``hidden``) on one emulated GPU of ``memory``
     with links of ``link`` bytes/s (default: the 1080 Ti's compute : bandwidth
     ratio to this CPU, :func:`~harmony.engine.profiler.link_like_1080ti`).

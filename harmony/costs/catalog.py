@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import reference, zoo
-from .errors import HarmonyError
+from ..errors import HarmonyError
 from .spec import ModelSpec
 
 SOURCES = ("auto", "reference", "zoo")

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .errors import HarmonyError
+from ..errors import HarmonyError
 
 #: elements per block of the exact (``fused=False``) step: a block's five operands
 #: (parameter, gradient, two moments, denominator; 4 MiB each in float32) stay in
