@@ -74,7 +74,7 @@ def emulated(args) -> None:
           f"{args.emulated_steps} steps each; server: {server.gpus} GPUs x "
           f"{server.memory}, links {server.h2d}")
     rows = []
-    for schedule in harmony.multi_model.SCHEDULES:
+    for schedule in harmony.planner.multi_model.SCHEDULES:
         engines = [Engine(build_model("gpt2-tiny", **cfg), lambda ps, lr=lr: torch.optim.AdamW(ps, lr=lr), lm_loss,
                           device=server.device(), minibatch_size=B, plan=plan) for lr in rates]
         run = harmony.train_many(engines, [data] * len(rates), server, schedule, specs=[spec] * len(rates))

@@ -30,10 +30,11 @@ import harmony
 from harmony import EmulatedServer, Engine, OutOfMemoryError
 from harmony.engine.calibrate import calibrate
 from harmony.engine.profiler import link_like_1080ti, profile
-from harmony.workbench.experiments import median_step_s, system_plans, systems_table
+from harmony.planner import plans_for
+from harmony.workbench.experiments import median_step_s, systems_table
 from harmony.workbench.training import build_model, lm_loss
 
-POLICIES = ("harmony-pp", "harmony-dp", "virtual-memory", "karma", "hydra", "zero-offload", "gpipe-swap")
+POLICIES = list(harmony.POLICIES)
 PAPER_P2P_OVER_PCIE = 8.2 / 11.5  # paper-4x1080ti: peer copies vs host link
 
 
@@ -78,7 +79,7 @@ def measured(args) -> pd.DataFrame:
           f"training footprint {footprint / 1e6:.0f} MB = {footprint / capacity:.1f}x one GPU", flush=True)
     hw = calibrate(server)
     rows = []
-    for policy, plan in system_plans(spec, hw, B, POLICIES, workers=1).items():
+    for policy, plan in plans_for(POLICIES, spec, hw, B, workers=1).items():
         sim = harmony.simulate(spec, hw, plan).summary
         row = {"policy": policy, "plan": plan_text(plan), "simulated samples/s": sim["samples_per_s"],
                "simulated peak MB": max(sim["peak_memory"].values()) / 1e6}

@@ -14,12 +14,14 @@ from .engine.checkpoint import CheckpointDir, CheckpointError
 from .errors import DeadlockError, HarmonyError, NonFiniteError, OutOfMemoryError
 from .graph import Task, TaskGraph
 from .costs.hardware import PRESETS, Hardware, parse_bytes, parse_rate, preset
-from .multi_model import Job, compare_schedules, simulate_many, train_many
+from .engine.multi_model import train_many
+from .planner.multi_model import Job, compare_schedules, simulate_many
 from .engine.optim import FlatAdamW
 from .plan import Plan
 from .policies import POLICIES, build_graph, swap_volume
-from .planner.search import search
-from .simulate import simulate, simulate_graph
+
+from .simulate import simulate_graph
+from .planner import plan_for, search, simulate
 from .costs.spec import Curve, LayerCost, ModelSpec
 from .trace import Trace
 
@@ -31,6 +33,6 @@ __all__ = [
     "ModelSpec",
     "NonFiniteError", "OutOfMemoryError", "POLICIES", "PRESETS", "Plan", "Task", "TaskGraph", "Trace",
     "build_graph", "known_models", "profile", "model_spec", "parse_bytes", "parse_rate", "preset",
-    "search", "simulate", "simulate_graph", "swap_volume",
+    "plan_for", "search", "simulate", "simulate_graph", "swap_volume",
     "Job", "compare_schedules", "simulate_many", "train_many", "zoo",
 ]

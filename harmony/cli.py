@@ -161,9 +161,9 @@ def _cmd_simulate(args) -> int:
             raise HarmonyError("give --plan or --policy, not both: the plan names its policy")
         plan = Plan.from_json(args.plan)
     elif args.minibatch is not None and args.policy is not None:
-        from .workbench.experiments import system_plans
+        from .planner import plan_for
 
-        plan = system_plans(spec, hw, args.minibatch, [args.policy])[args.policy]
+        plan = plan_for(args.policy, spec, hw, args.minibatch)
     elif args.minibatch is not None:
         plan = search(spec, hw, args.minibatch, progress=False).iloc[0]["plan"]
     else:

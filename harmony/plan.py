@@ -216,6 +216,12 @@ def _check_cover(packs, start: int, stop: int, name: str, bad, why: str = "") ->
         raise bad(f"{name} must cover layers {start}..{stop - 1}{why}, but they end at layer {at - 1}")
 
 
+def layer_shard(layers: tuple[int, int], r: int, k: int) -> list[int]:
+    """Shard ``r`` of ``k`` of a pack's layers: every k-th layer from the r-th.
+    Whole layers, so the bytes of a shard are exact from the spec."""
+    return list(range(layers[0] + r, layers[1], k))
+
+
 def uniform_packs(start: int, stop: int, size: int) -> tuple[Pack, ...]:
     """Contiguous packs of ``size`` layers over [start, stop)."""
     return tuple((a, min(a + size, stop)) for a in range(start, stop, size))

@@ -20,9 +20,6 @@ from dataclasses import dataclass
 
 from .errors import DeadlockError
 from .graph import TaskGraph
-from .costs.hardware import Hardware
-from .plan import Plan
-from .costs.spec import ModelSpec
 from .trace import Trace
 
 _EPS = 1e-12
@@ -224,10 +221,3 @@ def _deadlock(graph: TaskGraph, start: list[float], end: list[float]) -> Deadloc
 def simulate_graph(graph: TaskGraph) -> Trace:
     played = play(graph)
     return Trace.from_graph(graph, played.start, played.end, played.peak, played.memory)
-
-
-def simulate(spec: ModelSpec, hardware: Hardware, plan: Plan) -> Trace:
-    """Build ``plan``'s task graph for ``spec`` on ``hardware`` and play it."""
-    from .policies import build_graph
-
-    return simulate_graph(build_graph(spec, hardware, plan))

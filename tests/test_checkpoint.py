@@ -243,11 +243,11 @@ def test_host_memory_estimate_counts_gradients_optimizer_state_and_stash():
     engine.step(*batches(1)[0])  # plan, spec and optimizer state now exist
     fresh = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
     fresh.spec = engine.spec
-    need = host_memory.host_bytes_needed(fresh)
+    need = host_memory.host_bytes_needed(fresh, engine._graph_cache)
     weight_bytes = sum(p.numel() * 4 for p in fresh.model.parameters())
     assert need["gradients"] == weight_bytes and need["optimizer state"] == 2 * weight_bytes
     assert need["stashed inputs"] == engine.spec.input_bytes(3, B)  # layer 0: the minibatch itself; 6: fused
-    assert host_memory.host_bytes_needed(engine)["optimizer state"] == 0  # already allocated
+    assert host_memory.host_bytes_needed(engine, engine._graph_cache)["optimizer state"] == 0  # allocated
     assert host_memory.host_bytes_needed(engine, engine._graph_cache)["emulated GPU buffers"] == 0  # cpu backend
 
 

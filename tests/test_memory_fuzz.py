@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 from harmony import EmulatedDevice, EmulatedServer, Engine, OutOfMemoryError
 from harmony.testing import random_model

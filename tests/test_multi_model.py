@@ -11,7 +11,7 @@ import harmony
 from harmony import (Curve, EmulatedServer, Engine, HarmonyError, Job, LayerCost, ModelSpec, OutOfMemoryError,
                      Plan)
 from harmony.graph import IN_ORDER_KINDS
-from harmony.multi_model import SCHEDULES, schedule_many
+from harmony.planner.multi_model import SCHEDULES, schedule_many
 from conftest import simple_hardware, tiny_spec
 
 

@@ -87,7 +87,7 @@ def test_layer_larger_than_gpu_raises_out_of_memory():
     (dict(minibatch_size=2.5), r"minibatch size must be a positive integer, got 2.5"),
     (dict(policies=["harmony-pp", "zero-infinity"]),
      r"unknown policy 'zero-infinity'; known policies: harmony-pp, harmony-dp, virtual-memory"),
-    (dict(policies=["hydra"]), r"for hydra use harmony.policies.hydra.choose_plan"),
+    (dict(policies=["hydra"]), r"for hydra use harmony.planner.plan_for"),
     (dict(n_gpus=3), r"n_gpus=3 is outside 1..2 for hardware 'simple-2'"),
     (dict(n_gpus=[1, 0]), r"n_gpus=0 is outside 1..2"),
 ])

@@ -15,7 +15,8 @@ import harmony
 from harmony import EmulatedDevice, EmulatedServer, HarmonyError, LayerCost, ModelSpec, OutOfMemoryError, Plan
 from harmony.graph import BWD, FWD, P2P, REDUCE, UPD, W_IN
 from harmony.planner.packing import bwd_pack_bytes, fwd_pack_bytes
-from harmony.policies import gpipe_swap, hydra, karma, zero_offload
+from harmony.planner import karma, systems
+from harmony.policies import gpipe_swap, hydra
 from harmony.policies.common import microbatches, replica_shares
 from harmony.simulate import play
 
@@ -24,10 +25,10 @@ from test_engine import ADAMW, SGD_MOMENTUM, B, batches, loss_fn, make_model, re
 
 NEW = ("karma", "hydra", "zero-offload", "gpipe-swap")
 CHOOSERS = {
-    "karma": lambda spec, hw, mb, n: karma.choose_plan(spec, hw, mb, max(1, mb // (2 * n)), n),
-    "hydra": lambda spec, hw, mb, n: hydra.choose_plan(spec, hw, mb),
-    "zero-offload": lambda spec, hw, mb, n: zero_offload.choose_plan(spec, hw, mb, n_gpus=n),
-    "gpipe-swap": lambda spec, hw, mb, n: gpipe_swap.choose_plan(spec, hw, mb, n_gpus=min(n, len(spec))),
+    "karma": lambda spec, hw, mb, n: systems.choose_karma(spec, hw, mb, max(1, mb // (2 * n)), n),
+    "hydra": lambda spec, hw, mb, n: systems.choose_hydra(spec, hw, mb),
+    "zero-offload": lambda spec, hw, mb, n: systems.choose_zero_offload(spec, hw, mb, n_gpus=n),
+    "gpipe-swap": lambda spec, hw, mb, n: systems.choose_gpipe_swap(spec, hw, mb, n_gpus=min(n, len(spec))),
 }
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -72,7 +73,7 @@ def test_each_plan_chooser_returns_a_plan_of_its_policy_that_fits(case):
 
 def test_policies_are_registered_everywhere():
     assert set(NEW) <= set(harmony.POLICIES)
-    assert set(NEW) <= set(harmony.engine.engine.POLICIES)
+    assert set(NEW) <= set(harmony.policies.POLICIES)
     assert harmony.search(tiny_spec(4), simple_hardware(2, memory=40_000_000), 8, policies=["karma"],
                           workers=1).policy.eq("karma").all()
 
@@ -126,7 +127,7 @@ def test_karma_model_packs_are_the_cheapest_packing_that_fits(spec, hw, u, fract
 
 def test_karma_choose_plan_fits_and_the_search_keeps_its_packing():
     spec, hw = _chain([1e3, 5e5, 1e3, 5e5, 5e5, 5e5]), simple_hardware(2, link=1e8, memory=30_000_000)
-    plan = karma.choose_plan(spec, hw, 16, 4, n_gpus=2)
+    plan = systems.choose_karma(spec, hw, 16, 4, n_gpus=2)
     assert (plan.fwd_microbatch, plan.bwd_microbatch, plan.n_gpus) == (4, 4, 2)
     assert plan.fwd_packs == plan.bwd_packs[:-1]
     assert harmony.simulate(spec, hw, plan).summary["fits"]
@@ -188,9 +189,9 @@ def test_bad_plans_are_refused_with_what_to_do(plan, message):
 
 def test_plan_choosers_refuse_what_their_system_cannot_do():
     with pytest.raises(HarmonyError, match="minibatch divisible by its 2 GPUs"):
-        zero_offload.choose_plan(tiny_spec(4), simple_hardware(2), 7)
+        systems.choose_zero_offload(tiny_spec(4), simple_hardware(2), 7)
     with pytest.raises(OutOfMemoryError, match="no hydra plan for tiny fits in the 1 KB"):
-        hydra.choose_plan(tiny_spec(4), simple_hardware(1, memory=1000), 8)
+        systems.choose_hydra(tiny_spec(4), simple_hardware(1, memory=1000), 8)
 
 
 # ---- engine ------------------------------------------------------------------------------------

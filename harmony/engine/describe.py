@@ -98,14 +98,19 @@ def act_dtype(layers: Sequence[nn.Module]) -> str:
 
 def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, name: str = "model",
              optimizer: str = "adamw", loss_fn: Callable | None = None, device: torch.device | str = "cpu",
-             dtype: torch.dtype | None = None) -> ModelSpec:
+             dtype: torch.dtype | None = None, sizes: Sequence[int] = ()) -> ModelSpec:
     """Sizes per layer, and the device memory the engine holds running each layer,
-    measured on two microbatch sizes of ``inputs`` on ``device``, and the FLOPs
-    per sample (times are derived from them until the profiler measures them). With ``loss_fn`` the loss is checked on the first
-    samples and the last layer's working memory includes it, as in the fused
-    last pack. ``dtype``: mixed precision, as the engine runs it: weights and
-    activations cross in ``dtype`` and layers run under ``torch.autocast``."""
+    measured on ``inputs`` on ``device`` at each microbatch size a plan may use
+    (powers of two up to the minibatch, the minibatch, and ``sizes``: what
+    autograd keeps is not always proportional to the samples, e.g. attention
+    kernels chosen by batch size), and the FLOPs per sample (times are derived
+    from them until the profiler measures them). With ``loss_fn`` the loss is
+    checked on the first samples and the last layer's working memory includes
+    it, as in the fused last pack. ``dtype``: mixed precision, as the engine
+    runs it: weights and activations cross in ``dtype`` and layers run under
+    ``torch.autocast``."""
     device = torch.device(device)
+    B = target.shape[0]
     few = tuple(t[:4] for t in inputs)
     try:
         with evaluating(layers):  # a forward for sizes must not touch BatchNorm statistics
@@ -124,9 +129,9 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
     if smallest > target.shape[0]:
         raise HarmonyError(f"the model trains on {smallest} samples at least (a BatchNorm over features needs "
                            f"more than one value per channel), but the minibatch has {target.shape[0]}")
-    # two sizes for a line through what a layer holds
-    base = max(smallest, 2) if target.shape[0] >= 4 else smallest
-    sizes = [u for u in (base, 2 * base) if u <= target.shape[0]]
+    sizes = sorted({u for u in [*(1 << k for k in range(B.bit_length())), B, *sizes] if smallest <= u <= B})
+    with evaluating(layers):
+        acts = layer_inputs(layers, inputs)  # the whole minibatch: every size is a slice of it
     norms = [norm_tensor_names(layer) for layer in layers]
     costs = []
     for i, layer in enumerate(layers):
@@ -153,9 +158,9 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
             fwd_flops_per_sample=held[-1].flops / sizes[-1],
             bwd_flops_per_sample=3 * held[-1].flops / sizes[-1],
             fwd_extra=Curve.linear(float(out_bytes)),
-            bwd_extra=_line(sizes, [h.saved for h in held]),
-            saved_input=_line(sizes, [h.saved_input for h in held]),
-            saved_output=_line(sizes, [h.saved_output for h in held]),
+            bwd_extra=Curve.table(sizes, [h.saved for h in held]),
+            saved_input=Curve.table(sizes, [h.saved_input for h in held]),
+            saved_output=Curve.table(sizes, [h.saved_output for h in held]),
         ))
     per_sample = target[:1]
     master = act_dtype(layers)
@@ -194,17 +199,6 @@ def ties(layers: Sequence[nn.Module]) -> tuple[Tie, ...]:
             uses.setdefault(id(p), []).append(i)
             numel[id(p)] = p.numel()
     return tuple(Tie(tuple(v), numel[k]) for k, v in uses.items() if len(v) > 1)
-
-
-def _line(sizes: list[int], values: list[float]) -> Curve:
-    """The line through two measured points (the table of them if it would cross
-    zero before the first), or the one point, proportional."""
-    if len(sizes) == 2:
-        slope = (values[1] - values[0]) / (sizes[1] - sizes[0])
-        fixed = values[0] - slope * sizes[0]
-        if slope >= 0 and fixed >= 0:
-            return Curve.linear(slope, fixed)
-    return Curve.table(sizes, values)
 
 
 @dataclass(frozen=True)

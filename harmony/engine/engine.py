@@ -30,9 +30,8 @@ from torch import nn
 from ..errors import HarmonyError, NonFiniteError
 from ..graph import TaskGraph
 from ..costs.hardware import Hardware
-from ..plan import Plan
-from ..policies import build_graph, update_shards
-from ..policies.builder import layer_shard
+from ..plan import Plan, layer_shard
+from ..policies import POLICIES, build_graph, update_shards
 from ..simulate import play, simulate_graph
 from ..costs.spec import ModelSpec
 from ..trace import Trace
@@ -51,7 +50,6 @@ from .updates import UpdateJournal, optimizer_params
 NONFINITE = ("raise", "skip")
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GROWTH_INTERVAL = 2000
-POLICIES = ("harmony-pp", "harmony-dp", "virtual-memory", "karma", "hydra", "zero-offload", "gpipe-swap")
 
 
 class Engine:
@@ -212,7 +210,7 @@ class Engine:
             raise HarmonyError(f"plan must be a harmony.Plan, got {type(plan).__name__}")
         plan.validate(len(self.layers))
         if plan.policy not in POLICIES:
-            raise HarmonyError(f"the engine runs the policies {POLICIES}; got {plan.policy!r}")
+            raise HarmonyError(f"the engine runs the policies {', '.join(POLICIES)}; got {plan.policy!r}")
         if plan.n_gpus != len(self.backends):
             raise HarmonyError(f"plan is for {plan.n_gpus} GPUs but the engine has {len(self.backends)} "
                                f"({', '.join(b.name for b in self.backends)})")
@@ -255,7 +253,7 @@ class Engine:
         """The parameters each CPU update steps: (pack, shard) -> parameters.
 
         Data parallel over k GPUs splits a pack into k shards of whole layers (see
-        :func:`~harmony.policies.builder.layer_shard`). A parameter shared by layers
+        :func:`~harmony.plan.layer_shard`). A parameter shared by layers
         in several packs (tied weights) belongs to the pack that runs backward
         last, the one with the lowest layers: the packs before it only add their
         gradient to the host copy, so it is stepped once, with the sum."""
@@ -307,8 +305,10 @@ class Engine:
 
     def _graph(self, inputs: tuple, target: torch.Tensor) -> TaskGraph:
         if self.spec is None:
+            planned = [] if self.plan is None else [b - a for mbs in (self.plan.fwd_microbatches(),
+                                                                       self.plan.bwd_microbatches()) for a, b in mbs]
             self.spec = describe(self.layers, inputs, target, name=type(self.model).__name__, loss_fn=self.loss_fn,
-                                 device=self.backend.torch_device, dtype=self.compute_dtype)
+                                 device=self.backend.torch_device, dtype=self.compute_dtype, sizes=planned)
             if self.profile is not None:
                 check_same_sizes(self.profile, self.spec)
         if self.plan is None:

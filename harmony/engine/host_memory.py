@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import HarmonyError
-from ..graph import ACT_IN, DATA_IN, P2P, STASH_IN, W_IN, TaskGraph
+from ..graph import ACT_IN, ACT_OUT, DATA_IN, P2P, STASH_IN, STASH_OUT, W_IN, TaskGraph
 from ..costs.hardware import format_bytes
-from ..policies.common import boundary_bytes
 from .updates import optimizer_params
 
 if TYPE_CHECKING:
@@ -49,10 +48,9 @@ def _state_slots(opt: torch.optim.Optimizer) -> int:
     return 2  # Adam and most others keep two moments
 
 
-def host_bytes_needed(engine: "Engine", graph: TaskGraph | None = None) -> dict[str, float]:
+def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
     """Bytes the engine will add to host memory for its plan (``graph``: its
     task graph, needed to count an emulated GPU's buffers), by what."""
-    plan, spec = engine.plan, engine.spec
     grads = optimizer = 0.0
     for opt in engine.optimizers.values():
         if opt is None:
@@ -61,18 +59,16 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph | None = None) -> dict[
         size = sum(p.numel() * p.element_size() for p in params)
         grads += sum(p.numel() * p.element_size() for p in params if not engine.host_layout.has_grad_buffer(p))
         optimizer += _state_slots(opt) * size
-    samples = plan.minibatch
-    stash = sum(spec.input_bytes(l, samples) for l in plan.stash_layers() if l > 0)
-    offloaded = boundary_bytes(spec, plan, samples) if plan.option("offload_activations") else 0.0
+    moved = graph.bytes_by_kind()
+    stash, offloaded = moved.get(STASH_OUT, 0.0), moved.get(ACT_OUT, 0.0)  # the whole minibatch's, at once
     emulated = 0.0
-    if graph is not None and any(b.kind == "emulated" for b in engine.backends):
-        moved = graph.bytes_by_kind()
+    if any(b.kind == "emulated" for b in engine.backends):
         emulated = sum(moved.get(kind, 0.0) for kind in (W_IN, DATA_IN, STASH_IN, ACT_IN, P2P))
     return {"gradients": grads, "optimizer state": optimizer, "stashed inputs": stash,
             "offloaded activations": offloaded, "emulated GPU buffers": emulated}
 
 
-def check_host_memory(engine: "Engine", graph: TaskGraph | None = None, available: int | None = None) -> None:
+def check_host_memory(engine: "Engine", graph: TaskGraph, available: int | None = None) -> None:
     available = available_host_bytes() if available is None else available
     if available is None:
         return

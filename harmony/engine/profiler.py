@@ -61,7 +61,8 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
     inputs = as_args(inputs)
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    spec = describe(layers, inputs, target, name=name, loss_fn=loss_fn, device=device, dtype=dtype)
+    spec = describe(layers, inputs, target, name=name, loss_fn=loss_fn, device=device, dtype=dtype,
+                    sizes=sizes or ())
     sizes = [u for u in sizes or default_sizes(target.shape[0]) if u >= spec.min_microbatch]
     copies = [copy.deepcopy(layer).to(device) for layer in layers]
 

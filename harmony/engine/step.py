@@ -22,7 +22,7 @@ from ..errors import HarmonyError, NonFiniteError, OutOfMemoryError
 from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, REDUCE, STASH_IN, STASH_OUT, UPD,
                      W_IN, Task, TaskGraph)
 from ..costs.hardware import format_bytes
-from ..policies.builder import layer_shard
+from ..plan import layer_shard
 from ..trace import Trace, summarize
 from .buffers import BufferPool, copy_runs
 from .devices import Backend, LinkPacer

@@ -6,7 +6,7 @@ Candidates come from a small grid that covers what matters:
 * backward microbatch size ``uB`` (powers of two up to the minibatch, or the
   per-GPU share in data parallel, capped at the largest measured size of a
   profiled model), first each with its largest packs that fit (karma: with
-  the packs of its performance model, :func:`~harmony.policies.karma.model_packs`);
+  the packs of its performance model, :func:`~harmony.planner.karma.model_packs`);
 * for the best sizes, every backward packing: greedy by memory at several
   fractions of the GPU (filled from the last layer, so the fused pack is as
   large as it can be) and balanced by backward time;
@@ -35,16 +35,18 @@ import pandas as pd
 
 from ..errors import HarmonyError, OutOfMemoryError
 from ..costs.hardware import Hardware, format_bytes
+from .karma import model_packs
 from .packing import BUDGETS, balanced_packs, bwd_pack_bytes, greedy_packs, microbatch_sizes
 from ..plan import Pack, Plan
-from ..policies import build_graph, get_policy, karma
+from ..policies import build_graph, get_policy, names
 from ..costs.reference import max_profiled
 from ..simulate import simulate_graph
 from ..costs.spec import ModelSpec
 
-DEFAULT_POLICIES = ("harmony-pp", "harmony-dp", "virtual-memory")
-#: policies the search plans; the others choose their plans themselves (their module's ``choose_plan``)
-SEARCHABLE = (*DEFAULT_POLICIES, karma.NAME)
+#: what the search compares by default: Harmony's placements and their ablations
+DEFAULT_POLICIES = tuple(names("harmony") + names("ablation"))
+#: policies the search plans; the others choose their plans themselves (harmony.planner.systems)
+SEARCHABLE = tuple(names(searched=True))
 
 
 # ---- the search -----------------------------------------------------------------
@@ -82,7 +84,7 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
     for p in policies:
         if get_policy(p).NAME not in SEARCHABLE:
             raise HarmonyError(f"the search plans {', '.join(SEARCHABLE)}; for {p} use "
-                               f"{get_policy(p).__name__}.choose_plan")
+                               f"harmony.planner.plan_for({p!r}, ...)")
     if n_gpus is None:
         gpu_counts = [hardware.n_gpus]
     else:
@@ -179,8 +181,8 @@ def _bwd_packings(spec: ModelSpec, u: int, hw: Hardware, n: int,
     L = len(spec)
     times = [spec.bwd_time(i, i + 1, u, hw.gpu_flops) for i in range(L)]
     out: list[tuple[tuple[Pack, ...], dict]] = []
-    if policy == karma.NAME:
-        packs = karma.model_packs(spec, hw, u, n, BUDGETS[0] * hw.gpu_memory)
+    if policy == "karma":
+        packs = model_packs(spec, hw, u, n, BUDGETS[0] * hw.gpu_memory)
         if packs is not None:
             out.append((packs, {}))
     for frac in BUDGETS:

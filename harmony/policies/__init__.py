@@ -1,5 +1,9 @@
-"""One module per system; each turns (spec, hardware, plan) into a TaskGraph
-and knows its closed-form swap volume. Nothing else knows which system runs."""
+"""Policies: one module per system; each turns (spec, hardware, plan) into a
+TaskGraph and knows its closed-form swap volume. Nothing else knows which
+system runs. :data:`POLICIES` is the one list of them; each module says its
+``NAME``, its ``ROLE`` (Harmony's own, an ablation of it, or another system)
+and whether the search plans it (``SEARCHED``). Policies build graphs only:
+they neither simulate nor choose plans (that is :mod:`harmony.planner`)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,12 @@ POLICIES: dict[str, ModuleType] = {m.NAME: m for m in (harmony_pp, harmony_dp, v
                                                        zero_offload, gpipe_swap)}
 #: policies that split each pack's CPU update into one shard per data-parallel GPU
 SHARDED_UPDATES = (harmony_dp.NAME, zero_offload.NAME)
+
+
+def names(role: str | None = None, searched: bool | None = None) -> list[str]:
+    """The policies, in :data:`POLICIES` order, of ``role`` and ``searched`` (None: any)."""
+    return [n for n, m in POLICIES.items()
+            if (role is None or m.ROLE == role) and (searched is None or m.SEARCHED == searched)]
 
 
 def get_policy(name: str) -> ModuleType:

@@ -36,7 +36,7 @@ from ..errors import HarmonyError
 from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, STASH_IN, STASH_OUT, UPD,
                      W_IN, Buffer, Task, TaskGraph)
 from ..costs.hardware import Hardware
-from ..plan import Plan
+from ..plan import Plan, layer_shard
 from ..costs.spec import ModelSpec
 
 HOST = "host"
@@ -75,12 +75,6 @@ class BwdGroup:
     layers: tuple[int, int]
     ops: list[int] = field(default_factory=list)
     grad_buffer: int = -1
-
-
-def layer_shard(layers: tuple[int, int], r: int, k: int) -> list[int]:
-    """Shard ``r`` of ``k`` of a pack's layers: every k-th layer from the r-th.
-    Whole layers, so the bytes of a shard are exact from the spec."""
-    return list(range(layers[0] + r, layers[1], k))
 
 
 @dataclass

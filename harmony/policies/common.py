@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Container, Iterable
 
-from ..errors import HarmonyError, OutOfMemoryError
+from ..errors import HarmonyError
 from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, REDUCE, STASH_IN, STASH_OUT, W_IN,
                      Task)
-from ..costs.hardware import Hardware, format_bytes
-from ..planner.packing import microbatch_sizes
 from ..plan import Plan, split_samples
-from ..costs.reference import max_profiled
-from ..simulate import simulate_graph
 from ..costs.spec import ModelSpec
 from .builder import BwdGroup, GraphBuilder, Op
 
@@ -208,32 +203,3 @@ def volume(spec: ModelSpec, plan: Plan, *, weight_passes: float, grad_passes: fl
 def offloaded_bytes(spec: ModelSpec, plan: Plan) -> float:
     """Activation bytes through host memory when the plan offloads them all."""
     return boundary_bytes(spec, plan, plan.minibatch) if plan.option("offload_activations") else 0.0
-
-
-def fastest_fitting(spec: ModelSpec, hw: Hardware, plans: Iterable[Plan], build, policy: str) -> Plan:
-    """The fastest of ``plans`` (built by ``build``) whose simulated peak fits
-    every GPU: a plan chooser proposes, the simulator's memory ledger decides."""
-    best, best_s, leanest, tried = None, math.inf, math.inf, 0
-    for plan in dict.fromkeys(plans):
-        s = simulate_graph(build(spec, hw, plan)).summary
-        tried += 1
-        leanest = min(leanest, max(s["peak_memory"].values()))
-        if s["fits"] and s["iteration_s"] < best_s:
-            best, best_s = plan, s["iteration_s"]
-    if best is None:
-        why = (f"the leanest of {tried} candidates needs {format_bytes(leanest)} at peak" if tried else
-               "no packing of its layers fits the per-pack memory budget")
-        raise OutOfMemoryError(
-            f"no {policy} plan for {spec.name} fits in the {format_bytes(hw.gpu_memory)} of a GPU of "
-            f"{hw.name!r}: {why}; use smaller microbatches, more GPUs or GPUs with more memory"
-        )
-    return best
-
-
-def microbatch_candidates(spec: ModelSpec, share: int, microbatch: int | None) -> list[int]:
-    """``[microbatch]`` when one is given, else the sizes a plan chooser tries for
-    ``share`` samples per GPU: powers of two, no larger than the spec measured."""
-    if microbatch is not None:
-        return [microbatch]
-    caps = [c for c in max_profiled(spec) if c]
-    return microbatch_sizes(share, min(caps) if caps else None, spec.min_microbatch)

@@ -38,14 +38,17 @@ import bisect
 from ..errors import HarmonyError
 from ..graph import FWD, TaskGraph
 from ..costs.hardware import Hardware
-from ..planner.packing import BUDGETS, balanced_packs, greedy_packs
 from ..plan import Plan
 from ..costs.spec import ModelSpec
 from .builder import GraphBuilder
-from .common import (boundary_bytes, check_one_microbatch_size, fastest_fitting, microbatch_candidates,
-                     microbatch_ops, microbatches, pack_sequence, replica_shares, update_after_gradients, volume)
+from .common import (boundary_bytes, check_one_microbatch_size, microbatch_ops, microbatches, pack_sequence, replica_shares, update_after_gradients, volume)
 
 NAME = "gpipe-swap"
+#: what it is to the workbench: "harmony" (Harmony's own placements), "ablation" (Harmony
+#: without one of its techniques) or "system" (another published system)
+ROLE = "system"
+#: planned by harmony's search (else by its own chooser in harmony.planner.systems)
+SEARCHED = False
 PER_MICROBATCH = True
 
 
@@ -92,26 +95,3 @@ def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
     n_mb = len(microbatches((0, B), plan.fwd_microbatch))
     return volume(spec, plan, weight_passes=n_mb, grad_passes=n_mb, p2p=boundary_bytes(spec, plan, B, cross),
                   via_host=boundary_bytes(spec, plan, B, via_host))
-
-
-def choose_plan(spec: ModelSpec, hw: Hardware, minibatch: int, microbatch: int | None = None,
-                n_gpus: int | None = None) -> Plan:
-    """A GPipe-with-swap plan on ``n_gpus`` GPUs (default: all of ``hw``): for
-    each microbatch size (``microbatch``, or powers of two up to the
-    minibatch) and memory budget of :data:`~harmony.planner.packing.BUDGETS`, the
-    largest packs that fit, and as many packs balanced by backward time,
-    rounded up to a multiple of the GPUs so that stages hold equal counts;
-    the fastest that fits when simulated."""
-    n = hw.n_gpus if n_gpus is None else n_gpus
-    L = len(spec)
-    plans = []
-    for u in microbatch_candidates(spec, minibatch, microbatch):
-        times = [spec.bwd_time(i, i + 1, u, hw.gpu_flops) for i in range(L)]
-        for frac in BUDGETS:
-            greedy = greedy_packs(spec, 0, L, u, frac * hw.gpu_memory, backward=True)
-            if greedy is None:
-                continue
-            for packs in (greedy, balanced_packs(times, -(-len(greedy) // n) * n)):
-                if len(packs) >= n:
-                    plans.append(Plan(NAME, n, minibatch, u, u, packs[:-1], packs))
-    return fastest_fitting(spec, hw, plans, build, NAME)

@@ -21,6 +21,11 @@ from .common import (grouped_ops, offloaded_bytes, reduce_scatter_out, replica_s
                      volume)
 
 NAME = "harmony-dp"
+#: what it is to the workbench: "harmony" (Harmony's own placements), "ablation" (Harmony
+#: without one of its techniques) or "system" (another published system)
+ROLE = "harmony"
+#: planned by harmony's search (else by its own chooser in harmony.planner.systems)
+SEARCHED = True
 PER_MICROBATCH = False
 
 

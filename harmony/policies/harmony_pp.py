@@ -18,6 +18,11 @@ from .builder import GraphBuilder
 from .common import boundary_bytes, grouped_ops, volume
 
 NAME = "harmony-pp"
+#: what it is to the workbench: "harmony" (Harmony's own placements), "ablation" (Harmony
+#: without one of its techniques) or "system" (another published system)
+ROLE = "harmony"
+#: planned by harmony's search (else by its own chooser in harmony.planner.systems)
+SEARCHED = True
 #: packs run grouped over the microbatches (see harmony.policies.virtual_memory for the opposite)
 PER_MICROBATCH = False
 

@@ -19,7 +19,7 @@ the loss and its backward, then backward with recompute from the shard's
 input stashed in DRAM; activations and their gradients between shards always
 go through host memory, whatever ``offload_activations`` says; double
 buffering is ``prefetch_packs`` (2 by default). The graph is for one GPU and
-carries the ``model`` index, so multi-model training (``harmony.multi_model``)
+carries the ``model`` index, so multi-model training (``harmony.planner.multi_model``)
 can place several of them.
 
 Simplified: HYDRA steps the optimizer on the GPU while a shard is resident
@@ -36,14 +36,18 @@ from __future__ import annotations
 from ..errors import HarmonyError
 from ..graph import TaskGraph
 from ..costs.hardware import Hardware
-from ..planner.packing import BUDGETS, greedy_packs
 from ..plan import Plan
 from ..costs.spec import ModelSpec
 from .builder import GraphBuilder
-from .common import (boundary_bytes, fastest_fitting, grouped_ops, microbatch_candidates, update_after_gradients,
+from .common import (boundary_bytes, grouped_ops, update_after_gradients,
                      volume)
 
 NAME = "hydra"
+#: what it is to the workbench: "harmony" (Harmony's own placements), "ablation" (Harmony
+#: without one of its techniques) or "system" (another published system)
+ROLE = "system"
+#: planned by harmony's search (else by its own chooser in harmony.planner.systems)
+SEARCHED = False
 PER_MICROBATCH = False
 
 
@@ -51,7 +55,7 @@ def _check(plan: Plan) -> None:
     if plan.n_gpus != 1:
         raise HarmonyError(
             f"hydra spills one model on one GPU, but the plan asks for {plan.n_gpus} GPUs; train several "
-            "models side by side with harmony.multi_model, or one model on several GPUs with harmony-pp, "
+            "models side by side with harmony.train_many, or one model on several GPUs with harmony-pp, "
             "harmony-dp or gpipe-swap"
         )
 
@@ -69,17 +73,3 @@ def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
     _check(plan)
     return volume(spec, plan, weight_passes=1, grad_passes=1, via_host=boundary_bytes(spec, plan, plan.minibatch),
                   tie_passes=len(plan.bwd_microbatches()))
-
-
-def choose_plan(spec: ModelSpec, hw: Hardware, minibatch: int, microbatch: int | None = None) -> Plan:
-    """HYDRA's shards: for each microbatch size (``microbatch``, or powers of
-    two up to the minibatch), the largest shards under each memory budget of
-    :data:`~harmony.planner.packing.BUDGETS`, filled from the last layer; the fastest
-    plan that fits when simulated."""
-    plans = []
-    for u in microbatch_candidates(spec, minibatch, microbatch):
-        for frac in BUDGETS:
-            shards = greedy_packs(spec, 0, len(spec), u, frac * hw.gpu_memory, backward=True)
-            if shards is not None:
-                plans.append(Plan(NAME, 1, minibatch, u, u, shards[:-1], shards))
-    return fastest_fitting(spec, hw, plans, build, NAME)

@@ -21,6 +21,11 @@ from .common import (check_one_microbatch_size, data_parallel_microbatch_ops, of
                      replica_microbatches, update_after_gradients, volume)
 
 NAME = "virtual-memory"
+#: what it is to the workbench: "harmony" (Harmony's own placements), "ablation" (Harmony
+#: without one of its techniques) or "system" (another published system)
+ROLE = "ablation"
+#: planned by harmony's search (else by its own chooser in harmony.planner.systems)
+SEARCHED = True
 #: each microbatch goes through the whole model on its own (one microbatch size, weights per microbatch)
 PER_MICROBATCH = True
 

@@ -41,18 +41,23 @@ from __future__ import annotations
 from ..errors import HarmonyError
 from ..graph import TaskGraph
 from ..costs.hardware import Hardware
-from ..plan import Plan, uniform_packs
+from ..plan import Plan
 from ..costs.spec import ModelSpec
 from .builder import BwdGroup, GraphBuilder
-from .common import (check_one_microbatch_size, fastest_fitting, microbatch_candidates, microbatch_ops,
+from .common import (check_one_microbatch_size, microbatch_ops,
                      offloaded_bytes, pack_sequence, reduce_scatter_out, replica_microbatches, replica_shares,
                      reuse_gradient_buffers, volume)
 
 NAME = "zero-offload"
+#: what it is to the workbench: "harmony" (Harmony's own placements), "ablation" (Harmony
+#: without one of its techniques) or "system" (another published system)
+ROLE = "system"
+#: planned by harmony's search (else by its own chooser in harmony.planner.systems)
+SEARCHED = False
 PER_MICROBATCH = True
 
 
-def _lockstep_counts(plan: Plan) -> list[int]:
+def lockstep_counts(plan: Plan) -> list[int]:
     """Microbatches per GPU (a GPU without samples counts 0)."""
     counts = [len(mbs) for mbs in replica_microbatches(plan)]
     return counts + [0] * (plan.n_gpus - len(counts))
@@ -61,7 +66,7 @@ def _lockstep_counts(plan: Plan) -> list[int]:
 def microbatches_per_gpu(plan: Plan) -> int:
     """The number of microbatches every GPU runs; a HarmonyError when they differ."""
     check_one_microbatch_size(plan)
-    counts = _lockstep_counts(plan)
+    counts = lockstep_counts(plan)
     if len(set(counts)) > 1:
         shares = [b - a for a, b in replica_shares(plan.minibatch, plan.n_gpus)]
         raise HarmonyError(
@@ -104,19 +109,3 @@ def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
     m, k = microbatches_per_gpu(plan), plan.n_gpus
     return volume(spec, plan, weight_passes=k * m, grad_passes=m, via_host=offloaded_bytes(spec, plan),
                   reduce=m * (k - 1) * spec.grad_bytes())
-
-
-def choose_plan(spec: ModelSpec, hw: Hardware, minibatch: int, microbatch: int | None = None,
-                n_gpus: int | None = None) -> Plan:
-    """ZeRO's plan on ``n_gpus`` GPUs (default: all of ``hw``): one layer per
-    pack; the microbatch (``microbatch``, or powers of two up to a GPU's share)
-    of the fastest plan that fits when simulated, among those that keep the
-    GPUs in lockstep."""
-    n = hw.n_gpus if n_gpus is None else n_gpus
-    if minibatch % n:
-        raise HarmonyError(f"zero-offload needs a minibatch divisible by its {n} GPUs (ranks run in lockstep); "
-                           f"got {minibatch}")
-    packs = uniform_packs(0, len(spec), 1)
-    plans = [Plan(NAME, n, minibatch, u, u, packs[:-1], packs)
-             for u in microbatch_candidates(spec, minibatch // n, microbatch)]
-    return fastest_fitting(spec, hw, [p for p in plans if len(set(_lockstep_counts(p))) == 1], build, NAME)

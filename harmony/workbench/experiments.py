@@ -34,19 +34,19 @@ from ..engine.calibrate import calibrate
 from ..engine.profiler import default_sizes, link_like_1080ti, profile
 from ..errors import HarmonyError, OutOfMemoryError
 from ..costs.hardware import Hardware, parse_rate, preset
-from ..multi_model import Job, compare_schedules, simulate_many
+from ..planner.multi_model import Job, compare_schedules, simulate_many
 from ..engine.optim import FlatAdamW
 from ..plan import Pack, Plan
-from ..policies import POLICIES, get_policy
-from ..planner.search import SEARCHABLE, search
-from ..simulate import simulate
+from ..policies import names
+from ..planner import plans_for, search
+from ..planner import simulate
 from .training import build_model, lm_loss, torch_threads
 from .charts import bar_chart, save
 from ..costs.zoo import example_input
 
 HARDWARE = "paper-4x1080ti"
 HARDWARE_8 = "paper-8x1080ti"
-HARMONY_POLICIES = ("harmony-pp", "harmony-dp")
+HARMONY_POLICIES = tuple(names("harmony"))
 BASELINE = "virtual-memory"
 PAPER_MODELS = ["bert-96", "gpt2-xl", "vgg416", "resnet1026"]
 
@@ -672,18 +672,6 @@ def fidelity_chart(df: pd.DataFrame, title: str = ""):
 
 
 # ---- every system side by side; many models at once ------------------------------------
-def system_plans(spec, hw: Hardware, minibatch: int, policies: Sequence[str] | None = None,
-                 workers: int | None = None) -> dict[str, Plan]:
-    """The best plan of each policy (default: every registered one) for ``spec``
-    on ``hw``: the search's where it plans the policy, else the policy's own
-    ``choose_plan``."""
-    policies = list(policies or POLICIES)
-    searched = [p for p in policies if p in SEARCHABLE]
-    df = search(spec, hw, minibatch, policies=searched, workers=workers) if searched else pd.DataFrame()
-    plans = {policy: rows.iloc[0].plan for policy, rows in df.groupby("policy")} if len(df) else {}
-    return {p: plans[p] if p in plans else get_policy(p).choose_plan(spec, hw, minibatch) for p in policies}
-
-
 def _moved_gb(summary: dict) -> dict[str, float]:
     kinds = summary["bytes_by_kind"]
     return {"host_gpu_gb": summary["swap_bytes"] / 1e9,
@@ -699,7 +687,7 @@ def systems_table(models: Sequence[str], minibatches: Sequence[int], hardware: s
     for model in models:
         spec = model_spec(model)
         for minibatch in minibatches:
-            for policy, plan in system_plans(spec, hw, minibatch, policies, workers).items():
+            for policy, plan in plans_for(policies, spec, hw, minibatch, workers).items():
                 s = simulate(spec, hw, plan).summary
                 rows.append({"model": model, "minibatch": minibatch, "policy": policy, "plan": plan.describe(),
                              "n_gpus": plan.n_gpus, "samples_per_s": s["samples_per_s"], **_moved_gb(s)})
@@ -720,7 +708,7 @@ def depth_grid_jobs(model: str, depths: Sequence[int], minibatch: int, steps: in
                     hardware: str = HARDWARE) -> list[Job]:
     """A model-selection workload: ``model`` (a reference profile: an embedding,
     a run of identical blocks, then its head) cut to each depth in ``depths``,
-    each a :class:`~harmony.multi_model.Job` with its best 1-GPU Harmony plan and
+    each a :class:`~harmony.planner.multi_model.Job` with its best 1-GPU Harmony plan and
     its best plan over all GPUs (used when models run one after another)."""
     full, hw = model_spec(model), preset(hardware)
     kind = full.layers[1].name.partition(":")[2]
@@ -738,7 +726,7 @@ def depth_grid_jobs(model: str, depths: Sequence[int], minibatch: int, steps: in
 
 def schedules_table(jobs: list[Job], hardware: str = HARDWARE) -> pd.DataFrame:
     """Total time to train every job under each schedule of
-    :func:`~harmony.multi_model.compare_schedules`, plus one model at a time on one GPU."""
+    :func:`~harmony.planner.multi_model.compare_schedules`, plus one model at a time on one GPU."""
     hw = preset(hardware)
     df = compare_schedules(jobs, hw)
     alone = simulate_many([replace(j, parallel_plan=None) for j in jobs], hw, "sequential").row()

@@ -35,7 +35,7 @@ from ..errors import HarmonyError
 from ..costs.hardware import PRESETS, Hardware, preset
 from ..plan import DEFAULT_OPTIONS, Plan, uniform_packs
 from ..policies import POLICIES, get_policy
-from ..simulate import simulate
+from ..planner import simulate
 from ..costs.spec import ModelSpec
 from ..trace import Trace
 from .training import lm_loss, torch_threads
