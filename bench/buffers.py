@@ -94,7 +94,7 @@ def engine_steps(cfg: dict, minibatch: int, steps: int) -> None:
                 t0 = time.perf_counter()
                 engine.step(x, y)
                 times[name].append(time.perf_counter() - t0)
-            allocated[name].append((engine.trace.summary["new_buffers"], engine.trace.summary["new_buffer_bytes"]))
+            allocated[name].append((engine.trace.summary.new_buffers, engine.trace.summary.new_buffer_bytes))
     for name in times:
         count, nbytes = allocated[name][-1]
         print(f"  {name:34s} {statistics.median(times[name][1:]) * 1e3:8.1f} ms/step; the last step allocated "

@@ -56,7 +56,7 @@ def main() -> int:
         engine.step(x, y)
         times.append(time.perf_counter() - t0)
         segments.append(torch.cuda.memory_stats()["segment.all.allocated"])  # cudaMalloc calls so far
-        host_buffers.append(engine.trace.summary["new_buffers"])
+        host_buffers.append(engine.trace.summary.new_buffers)
 
     ref = build().cuda()
     ref_opt = opt(list(ref.parameters()))

@@ -152,11 +152,11 @@ def precision(args, cfg, device, hw, spec, plan, x, y) -> None:
             t0 = time.perf_counter()
             engine.step(x, y)
             times[p].append(time.perf_counter() - t0)
-    moved = {p: e.trace.summary["bytes_by_kind"] for p, e in engines.items()}
+    moved = {p: e.trace.summary.bytes_by_kind for p, e in engines.items()}
     for p, engine in engines.items():
-        sim = harmony.simulate(specs[p], hw, plan).summary["iteration_s"]
+        sim = harmony.simulate(specs[p], hw, plan).summary.iteration_s
         print(f"  {p}: measured {statistics.median(times[p][1:]):.3f} s/step, simulated {sim:.3f} s "
-              f"(its own profile), bytes moved {engine.trace.summary['swap_bytes'] / 1e6:.1f} MB")
+              f"(its own profile), bytes moved {engine.trace.summary.swap_bytes / 1e6:.1f} MB")
     print("  fp32 / bf16 bytes: " + ", ".join(f"{k} {v / moved['bf16'][k]:.2f}" for k, v in moved["fp32"].items()
                                             if v and moved["bf16"].get(k)))
 

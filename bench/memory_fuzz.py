@@ -56,10 +56,10 @@ def main() -> None:
                 out_of_memory += 1
                 continue
             s = engine.trace.summary
-            simulated = simulate_graph(engine._graph_cache).summary["peak_memory"]
-            ratios += [s["peak_memory"][g] / simulated[g] if simulated[g] else 1.0 + s["peak_memory"][g]
+            simulated = simulate_graph(engine._graph_cache).summary.peak_memory
+            ratios += [s.peak_memory[g] / simulated[g] if simulated[g] else 1.0 + s.peak_memory[g]
                        for g in simulated]  # a GPU the plan leaves idle holds nothing
-            undeclared += list(s["undeclared_bytes"].values())
+            undeclared += list(s.undeclared_bytes.values())
     print(f"{tried} models tried in {time.perf_counter() - t0:.0f} s; {planned} got a plan from plan='auto' "
           f"({tried - planned} had none that fits: refused before any task ran)")
     print(f"chosen plans that ran out of memory: {out_of_memory}")

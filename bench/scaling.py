@@ -58,7 +58,7 @@ def emulated(args) -> pd.DataFrame:
                 engine.step(x, y)
                 times.append(time.perf_counter() - t0)
             measured = statistics.median(times[1:]) if len(times) > 1 else times[0]
-            sim = harmony.simulate(spec, server.hardware(), plan).summary["iteration_s"]
+            sim = harmony.simulate(spec, server.hardware(), plan).summary.iteration_s
             rows.append({"policy": policy, "gpus": n, "measured_samples_s": B / measured,
                          "simulated_samples_s": B / sim, "measured_over_simulated": measured / sim})
             if policy == "harmony-pp" and n == 4:

@@ -39,8 +39,8 @@ PAPER_P2P_OVER_PCIE = 8.2 / 11.5  # paper-4x1080ti: peer copies vs host link
 
 
 def moved(summary: dict) -> dict:
-    kinds = summary["bytes_by_kind"]
-    return {"host<->GPU GB": summary["swap_bytes"] / 1e9,
+    kinds = summary.bytes_by_kind
+    return {"host<->GPU GB": summary.swap_bytes / 1e9,
             "GPU<->GPU GB": (kinds.get("P2P", 0.0) + kinds.get("REDUCE", 0.0)) / 1e9}
 
 
@@ -81,8 +81,8 @@ def measured(args) -> pd.DataFrame:
     rows = []
     for policy, plan in plans_for(POLICIES, spec, hw, B, workers=1).items():
         sim = harmony.simulate(spec, hw, plan).summary
-        row = {"policy": policy, "plan": plan_text(plan), "simulated samples/s": sim["samples_per_s"],
-               "simulated peak MB": max(sim["peak_memory"].values()) / 1e6}
+        row = {"policy": policy, "plan": plan_text(plan), "simulated samples/s": sim.samples_per_s,
+               "simulated peak MB": max(sim.peak_memory.values()) / 1e6}
         device = server if plan.n_gpus == server.gpus else server.device()
         engine = Engine(build_model("gpt2-tiny", 0, dropout=0.0, **cfg), opt, lm_loss, device=device,
                         minibatch_size=B, plan=plan, spec=spec)
@@ -94,9 +94,9 @@ def measured(args) -> pd.DataFrame:
             continue
         s = engine.trace.summary
         volume = harmony.swap_volume(engine.spec, plan)
-        rows.append({**row, "samples/s": B / step_s, "peak MB": max(s["peak_memory"].values()) / 1e6,
+        rows.append({**row, "samples/s": B / step_s, "peak MB": max(s.peak_memory.values()) / 1e6,
                      **{k.replace("GB", "MB"): v * 1e3 for k, v in moved(s).items()},
-                     "bytes = closed form": all(abs(s["bytes_by_kind"].get(k, 0.0) - v) <= 1e-9 * max(v, 1.0)
+                     "bytes = closed form": all(abs(s.bytes_by_kind.get(k, 0.0) - v) <= 1e-9 * max(v, 1.0)
                                                 for k, v in volume.items())})
         print(f"  {policy}: {rows[-1]['samples/s']:.2f} samples/s", flush=True)
     return pd.DataFrame(versus_baseline(rows))[

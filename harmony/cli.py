@@ -178,7 +178,7 @@ def _cmd_simulate(args) -> int:
 
         save(timeline_chart(trace, title=f"{spec.name} on {hw.name}: {plan.describe()}"), args.timeline)
     if args.json:
-        print(json.dumps({"plan": plan.to_dict(), "summary": trace.summary}, indent=2, default=str))
+        print(json.dumps({"plan": plan.to_dict(), "summary": trace.summary.to_dict()}, indent=2, default=str))
     else:
         print(format_summary(plan, trace))
     return 0

@@ -112,26 +112,6 @@ class TaskGraph:
                 out[t.kind] += t.nbytes
         return dict(out)
 
-    def lower_bound(self) -> dict[str, float]:
-        """No schedule of this graph can be faster than any of these: each GPU's
-        compute, each link's bytes at full bandwidth, the CPU updates spread over
-        the workers."""
-        compute: dict[str, float] = defaultdict(float)
-        link_bytes: dict[str, float] = defaultdict(float)
-        cpu = 0.0
-        for t in self.tasks:
-            if t.kind == UPD:
-                cpu += t.duration
-            elif t.kind in COMPUTE_KINDS:
-                compute[t.device] += t.duration
-            else:
-                for link in t.links:
-                    link_bytes[link] += t.nbytes
-        bounds = {f"compute:{d}": v for d, v in compute.items()}
-        bounds.update({f"link:{k}": v / self.links[k] for k, v in link_bytes.items()})
-        bounds["cpu_update"] = cpu / max(1, self.cpu_workers)
-        return bounds
-
     def check(self) -> None:
         """Invariants every policy must keep (used by tests)."""
         ids = {t.id for t in self.tasks}

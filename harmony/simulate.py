@@ -220,4 +220,5 @@ def _deadlock(graph: TaskGraph, start: list[float], end: list[float]) -> Deadloc
 
 def simulate_graph(graph: TaskGraph) -> Trace:
     played = play(graph)
-    return Trace.from_graph(graph, played.start, played.end, played.peak, played.memory)
+    return Trace.from_run(graph, played.start, played.end, [t.nbytes for t in graph.tasks], played.peak,
+                          played.memory)

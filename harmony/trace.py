@@ -3,33 +3,83 @@ the engine, so a comparison (simulated vs measured, policy vs policy) is one joi
 
 ``timeline`` has one row per task: ``device, lane, kind, model, pack,
 microbatch, start_s, end_s, bytes`` (plus ``layers`` and ``what`` to read it).
-``summary`` holds the iteration time, samples/s, bytes by kind, peak memory
-per device and the lower bound; a step of the engine adds ``new_buffers`` and
-``new_buffer_bytes``, what its buffer pools had to allocate (none once a plan
-has run a step).
+``summary`` is a :class:`Summary`: the iteration time, samples/s, bytes by
+kind, peak memory per device and the lower bound, and for a step of the
+engine what its ledgers and buffer pools saw. Both executors make their
+trace with :meth:`Trace.from_run`, from the graph, when each task started and
+ended, and the bytes each moved.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from .graph import TaskGraph
+from .graph import UPD, TaskGraph
 
 TIMELINE_COLUMNS = ["device", "lane", "kind", "model", "pack", "microbatch", "start_s", "end_s", "bytes"]
 #: transfers between host and GPU memory ("swap"); P2P and REDUCE stay between GPUs
 HOST_LINK_KINDS = ("W_IN", "G_OUT", "STASH_OUT", "STASH_IN", "ACT_OUT", "ACT_IN", "DATA_IN")
 
 
+@dataclass(frozen=True)
+class Summary:
+    """One iteration in numbers, the same fields whichever executor played it."""
+
+    iteration_s: float
+    samples: int
+    bytes_by_kind: dict[str, float]
+    peak_memory: dict[str, float]  # bytes per device
+    memory_capacity: dict[str, float]
+    #: the slowest of: each GPU's compute, each link's bytes at full bandwidth, the
+    #: CPU updates spread over the workers (``lower_bound_by`` names it)
+    lower_bound_s: float
+    lower_bound_by: str
+    policy: str = ""
+    model: str = ""
+    hardware: str = ""
+    executor: str = "simulator"  # or "engine"
+    #: the engine's: bytes a device held beyond what the graph declared (0 when the
+    #: spec counts right), the peak of its tensors themselves, and the buffers its
+    #: pools had to allocate this step (none once a plan has run a step)
+    undeclared_bytes: dict[str, float] | None = None
+    held_peak_memory: dict[str, float] | None = None
+    new_buffers: int | None = None
+    new_buffer_bytes: int | None = None
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.iteration_s if self.iteration_s > 0 else math.inf
+
+    @property
+    def swap_bytes(self) -> float:
+        """Bytes between host and GPU memory."""
+        return sum(v for k, v in self.bytes_by_kind.items() if k in HOST_LINK_KINDS)
+
+    @property
+    def fits(self) -> bool:
+        return all(self.peak_memory.get(d, 0.0) <= c for d, c in self.memory_capacity.items())
+
+    @property
+    def time_over_lower_bound(self) -> float:
+        return self.iteration_s / self.lower_bound_s if self.lower_bound_s > 0 else math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field and derived number, JSON-ready."""
+        return {**asdict(self), "samples_per_s": self.samples_per_s, "swap_bytes": self.swap_bytes,
+                "fits": self.fits, "time_over_lower_bound": self.time_over_lower_bound}
+
+
 @dataclass
 class Trace:
-    summary: dict[str, Any]
+    summary: Summary
     memory: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     #: one dict per task; built on first use when the trace comes from a graph
     rows_factory: Callable[[], list[dict[str, Any]]] = field(default=list, repr=False)
@@ -48,25 +98,54 @@ class Trace:
 
     @property
     def iteration_s(self) -> float:
-        return self.summary["iteration_s"]
+        return self.summary.iteration_s
 
     @classmethod
-    def from_graph(cls, graph: TaskGraph, start: list[float], end: list[float],
-                   peak: dict[str, float], memory: dict[str, list[tuple[float, float]]]) -> "Trace":
+    def from_run(cls, graph: TaskGraph, start: Sequence[float], end: Sequence[float], moved: Sequence[float],
+                 peak: dict[str, float], memory: dict[str, list[tuple[float, float]]], *,
+                 capacity: dict[str, float] | None = None, iteration_s: float | None = None,
+                 link_bounds: bool = True, **summary: Any) -> "Trace":
+        """The trace of one play of ``graph``: when each task started and ended
+        (seconds), the bytes each moved, the peak and memory-over-time per device.
+        ``capacity``: per device (default: the graph's); ``iteration_s``: the
+        wall time (default: the last end); ``link_bounds``: whether links limit
+        (not on an unpaced backend); ``summary``: further :class:`Summary` fields."""
+        compute: dict[str, float] = defaultdict(float)
+        link_bytes: dict[str, float] = defaultdict(float)
+        by_kind: dict[str, float] = defaultdict(float)
+        cpu = 0.0
+        for t in graph.tasks:
+            took = end[t.id] - start[t.id]
+            if t.kind == UPD:
+                cpu += took
+            elif t.is_transfer:
+                by_kind[t.kind] += moved[t.id]
+                for link in t.links:
+                    link_bytes[link] += moved[t.id]
+            else:
+                compute[t.device] += took
+        bounds = {f"compute:{d}": v for d, v in compute.items()}
+        bounds["cpu_update"] = cpu / max(1, graph.cpu_workers)
+        if link_bounds:
+            bounds.update({f"link:{k}": v / graph.links[k] for k, v in link_bytes.items()})
+        lower, limiter = max(((v, k) for k, v in bounds.items()), default=(0.0, ""))
+        info = {k: graph.info[k] for k in ("policy", "model", "hardware") if k in graph.info}
+        result = Summary(
+            iteration_s=max(end, default=0.0) if iteration_s is None else iteration_s, samples=graph.samples,
+            bytes_by_kind=dict(by_kind), peak_memory=dict(peak),
+            memory_capacity=dict(graph.memory_capacity if capacity is None else capacity),
+            lower_bound_s=lower, lower_bound_by=limiter, **{**info, **summary})
+        start, end, moved = list(start), list(end), list(moved)
+
         def rows() -> list[dict[str, Any]]:
             return [
                 {"device": t.device, "lane": t.lane, "kind": t.kind, "model": t.model, "pack": t.pack,
                  "microbatch": t.microbatch, "start_s": start[t.id], "end_s": end[t.id],
-                 "bytes": t.nbytes, "layers": t.layers, "what": t.what}
+                 "bytes": moved[t.id], "layers": t.layers, "what": t.what}
                 for t in graph.tasks
             ]
 
-        iteration = max(end) if end else 0.0
-        bounds = graph.lower_bound()
-        summary = summarize(iteration, graph.samples, graph.bytes_by_kind(), peak,
-                            graph.memory_capacity, bounds)
-        summary.update({k: v for k, v in graph.info.items() if k in ("policy", "model", "hardware")})
-        return cls(summary, memory, rows)
+        return cls(result, memory, rows)
 
     def memory_timeline(self) -> pd.DataFrame:
         """Bytes in use per device over time (one row per change)."""
@@ -90,24 +169,5 @@ class Trace:
             })
         path = Path(path)
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
-                                    "otherData": {k: str(v) for k, v in self.summary.items()}}))
+                                    "otherData": {k: str(v) for k, v in self.summary.to_dict().items()}}))
         return path
-
-
-def summarize(iteration_s: float, samples: int, bytes_by_kind: dict[str, float], peak: dict[str, float],
-              capacity: dict[str, float], bounds: dict[str, float]) -> dict[str, Any]:
-    """The summary both executors report."""
-    lower, limiter = max(((v, k) for k, v in bounds.items()), default=(0.0, ""))
-    return {
-        "iteration_s": iteration_s,
-        "samples_per_s": samples / iteration_s if iteration_s > 0 else math.inf,
-        "samples": samples,
-        "bytes_by_kind": dict(bytes_by_kind),
-        "swap_bytes": sum(v for k, v in bytes_by_kind.items() if k in HOST_LINK_KINDS),
-        "peak_memory": dict(peak),
-        "memory_capacity": dict(capacity),
-        "fits": all(peak.get(d, 0.0) <= c for d, c in capacity.items()),
-        "lower_bound_s": lower,
-        "lower_bound_by": limiter,
-        "time_over_lower_bound": iteration_s / lower if lower > 0 else math.nan,
-    }

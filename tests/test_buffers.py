@@ -76,14 +76,14 @@ def test_the_steady_state_step_allocates_no_new_buffers(case, precision):
     first = engine.trace.summary
     # the pools made at least the buffers for the weights of a pack and the host gradients
     weights = sum(p.numel() for p in model.parameters())
-    assert first["new_buffers"] > 0 and first["new_buffer_bytes"] >= weights * (4 + 2 if precision == "bf16" else 8)
+    assert first.new_buffers > 0 and first.new_buffer_bytes >= weights * (4 + 2 if precision == "bf16" else 8)
     engine.step(*data[1])
     warm = addresses.seen - host  # (the first step also ran the layers on the host, to size them)
     addresses.seen = set()
     grads = []
     for x, y in data[2:]:
         engine.step(x, y)
-        assert (engine.trace.summary["new_buffers"], engine.trace.summary["new_buffer_bytes"]) == (0, 0)
+        assert (engine.trace.summary.new_buffers, engine.trace.summary.new_buffer_bytes) == (0, 0)
         assert addresses.seen and addresses.seen <= warm  # the layers computed on copies made by earlier steps
         grads.append({key: opt.grad_addresses for key, opt in engine.optimizers.items() if opt is not None})
     assert grads[0] == grads[1]  # gradients land in the same host buffers every step

@@ -254,10 +254,10 @@ def test_host_memory_estimate_counts_gradients_optimizer_state_and_stash():
 def test_an_emulated_gpu_counts_its_buffer_pools_as_host_memory():
     engine = Engine(make_model(), ADAMW, loss_fn, device=EMULATED, minibatch_size=B, plan=PLAN)
     engine.step(*batches(1)[0])
-    moved = engine.trace.summary["bytes_by_kind"]
+    moved = engine.trace.summary.bytes_by_kind
     need = host_memory.host_bytes_needed(engine, engine._graph_cache)["emulated GPU buffers"]
     assert need == sum(moved.get(k, 0.0) for k in ("W_IN", "DATA_IN", "STASH_IN", "ACT_IN", "P2P")) > 0
-    assert engine.trace.summary["new_buffer_bytes"] >= need  # what the pools then held (plus host stashes)
+    assert engine.trace.summary.new_buffer_bytes >= need  # what the pools then held (plus host stashes)
     with pytest.raises(HarmonyError, match="emulated GPU buffers"):
         host_memory.check_host_memory(engine, engine._graph_cache, available=int(need))
 

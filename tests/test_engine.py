@@ -111,10 +111,10 @@ def test_trace_has_the_simulator_schema_and_counts_bytes():
     buffers = sum(b.numel() * b.element_size() for b in engine.model.buffers())
     # each weight crosses once forward (layers before the fused pack) and once backward
     fwd_weights = sum(p.numel() * 4 for layer in list(engine.model)[:6] for p in layer.parameters())
-    assert s["bytes_by_kind"]["W_IN"] == pytest.approx(weights + fwd_weights + 2 * buffers, rel=0.01)
-    assert s["bytes_by_kind"]["G_OUT"] == weights
-    assert 0 < s["peak_memory"]["gpu0"] <= 4e6
-    assert s["iteration_s"] >= s["lower_bound_s"] * 0.999
+    assert s.bytes_by_kind["W_IN"] == pytest.approx(weights + fwd_weights + 2 * buffers, rel=0.01)
+    assert s.bytes_by_kind["G_OUT"] == weights
+    assert 0 < s.peak_memory["gpu0"] <= 4e6
+    assert s.iteration_s >= s.lower_bound_s * 0.999
 
 
 def test_out_of_memory_leaves_the_engine_unchanged_and_a_feasible_plan_then_works():
@@ -224,7 +224,7 @@ def test_auto_plan_trains_a_gpt2_larger_than_the_device():
     losses = [engine.step(x, y) for _ in range(4)]
     assert losses[-1] < losses[0]
     assert engine.plan.policy == "harmony-pp" and engine.profile is not None
-    assert engine.trace.summary["peak_memory"]["gpu0"] <= device.capacity
+    assert engine.trace.summary.peak_memory["gpu0"] <= device.capacity
 
 
 def test_hugging_face_gpt2_with_tied_embeddings_trains_like_the_reference():

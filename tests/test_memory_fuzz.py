@@ -31,6 +31,6 @@ def test_planner_chosen_plans_never_run_out_of_memory(seed, gpus, memory_kb):
     event(f"trained on {gpus} GPU(s)")
     engine.step(inputs, target)
     s = engine.trace.summary
-    for gpu, peak in s["peak_memory"].items():
+    for gpu, peak in s.peak_memory.items():
         assert peak <= device.hardware().gpu_memory
-        assert s["undeclared_bytes"][gpu] == 0
+        assert s.undeclared_bytes[gpu] == 0

@@ -58,13 +58,13 @@ def test_training_is_close_to_a_plain_autocast_loop(precision, dtype):
 
 def test_links_carry_half_the_bytes_and_the_closed_form_knows_it():
     fp32, bf16 = engine_run("fp32"), engine_run("bf16")
-    moved32, moved16 = fp32.trace.summary["bytes_by_kind"], bf16.trace.summary["bytes_by_kind"]
+    moved32, moved16 = fp32.trace.summary.bytes_by_kind, bf16.trace.summary.bytes_by_kind
     for kind in ("W_IN", "G_OUT", "STASH_OUT"):  # STASH_IN also brings back the token ids (int64)
         assert moved16.get(kind, 0) * 2 == moved32.get(kind, 0), kind
     assert bf16.spec.param_dtype == bf16.spec.act_dtype == "bfloat16"
     closed = swap_volume(bf16.spec, bf16.plan)
     assert {k: v for k, v in moved16.items() if v} == {k: v for k, v in closed.items() if v}
-    simulated = simulate(bf16.spec, bf16.hardware(), bf16.plan).summary["bytes_by_kind"]
+    simulated = simulate(bf16.spec, bf16.hardware(), bf16.plan).summary.bytes_by_kind
     assert {k: v for k, v in simulated.items() if v} == {k: v for k, v in closed.items() if v}
 
 
@@ -132,5 +132,5 @@ def test_batchnorm_keeps_float32_statistics_under_mixed_precision():
     assert worst > 1e-3  # statistics that travel in bf16 are rounded: the test can tell
     # the closed form counts BatchNorm's tensors in float32 and its batch counter
     closed = swap_volume(engine.spec, engine.plan)
-    moved = engine.trace.summary["bytes_by_kind"]
+    moved = engine.trace.summary.bytes_by_kind
     assert {k: v for k, v in moved.items() if v} == {k: v for k, v in closed.items() if v}

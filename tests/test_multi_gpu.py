@@ -28,9 +28,9 @@ def test_pipeline_over_gpus_is_bitwise_identical_to_one_device(n, fwd, bwd):
     assert all(torch.equal(a, b) for a, b in zip(engine.model.buffers(), expected.buffers()))
     assert losses == ref_losses
     s = engine.trace.summary
-    assert s["bytes_by_kind"]["P2P"] > 0  # activations and their gradients went GPU to GPU
-    assert set(s["peak_memory"]) == {f"gpu{i}" for i in range(n)}
-    assert all(0 < v <= 4e6 for v in s["peak_memory"].values() if v)
+    assert s.bytes_by_kind["P2P"] > 0  # activations and their gradients went GPU to GPU
+    assert set(s.peak_memory) == {f"gpu{i}" for i in range(n)}
+    assert all(0 < v <= 4e6 for v in s.peak_memory.values() if v)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -56,7 +56,7 @@ def test_data_parallel_is_allclose_to_the_plain_loop_on_the_same_microbatches(n,
 def test_measured_bytes_equal_the_closed_form_volume(policy):
     engine, _ = train(Plan(policy, 2, B, 2, 2, FWD, BWD), ADAMW, batches(1), server(2), dropout=0.0,
                       batchnorm=False)
-    measured = engine.trace.summary["bytes_by_kind"]
+    measured = engine.trace.summary.bytes_by_kind
     for kind, volume in harmony.swap_volume(engine.spec, engine.plan).items():
         assert measured.get(kind, 0.0) == pytest.approx(volume, rel=1e-9), kind
 

@@ -94,12 +94,12 @@ def test_units_of_two_models_share_a_gpu_only_when_they_fit():
     side (98.6 MB) if memory allowed; with 70 MB they are not, and the peak stays within."""
     jobs = [Job(headed(4), one_gpu_plan(4), steps=2, name=name) for name in ("a", "b")]
     unbounded = harmony.simulate_many(jobs, simple_hardware(1, link=2e9), "merged")
-    assert max(unbounded.trace.summary["peak_memory"].values()) > 90e6
+    assert max(unbounded.trace.summary.peak_memory.values()) > 90e6
     hw = simple_hardware(1, link=2e9, memory=70_000_000)
-    assert harmony.simulate(jobs[0].spec, hw, jobs[0].plan).summary["fits"]  # each alone fits
+    assert harmony.simulate(jobs[0].spec, hw, jobs[0].plan).summary.fits  # each alone fits
     bounded = harmony.simulate_many(jobs, hw, "merged")
-    assert bounded.trace.summary["fits"]
-    assert max(bounded.trace.summary["peak_memory"].values()) <= 70e6
+    assert bounded.trace.summary.fits
+    assert max(bounded.trace.summary.peak_memory.values()) <= 70e6
     assert bounded.total_s < 1.1 * unbounded.total_s
 
 
@@ -197,8 +197,8 @@ def test_train_many_trains_each_model_bitwise_as_alone(schedule):
         assert losses == expected
         assert engine.step_count == len(batches)
     s = run.trace.summary
-    assert s["executor"] == "engine" and s["fits"]
-    assert all(0 < v <= SERVER.device().capacity for v in s["peak_memory"].values())
+    assert s.executor == "engine" and s.fits
+    assert all(0 < v <= SERVER.device().capacity for v in s.peak_memory.values())
     assert sorted(run.trace.timeline.model.unique()) == [0, 1, 2]
     if schedule == "merged":
         assert (run.schedule.units().groupby("model").gpu.nunique() == 2).any()  # a model changed GPU

@@ -82,11 +82,11 @@ def test_iteration_time_between_lower_bound_and_serial_time(case):
     spec, hw, plan = case
     graph = build_graph(spec, hw, plan)
     s = simulate_graph(graph).summary
-    assert s["iteration_s"] >= s["lower_bound_s"] * (1 - TOL)
+    assert s.iteration_s >= s.lower_bound_s * (1 - TOL)
     # Never slower than running every task alone, one after the other: whenever
     # something runs, max-min fair sharing makes at least one task-second of progress per second.
     serial = sum(_standalone(t, graph.links) for t in graph.tasks)
-    assert s["iteration_s"] <= serial * (1 + TOL) + 1e-12
+    assert s.iteration_s <= serial * (1 + TOL) + 1e-12
 
 
 @settings(max_examples=30, deadline=None)
@@ -104,7 +104,7 @@ def test_simulation_is_deterministic(case):
 @given(scenarios())
 def test_simulated_bytes_match_closed_form_swap_volume(case):
     spec, hw, plan = case
-    simulated = harmony.simulate(spec, hw, plan).summary["bytes_by_kind"]
+    simulated = harmony.simulate(spec, hw, plan).summary.bytes_by_kind
     closed = swap_volume(spec, plan)
     for kind in set(simulated) | set(closed):
         got, want = simulated.get(kind, 0.0), closed.get(kind, 0.0)
@@ -120,8 +120,8 @@ def test_harmony_pp_weight_traffic_independent_of_microbatches(data):
     plan = data.draw(plans("harmony-pp", len(spec), hw.n_gpus))
     B = plan.minibatch
     one = Plan("harmony-pp", plan.n_gpus, B, B, B, plan.fwd_packs, plan.bwd_packs, plan.options)
-    w = harmony.simulate(spec, hw, plan).summary["bytes_by_kind"].get(W_IN, 0.0)
-    w_one = harmony.simulate(spec, hw, one).summary["bytes_by_kind"].get(W_IN, 0.0)
+    w = harmony.simulate(spec, hw, plan).summary.bytes_by_kind.get(W_IN, 0.0)
+    w_one = harmony.simulate(spec, hw, one).summary.bytes_by_kind.get(W_IN, 0.0)
     assert math.isclose(w, w_one, rel_tol=1e-12)
     # one pass of the forward packs and one of the backward packs (fused pack included)
     assert math.isclose(w, spec.weight_bytes(0, plan.bwd_packs[-1][0]) + spec.weight_bytes(), rel_tol=1e-12)
@@ -136,8 +136,8 @@ def test_virtual_memory_weight_traffic_grows_with_microbatches(data):
     B, u = plan.minibatch, plan.fwd_microbatch
     single = Plan("virtual-memory", 1, B, B, B, plan.fwd_packs, plan.bwd_packs, plan.options)
     trace = harmony.simulate(spec, hw, plan)
-    w = trace.summary["bytes_by_kind"].get(W_IN, 0.0)
-    w_single = harmony.simulate(spec, hw, single).summary["bytes_by_kind"].get(W_IN, 0.0)
+    w = trace.summary.bytes_by_kind.get(W_IN, 0.0)
+    w_single = harmony.simulate(spec, hw, single).summary.bytes_by_kind.get(W_IN, 0.0)
     # replicas split the minibatch as evenly as possible, then into microbatches of u
     shares = [B // plan.n_gpus + (r < B % plan.n_gpus) for r in range(plan.n_gpus)]
     n_mb = sum(-(-s // u) for s in shares if s)
@@ -152,7 +152,7 @@ def test_memory_peak_covers_every_buffer_and_ledger_returns_to_zero(case):
     spec, hw, plan = case
     graph = build_graph(spec, hw, plan)
     trace = simulate_graph(graph)
-    peak = trace.summary["peak_memory"]
+    peak = trace.summary.peak_memory
     largest: dict[str, float] = defaultdict(float)
     total: dict[str, float] = defaultdict(float)
     for b in graph.buffers:
@@ -168,7 +168,7 @@ def test_memory_peak_covers_every_buffer_and_ledger_returns_to_zero(case):
         assert math.isclose(max(b for _, b in steps), peak[dev], rel_tol=1e-12)
         times = [t for t, _ in steps]
         assert times == sorted(times)
-    assert trace.summary["fits"] == all(peak[d] <= hw.gpu_memory for d in peak)
+    assert trace.summary.fits == all(peak[d] <= hw.gpu_memory for d in peak)
 
 
 # ---- 7: the planner only returns plans that fit ---------------------------------------------
@@ -200,10 +200,10 @@ def test_search_returns_only_plans_that_fit(case):
     for row in df.itertuples():
         plan = row.plan
         s = harmony.simulate(spec, hw, plan).summary
-        for dev, used in s["peak_memory"].items():
+        for dev, used in s.peak_memory.items():
             assert used <= hw.gpu_memory, (plan.describe(), dev, used)
-        assert s["fits"]
-        assert math.isclose(s["iteration_s"], row.iteration_s, rel_tol=1e-12)
+        assert s.fits
+        assert math.isclose(s.iteration_s, row.iteration_s, rel_tol=1e-12)
 
 
 # ---- 8: bandwidth sharing ------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def test_two_transfers_sharing_one_link_take_total_bytes_over_bandwidth():
     assert math.isclose(end[1], 8.0)  # then the rest alone: (30 + 50) / 10
     tr = simulate_graph(g)
     assert math.isclose(tr.iteration_s, 8.0)
-    assert math.isclose(tr.summary["lower_bound_s"], 8.0)
+    assert math.isclose(tr.summary.lower_bound_s, 8.0)
 
 
 def test_transfer_on_a_route_is_limited_by_its_narrowest_link_and_rate_cap():

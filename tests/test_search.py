@@ -53,10 +53,10 @@ def test_gpt2_xl_best_plan_resimulates_to_its_row(gpt2_xl_search):
     spec, hw, df = gpt2_xl_search
     top = df.iloc[0]
     s = harmony.simulate(spec, hw, top.plan).summary
-    assert s["iteration_s"] == pytest.approx(top.iteration_s, rel=1e-12)
-    assert s["fits"] and max(s["peak_memory"].values()) <= hw.gpu_memory
-    assert s["swap_bytes"] / 1e9 == pytest.approx(top.swap_gb)
-    assert s["iteration_s"] >= s["lower_bound_s"]
+    assert s.iteration_s == pytest.approx(top.iteration_s, rel=1e-12)
+    assert s.fits and max(s.peak_memory.values()) <= hw.gpu_memory
+    assert s.swap_bytes / 1e9 == pytest.approx(top.swap_gb)
+    assert s.iteration_s >= s.lower_bound_s
 
 
 # ---- infeasible and bad requests --------------------------------------------------------------------
@@ -104,7 +104,7 @@ def test_search_finds_a_plan_when_one_layer_needs_most_of_the_gpu():
     hw = simple_hardware(1, memory=int(1.9 * need))
     packs = tuple((i, i + 1) for i in range(4))
     feasible = harmony.Plan("harmony-pp", 1, 4, 1, 1, packs[:-1], packs, {"prefetch_packs": 1})
-    assert harmony.simulate(spec, hw, feasible).summary["fits"]  # a plan exists
+    assert harmony.simulate(spec, hw, feasible).summary.fits  # a plan exists
     df = harmony.search(spec, hw, 4, workers=1)
     assert len(df) > 0
 
@@ -126,7 +126,7 @@ def test_search_over_gpu_counts_and_policies():
     for row in df.itertuples():
         assert row.plan.n_gpus == row.n_gpus and row.plan.policy == row.policy
         s = harmony.simulate(spec, hw, row.plan).summary
-        assert s["fits"] and s["iteration_s"] == pytest.approx(row.iteration_s)
+        assert s.fits and s.iteration_s == pytest.approx(row.iteration_s)
         if row.policy == "virtual-memory":
             assert row.plan.fwd_microbatch == row.plan.bwd_microbatch
     assert {"plan", "iteration_s", "samples_per_s", "peak_memory_gb", "swap_gb", "p2p_gb",

@@ -46,8 +46,8 @@ def test_single_fused_pack_on_one_gpu_matches_hand_calculation():
     g_out = 8e6 / 1e9
     update = 2 * 10 * MS
     assert trace.iteration_s == pytest.approx(w_in + x_in + y_in + compute + g_out + update, rel=1e-12)
-    assert trace.summary["bytes_by_kind"] == pytest.approx({"W_IN": 8e6, "DATA_IN": 4e6 + 32, "G_OUT": 8e6})
-    assert trace.summary["swap_bytes"] == pytest.approx(20e6 + 32)
+    assert trace.summary.bytes_by_kind == pytest.approx({"W_IN": 8e6, "DATA_IN": 4e6 + 32, "G_OUT": 8e6})
+    assert trace.summary.swap_bytes == pytest.approx(20e6 + 32)
     fused = _one(trace, kind="FWDBWD")
     assert fused.start_s == pytest.approx(w_in + x_in + y_in)
     assert fused.end_s - fused.start_s == pytest.approx(compute)
@@ -55,9 +55,9 @@ def test_single_fused_pack_on_one_gpu_matches_hand_calculation():
     assert upd.start_s == pytest.approx(fused.end_s + g_out)
     # weights 8 MB + gradient 8 MB + inputs 4 MB + labels + backward working memory,
     # which adds up over the layers of a pack (2 x 2 MB)
-    assert trace.summary["peak_memory"] == pytest.approx({"gpu0": 24e6 + 32})
-    assert trace.summary["fits"]
-    assert trace.summary["samples_per_s"] == pytest.approx(4 / trace.iteration_s)
+    assert trace.summary.peak_memory == pytest.approx({"gpu0": 24e6 + 32})
+    assert trace.summary.fits
+    assert trace.summary.samples_per_s == pytest.approx(4 / trace.iteration_s)
 
 
 def test_two_packs_without_prefetch_match_hand_calculation():
@@ -87,11 +87,11 @@ def test_two_packs_without_prefetch_match_hand_calculation():
     assert trace.iteration_s == _rows(trace, kind="UPD").end_s.max()  # ends with the last update
     stash = _one(trace, kind="STASH_IN")
     assert (stash.start_s, stash.end_s) == pytest.approx((16 * MS, 20 * MS))
-    assert trace.summary["bytes_by_kind"] == pytest.approx(
+    assert trace.summary.bytes_by_kind == pytest.approx(
         {"W_IN": 12e6, "DATA_IN": 4e6, "STASH_IN": 4e6, "G_OUT": 8e6})
     # peak during the fused pack: its weights + gradient (8 MB), the activation into layer 1
     # (4 MB), the prefetched stash (4 MB), the gradient into layer 1 (4 MB), 2 MB working
-    assert trace.summary["peak_memory"]["gpu0"] == pytest.approx(22e6)
+    assert trace.summary.peak_memory["gpu0"] == pytest.approx(22e6)
 
 
 # ---- prefetch -----------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def test_prefetch_window_bounds_resident_weight_groups(prefetch):
 
 def test_double_buffering_is_faster_and_holds_more_memory():
     (t1, m1), (t2, m2), (t3, m3) = [
-        (tr.iteration_s, tr.summary["peak_memory"]["gpu0"]) for tr in map(_prefetch_chain, (1, 2, 3))]
+        (tr.iteration_s, tr.summary.peak_memory["gpu0"]) for tr in map(_prefetch_chain, (1, 2, 3))]
     assert t1 > t2
     assert m1 < m2 <= m3
 
@@ -152,7 +152,7 @@ def test_single_layer_model_runs_under_every_policy(policy):
     plan = Plan(policy, 1, 4, 2, 2, (), ((0, 1),))
     trace = harmony.simulate(spec, simple_hardware(1), plan)
     closed = harmony.swap_volume(spec, plan)
-    got = trace.summary["bytes_by_kind"]
+    got = trace.summary.bytes_by_kind
     for kind in set(got) | set(closed):
         assert got.get(kind, 0.0) == pytest.approx(closed.get(kind, 0.0)), kind
     assert len(_rows(trace, kind="FWDBWD")) == 2 and len(_rows(trace, kind="FWD")) == 0
@@ -194,22 +194,23 @@ def test_chrome_trace_is_valid_json(pp_trace, tmp_path):
 
 def test_summary_keys_and_values(pp_trace):
     s = pp_trace.summary
+    as_json = json.loads(json.dumps(s.to_dict()))
     for key in ("iteration_s", "samples_per_s", "bytes_by_kind", "swap_bytes", "peak_memory", "fits",
-                "lower_bound_s"):
-        assert key in s, key
-    assert s["samples_per_s"] == pytest.approx(6 / s["iteration_s"])
+                "lower_bound_s", "lower_bound_by", "time_over_lower_bound", "executor"):
+        assert as_json[key] == getattr(s, key), key
+    assert s.samples_per_s == pytest.approx(6 / s.iteration_s)
     host_kinds = ("W_IN", "G_OUT", "STASH_OUT", "STASH_IN", "ACT_OUT", "ACT_IN", "DATA_IN")
-    assert s["swap_bytes"] == pytest.approx(sum(v for k, v in s["bytes_by_kind"].items() if k in host_kinds))
-    assert set(s["peak_memory"]) == {"gpu0", "gpu1"}
-    assert s["policy"] == "harmony-pp" and s["model"] == "tiny"
-    assert 0 < s["lower_bound_s"] <= s["iteration_s"]
+    assert s.swap_bytes == pytest.approx(sum(v for k, v in s.bytes_by_kind.items() if k in host_kinds))
+    assert set(s.peak_memory) == {"gpu0", "gpu1"}
+    assert s.policy == "harmony-pp" and s.model == "tiny"
+    assert 0 < s.lower_bound_s <= s.iteration_s
 
 
 def test_memory_timeline(pp_trace):
     mt = pp_trace.memory_timeline()
     assert list(mt.columns) == ["device", "time_s", "bytes"]
     for dev, g in mt.groupby("device"):
-        assert g.bytes.max() == pytest.approx(pp_trace.summary["peak_memory"][dev])
+        assert g.bytes.max() == pytest.approx(pp_trace.summary.peak_memory[dev])
         assert g.bytes.iloc[-1] == pytest.approx(0.0, abs=1e-3)
 
 
@@ -217,8 +218,8 @@ def test_fits_is_false_when_peak_exceeds_capacity():
     spec = tiny_spec(2)
     plan = Plan("harmony-pp", 1, 4, 4, 4, (), ((0, 2),))
     trace = harmony.simulate(spec, simple_hardware(1, memory=20_000_000), plan)  # peak is 22 MB
-    assert not trace.summary["fits"]
-    assert trace.summary["memory_capacity"] == {"gpu0": 20e6}
+    assert not trace.summary.fits
+    assert trace.summary.memory_capacity == {"gpu0": 20e6}
 
 
 # ---- multi-GPU ------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ def test_harmony_dp_reduces_gradients_and_sends_no_activations():
     for k in (2, 3):
         plan = Plan("harmony-dp", k, 12, 2, 2, ((0, 2),), ((0, 2), (2, 4)))
         trace = harmony.simulate(spec, simple_hardware(k), plan)
-        got = trace.summary["bytes_by_kind"]
+        got = trace.summary.bytes_by_kind
         assert got["REDUCE"] == pytest.approx(spec.grad_bytes() * (k - 1))
         assert got.get("P2P", 0.0) == 0.0
         assert got["G_OUT"] == pytest.approx(spec.grad_bytes())  # each GPU sends its shard
@@ -244,7 +245,7 @@ def test_harmony_pp_on_two_gpus_moves_activations_gpu_to_gpu():
     spec = tiny_spec(4)
     plan = Plan("harmony-pp", 2, 8, 4, 4, ((0, 2),), ((0, 2), (2, 4)))
     trace = harmony.simulate(spec, simple_hardware(2), plan)
-    got = trace.summary["bytes_by_kind"]
+    got = trace.summary.bytes_by_kind
     assert got["P2P"] > 0
     # activations into layer 2 forward, and their gradient backward
     assert got["P2P"] == pytest.approx(2 * spec.input_bytes(2, 8))
@@ -290,9 +291,9 @@ def test_shared_uplink_slows_host_transfers_of_gpus_on_one_switch():
     plan = Plan("harmony-dp", 2, 8, 4, 4, ((0, 2),), ((0, 2), (2, 4)))
     one_switch = harmony.simulate(spec, simple_hardware(2, gpus_per_switch=2), plan)
     two_switches = harmony.simulate(spec, simple_hardware(2, gpus_per_switch=1), plan)
-    assert one_switch.summary["bytes_by_kind"] == two_switches.summary["bytes_by_kind"]
+    assert one_switch.summary.bytes_by_kind == two_switches.summary.bytes_by_kind
     assert one_switch.iteration_s > 1.5 * two_switches.iteration_s
-    assert one_switch.summary["lower_bound_by"].startswith("link:switch0")
+    assert one_switch.summary.lower_bound_by.startswith("link:switch0")
 
 
 def test_graph_info_and_unknown_policy():
@@ -332,7 +333,7 @@ def test_virtual_memory_swaps_weights_every_microbatch_and_harmony_does_not():
     vm = harmony.simulate(spec, hw, Plan("virtual-memory", 1, 8, 2, 2, packs_f, packs_b))
     pp = harmony.simulate(spec, hw, Plan("harmony-pp", 1, 8, 2, 2, packs_f, packs_b))
     w = spec.weight_bytes(0, 2) + spec.weight_bytes()
-    assert pp.summary["bytes_by_kind"]["W_IN"] == pytest.approx(w)
-    assert vm.summary["bytes_by_kind"]["W_IN"] == pytest.approx(4 * w)
-    assert vm.summary["bytes_by_kind"]["G_OUT"] == pytest.approx(4 * spec.grad_bytes())
+    assert pp.summary.bytes_by_kind["W_IN"] == pytest.approx(w)
+    assert vm.summary.bytes_by_kind["W_IN"] == pytest.approx(4 * w)
+    assert vm.summary.bytes_by_kind["G_OUT"] == pytest.approx(4 * spec.grad_bytes())
     assert pp.iteration_s < vm.iteration_s

@@ -68,7 +68,7 @@ def test_each_plan_chooser_returns_a_plan_of_its_policy_that_fits(case):
         assume(False)
     assert plan.policy == policy and plan.minibatch == minibatch
     s = harmony.simulate(spec, hw, plan).summary
-    assert s["fits"] and all(peak <= hw.gpu_memory for peak in s["peak_memory"].values())
+    assert s.fits and all(peak <= hw.gpu_memory for peak in s.peak_memory.values())
 
 
 def test_policies_are_registered_everywhere():
@@ -130,7 +130,7 @@ def test_karma_choose_plan_fits_and_the_search_keeps_its_packing():
     plan = systems.choose_karma(spec, hw, 16, 4, n_gpus=2)
     assert (plan.fwd_microbatch, plan.bwd_microbatch, plan.n_gpus) == (4, 4, 2)
     assert plan.fwd_packs == plan.bwd_packs[:-1]
-    assert harmony.simulate(spec, hw, plan).summary["fits"]
+    assert harmony.simulate(spec, hw, plan).summary.fits
     df = harmony.search(spec, hw, 16, policies=["karma"], n_gpus=2, workers=1)
     packs = karma.model_packs(spec, hw, 4, 2, 0.5 * hw.gpu_memory)
     assert any(p.bwd_packs == packs and p.bwd_microbatch == 4 for p in df.plan)
@@ -217,7 +217,7 @@ def test_exact_on_one_device_or_pipeline_bitwise_like_the_plain_loop(policy, n, 
     assert all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), expected.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(engine.model.buffers(), expected.buffers()))
     assert losses == ref_losses
-    assert all(0 < peak <= 4e6 for peak in engine.trace.summary["peak_memory"].values())
+    assert all(0 < peak <= 4e6 for peak in engine.trace.summary.peak_memory.values())
 
 
 @pytest.mark.parametrize("policy", ["karma", "zero-offload"])
@@ -243,8 +243,8 @@ def test_measured_bytes_equal_the_closed_form_within_capacity(policy, n):
     engine, _ = train(plan, ADAMW, batches(1), server(n) if n > 1 else DEVICE, dropout=0.0, batchnorm=False)
     s = engine.trace.summary
     for kind, volume in harmony.swap_volume(engine.spec, engine.plan).items():
-        assert s["bytes_by_kind"].get(kind, 0.0) == pytest.approx(volume, rel=1e-9), kind
-    assert all(peak <= 4e6 for peak in s["peak_memory"].values())
+        assert s.bytes_by_kind.get(kind, 0.0) == pytest.approx(volume, rel=1e-9), kind
+    assert all(peak <= 4e6 for peak in s.peak_memory.values())
 
 
 def test_an_engine_given_a_bad_plan_says_so_before_anything_runs():

@@ -51,7 +51,7 @@ def test_bitwise_equal_to_the_plain_loop(kind, policy, n, pack):
         assert torch.equal(a, b), f"{name} differs"
     assert losses == ref_losses
     volume = harmony.swap_volume(engine.spec, engine.plan)
-    moved = engine.trace.summary["bytes_by_kind"]
+    moved = engine.trace.summary.bytes_by_kind
     for kind_, nbytes in volume.items():
         assert moved.get(kind_, 0.0) == pytest.approx(nbytes), kind_
 
@@ -67,11 +67,11 @@ def test_measured_peak_is_the_simulated_peak_every_run(kind, policy, n, pack):
     for _ in range(3):
         engine.step(x, y)
         s = engine.trace.summary
-        simulated = simulate_graph(engine._graph_cache).summary["peak_memory"]
-        for gpu, peak in s["peak_memory"].items():
+        simulated = simulate_graph(engine._graph_cache).summary.peak_memory
+        for gpu, peak in s.peak_memory.items():
             assert peak == pytest.approx(simulated[gpu], rel=1e-9), gpu
-            assert s["undeclared_bytes"][gpu] == 0, f"{gpu}: the spec undercounts what the engine holds"
-            assert 0 < s["held_peak_memory"][gpu] <= peak
+            assert s.undeclared_bytes[gpu] == 0, f"{gpu}: the spec undercounts what the engine holds"
+            assert 0 < s.held_peak_memory[gpu] <= peak
 
 
 def test_a_parameter_shared_inside_one_layer_runs_on_a_second_gpu():

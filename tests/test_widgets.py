@@ -27,7 +27,7 @@ def test_comparison_against_virtual_memory():
     ex = PackExplorer()
     ex.minibatch.value, ex.fwd_microbatch.value, ex.bwd_microbatch.value, ex.pack_size.value = 32, 8, 4, 2
     r = ex.compute()
-    assert r.problem is None and r.trace.summary["fits"]
+    assert r.problem is None and r.trace.summary.fits
     assert r.plan.bwd_packs[0] == (0, 2) and r.plan.fwd_packs == r.plan.bwd_packs[:-1]
     df = r.comparison.set_index("policy")
     assert set(df.index) == set(harmony.POLICIES)
@@ -48,7 +48,7 @@ def test_out_of_memory_names_the_gpu_and_the_gigabytes():
                       fwd_microbatch=256, bwd_microbatch=256, pack_size=14)
     r = ex.compute()
     assert "gpu0" in r.problem and "GB" in r.problem and "10.74 GB" in r.problem
-    assert r.trace is not None and not r.trace.summary["fits"]  # simulated all the same, to be seen
+    assert r.trace is not None and not r.trace.summary.fits  # simulated all the same, to be seen
     texts = [row["text"] for rows in datasets(ex.chart()) for row in rows if "text" in row]
     assert any("gpu0" in t for t in texts)
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Sequence
 
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
-from ..graph import UPD, Task
+from ..graph import Task
 from ..plan import Plan
 from ..planner.multi_model import Job, MultiRun, MultiSchedule, schedule_many
 from ..simulate import play
-from ..trace import Trace, summarize
+from ..trace import Trace
 from .admission import MemoryOrder
 from .describe import describe
 from .devices import EmulatedServer, LinkPacer, make_backends
@@ -148,34 +148,10 @@ class _Training:
                 self.done[(m, s)].close()
 
     def _trace(self, executor, wall: float) -> Trace:
-
-        graph, origin = self.sched.graph, self.sched.origin
-        moved = [self.done[(m, s)].moved_task.get(i, 0.0) for m, s, i in origin]
-        by_kind: dict[str, float] = defaultdict(float)
-        busy: dict[str, float] = defaultdict(float)
-        link_bytes: dict[str, float] = defaultdict(float)
-        for t, n in zip(graph.tasks, moved):
-            d = executor.end[t.id] - executor.start[t.id]
-            if t.is_transfer:
-                by_kind[t.kind] += n
-                for link in t.links:
-                    link_bytes[link] += n
-            else:
-                busy["cpu_update" if t.kind == UPD else f"compute:{t.device}"] += d
-        bounds = dict(busy)
-        bounds["cpu_update"] = busy.get("cpu_update", 0.0) / max(1, graph.cpu_workers)
-        bounds.update({f"link:{k}": v / graph.links[k] for k, v in link_bytes.items()})
-        peak = {name: b.ledger.peak for name, b in self.backends.items()}
-        capacity = {name: float(b.ledger.capacity) for name, b in self.backends.items()}
-        summary = summarize(wall, graph.samples, dict(by_kind), peak, capacity, bounds)
-        summary.update({k: graph.info[k] for k in ("policy", "model", "hardware")}, executor="engine",
-                       **memory_checks(self.backends.values()))
-        start, end = list(executor.start), list(executor.end)
-
-        def rows():
-            return [{"device": t.device, "lane": t.lane, "kind": t.kind, "model": t.model, "pack": t.pack,
-                     "microbatch": t.microbatch, "start_s": start[t.id], "end_s": end[t.id], "bytes": n,
-                     "layers": t.layers, "what": t.what} for t, n in zip(graph.tasks, moved)]
-
-        memory = {name: list(b.ledger.history) for name, b in self.backends.items()}
-        return Trace(summary, memory, rows)
+        moved = [self.done[(m, s)].moved_task.get(i, 0.0) for m, s, i in self.sched.origin]
+        return Trace.from_run(
+            self.sched.graph, executor.start, executor.end, moved,
+            {name: b.ledger.peak for name, b in self.backends.items()},
+            {name: list(b.ledger.history) for name, b in self.backends.items()},
+            capacity={name: float(b.ledger.capacity) for name, b in self.backends.items()},
+            iteration_s=wall, executor="engine", **memory_checks(self.backends.values()))

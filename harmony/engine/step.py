@@ -23,7 +23,7 @@ from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, RED
                      W_IN, Task, TaskGraph)
 from ..costs.hardware import format_bytes
 from ..plan import layer_shard
-from ..trace import Trace, summarize
+from ..trace import Trace
 from .buffers import BufferPool, copy_runs
 from .devices import Backend, LinkPacer
 from .admission import MemoryOrder
@@ -363,43 +363,17 @@ class StepRun:
         self.close()
 
     def trace(self) -> Trace:
-        ex, graph = self.executor, self.graph
-        compute: dict[str, float] = defaultdict(float)
-        link_bytes: dict[str, float] = defaultdict(float)
-        cpu = 0.0
-        for t in graph.tasks:
-            d = ex.end[t.id] - ex.start[t.id]
-            if t.kind == UPD:
-                cpu += d
-            elif t.is_transfer:
-                for link in t.links:
-                    link_bytes[link] += self.moved_task.get(t.id, 0.0)
-            else:
-                compute[t.device] += d
-        bounds = {f"compute:{k}": v for k, v in compute.items()}
-        bounds["cpu_update"] = cpu / max(1, graph.cpu_workers)
-        if self.paced:
-            bounds.update({f"link:{k}": v / graph.links[k] for k, v in link_bytes.items()})
-        peak = {name: b.ledger.peak for name, b in self.backends.items()}
-        cap = {name: float(b.ledger.capacity or float("inf")) for name, b in self.backends.items()}
-        summary = summarize(self.wall_s, graph.samples, dict(self.moved), peak, cap, bounds)
-        summary.update(policy=self.e.plan.policy, model=self.e.spec.name, hardware=self.e.backend.kind,
-                       executor="engine", **memory_checks(self.backends.values()))
+        ex = self.executor
         # buffers the pools had to make during this step: none once the plan has run a step
         (n0, b0), (n1, b1) = self.allocations_before, self.allocations()
-        summary.update(new_buffers=n1 - n0, new_buffer_bytes=b1 - b0)
-        start, end, moved = list(ex.start), list(ex.end), dict(self.moved_task)
-
-        def rows():
-            return [
-                {"device": t.device, "lane": t.lane, "kind": t.kind, "model": t.model, "pack": t.pack,
-                 "microbatch": t.microbatch, "start_s": start[t.id], "end_s": end[t.id],
-                 "bytes": moved.get(t.id, 0.0), "layers": t.layers, "what": t.what}
-                for t in graph.tasks
-            ]
-
-        memory = {name: list(b.ledger.history) for name, b in self.backends.items()}
-        return Trace(summary, memory, rows)
+        return Trace.from_run(
+            self.graph, ex.start, ex.end, [self.moved_task.get(t.id, 0.0) for t in self.graph.tasks],
+            {name: b.ledger.peak for name, b in self.backends.items()},
+            {name: list(b.ledger.history) for name, b in self.backends.items()},
+            capacity={name: float(b.ledger.capacity or float("inf")) for name, b in self.backends.items()},
+            iteration_s=self.wall_s, link_bounds=self.paced, policy=self.e.plan.policy, model=self.e.spec.name,
+            hardware=self.e.backend.kind, executor="engine", new_buffers=n1 - n0, new_buffer_bytes=b1 - b0,
+            **memory_checks(self.backends.values()))
 
     # ---- transfers -------------------------------------------------------------------
     def _moved(self, task: Task, n: float, started: float) -> None:

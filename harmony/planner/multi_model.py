@@ -54,7 +54,7 @@ of the units sharing the GPU fit its memory (a unit's footprint: the peak of
 its own buffers in its model's solo simulation), and the unit's loads and
 inputs wait until the unit before the window has ended all its GPU tasks
 (gradient and outputs sent). The simulated peak per GPU
-(``trace.summary["fits"]``) checks this estimate; in :func:`train_many` the
+(``trace.summary.fits``) checks this estimate; in :func:`train_many` the
 emulated GPUs' ledgers enforce the capacity.
 """
 
@@ -519,10 +519,10 @@ class MultiRun:
         gpus = len(self.schedule.graph.memory_capacity)
         compute = tl[tl.kind.isin(sorted(IN_ORDER_KINDS))]
         return {"schedule": self.schedule.schedule, "models": len(self.schedule.jobs), "gpus": gpus,
-                "total_s": self.total_s, "samples_per_s": s["samples_per_s"],
+                "total_s": self.total_s, "samples_per_s": s.samples_per_s,
                 "gpu_busy": float((compute.end_s - compute.start_s).sum()) / (gpus * self.total_s),
-                "swap_gb": s["swap_bytes"] / 1e9, "peak_gb": max(s["peak_memory"].values(), default=0.0) / 1e9,
-                "fits": s["fits"]}
+                "swap_gb": s.swap_bytes / 1e9, "peak_gb": max(s.peak_memory.values(), default=0.0) / 1e9,
+                "fits": s.fits}
 
 
 def simulate_many(jobs: Sequence[Job], hardware: Hardware, schedule: str = "merged") -> MultiRun:

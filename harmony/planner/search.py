@@ -41,6 +41,7 @@ from ..plan import Pack, Plan
 from ..policies import build_graph, get_policy, names
 from ..costs.reference import max_profiled
 from ..simulate import simulate_graph
+from ..trace import Summary
 from ..costs.spec import ModelSpec
 
 #: what the search compares by default: Harmony's placements and their ablations
@@ -117,7 +118,7 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
         out = []
         for c, s in zip(fresh, pool.map([c.plan for c in fresh])):
             bar.update(1)
-            if not s["fits"]:
+            if not s.fits:
                 rejected += 1
                 continue
             out.append(_row(c, s))
@@ -230,16 +231,16 @@ def _row(c: _Candidate, s: dict) -> dict:
         "policy": p.policy, "n_gpus": p.n_gpus, "fwd_microbatch": p.fwd_microbatch,
         "bwd_microbatch": p.bwd_microbatch, "fwd_packs": len(p.fwd_packs), "bwd_packs": len(p.bwd_packs),
         "offload_activations": p.option("offload_activations"),
-        "iteration_s": s["iteration_s"], "samples_per_s": s["samples_per_s"],
-        "peak_memory_gb": max(s["peak_memory"].values()) / 1e9,
-        "swap_gb": s["swap_bytes"] / 1e9,
-        "p2p_gb": (s["bytes_by_kind"].get("P2P", 0.0) + s["bytes_by_kind"].get("REDUCE", 0.0)) / 1e9,
-        "lower_bound_s": s["lower_bound_s"], "limited_by": s["lower_bound_by"],
+        "iteration_s": s.iteration_s, "samples_per_s": s.samples_per_s,
+        "peak_memory_gb": max(s.peak_memory.values()) / 1e9,
+        "swap_gb": s.swap_bytes / 1e9,
+        "p2p_gb": (s.bytes_by_kind.get("P2P", 0.0) + s.bytes_by_kind.get("REDUCE", 0.0)) / 1e9,
+        "lower_bound_s": s.lower_bound_s, "limited_by": s.lower_bound_by,
         "stage": c.stage, "plan": p,
     }
 
 
-def _summary(spec: ModelSpec, hw: Hardware, plan: Plan) -> dict:
+def _summary(spec: ModelSpec, hw: Hardware, plan: Plan) -> Summary:
     return simulate_graph(build_graph(spec, hw, plan)).summary
 
 

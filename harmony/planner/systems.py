@@ -35,9 +35,9 @@ def fastest_fitting(spec: ModelSpec, hw: Hardware, plans: Iterable[Plan], build,
     for plan in dict.fromkeys(plans):
         s = simulate_graph(build(spec, hw, plan)).summary
         tried += 1
-        leanest = min(leanest, max(s["peak_memory"].values()))
-        if s["fits"] and s["iteration_s"] < best_s:
-            best, best_s = plan, s["iteration_s"]
+        leanest = min(leanest, max(s.peak_memory.values()))
+        if s.fits and s.iteration_s < best_s:
+            best, best_s = plan, s.iteration_s
     if best is None:
         why = (f"the leanest of {tried} candidates needs {format_bytes(leanest)} at peak" if tried else
                "no packing of its layers fits the per-pack memory budget")

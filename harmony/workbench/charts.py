@@ -109,7 +109,7 @@ def memory_chart(trace: Trace, title: str = "", width: int = 900):
     """Device memory in use over the iteration, with the capacity as a rule."""
     alt = _altair()
     df = trace.memory_timeline().assign(gb=lambda d: d["bytes"] / 1e9)
-    cap = pd.DataFrame([{"device": d, "gb": c / 1e9} for d, c in trace.summary["memory_capacity"].items()])
+    cap = pd.DataFrame([{"device": d, "gb": c / 1e9} for d, c in trace.summary.memory_capacity.items()])
     line = alt.Chart(df).mark_line(interpolate="step-after").encode(
         x=alt.X("time_s:Q", title="time (s)"), y=alt.Y("gb:Q", title="GB in use"), color="device:N")
     rule = alt.Chart(cap).mark_rule(strokeDash=[4, 4]).encode(y="gb:Q", color="device:N")

@@ -35,6 +35,7 @@ from ..engine.profiler import default_sizes, link_like_1080ti, profile
 from ..errors import HarmonyError, OutOfMemoryError
 from ..costs.hardware import Hardware, parse_rate, preset
 from ..planner.multi_model import Job, compare_schedules, simulate_many
+from ..trace import Summary
 from ..engine.optim import FlatAdamW
 from ..plan import Pack, Plan
 from ..policies import names
@@ -267,11 +268,11 @@ def pack_microbatch_grid(model: str = "bert-large", minibatch: int = 64, n_gpus:
             else:
                 plan = Plan(policy, n_gpus, minibatch, u, u, bwd[:-1], bwd)
                 s = simulate(spec, hw, plan).summary
-                peak = max(s["peak_memory"].values())
-                row.update(peak_memory_gb=peak / 1e9, swap_gb=s["swap_bytes"] / 1e9,
-                           status="ok" if s["fits"] else "out of memory")
-                if s["fits"]:
-                    row.update(iteration_s=s["iteration_s"], samples_per_s=s["samples_per_s"])
+                peak = max(s.peak_memory.values())
+                row.update(peak_memory_gb=peak / 1e9, swap_gb=s.swap_bytes / 1e9,
+                           status="ok" if s.fits else "out of memory")
+                if s.fits:
+                    row.update(iteration_s=s.iteration_s, samples_per_s=s.samples_per_s)
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -553,12 +554,12 @@ def baseline_comparison(engine, device, batch: tuple, run_engine: bool = True, t
     for policy, plan in (("harmony-pp", engine.plan), (BASELINE, vm)):
         sim = simulate(spec, hw, plan).summary
         rows.append({"policy": policy, "plan": plan.describe(), "how": "simulated",
-                     "swap_mb": sim["swap_bytes"] / 1e6, "iteration_s": sim["iteration_s"],
-                     "peak_mb": max(sim["peak_memory"].values()) / 1e6})
+                     "swap_mb": sim.swap_bytes / 1e6, "iteration_s": sim.iteration_s,
+                     "peak_mb": max(sim.peak_memory.values()) / 1e6})
     measured = engine.trace.summary
     rows.append({"policy": "harmony-pp", "plan": engine.plan.describe(), "how": "measured (engine)",
-                 "swap_mb": measured["swap_bytes"] / 1e6, "iteration_s": measured["iteration_s"],
-                 "peak_mb": max(measured["peak_memory"].values()) / 1e6})
+                 "swap_mb": measured.swap_bytes / 1e6, "iteration_s": measured.iteration_s,
+                 "peak_mb": max(measured.peak_memory.values()) / 1e6})
     if run_engine:
         other = Engine(gpt2_tiny(engine.seed), adamw(1e-3), engine.loss_fn, device=device,
                        minibatch_size=engine.minibatch_size, plan=vm, seed=engine.seed)
@@ -567,8 +568,8 @@ def baseline_comparison(engine, device, batch: tuple, run_engine: bool = True, t
             other.step(x, y)
         s = other.trace.summary
         rows.append({"policy": BASELINE, "plan": vm.describe(), "how": "measured (engine)",
-                     "swap_mb": s["swap_bytes"] / 1e6, "iteration_s": s["iteration_s"],
-                     "peak_mb": max(s["peak_memory"].values()) / 1e6})
+                     "swap_mb": s.swap_bytes / 1e6, "iteration_s": s.iteration_s,
+                     "peak_mb": max(s.peak_memory.values()) / 1e6})
     return pd.DataFrame(rows)
 
 
@@ -603,7 +604,7 @@ def emulated_throughput(gpus: int = 2, minibatch: int = 16, microbatch: int = 2,
             step_s = median_step_s(engine, (x,), y, steps)
             rows.append({"policy": policy, "gpus": gpus, "plan": plan.describe(), "step_s": step_s,
                          "samples_per_s": minibatch / step_s,
-                         "swap_mb": engine.trace.summary["swap_bytes"] / 1e6})
+                         "swap_mb": engine.trace.summary.swap_bytes / 1e6})
     df = pd.DataFrame(rows)
     base = df.loc[df.policy == BASELINE, "samples_per_s"].iloc[0]
     df["speedup_vs_baseline"] = df["samples_per_s"] / base
@@ -637,14 +638,14 @@ def fidelity_grid(pack_sizes: Sequence[int], microbatches: Sequence[int], miniba
                 plan = harmony_plan_for(len(spec), minibatch, u, size)
                 sim = simulate(spec, hw, plan).summary
                 row = {"layers_per_pack": size, "microbatch": u, "plan": plan.describe(),
-                       "simulated_s": sim["iteration_s"], "simulated_peak_mb": sim["peak_memory"]["gpu0"] / 1e6}
-                if not sim["fits"]:
+                       "simulated_s": sim.iteration_s, "simulated_peak_mb": sim.peak_memory["gpu0"] / 1e6}
+                if not sim.fits:
                     rows.append({**row, "status": "over memory (simulated)"})
                     continue
                 engine = Engine(gpt2_tiny(seed, **model_overrides), adamw(1e-3), lm_loss, device=device,
                                 minibatch_size=minibatch, plan=plan, seed=seed, spec=spec)
                 rows.append({**row, "status": "ran", "measured_s": median_step_s(engine, (x,), y, steps),
-                             "measured_peak_mb": engine.trace.summary["peak_memory"]["gpu0"] / 1e6})
+                             "measured_peak_mb": engine.trace.summary.peak_memory["gpu0"] / 1e6})
     df = pd.DataFrame(rows)
     if "measured_s" in df:
         df["time_ratio"] = df["measured_s"] / df["simulated_s"]
@@ -672,9 +673,9 @@ def fidelity_chart(df: pd.DataFrame, title: str = ""):
 
 
 # ---- every system side by side; many models at once ------------------------------------
-def _moved_gb(summary: dict) -> dict[str, float]:
-    kinds = summary["bytes_by_kind"]
-    return {"host_gpu_gb": summary["swap_bytes"] / 1e9,
+def _moved_gb(summary: Summary) -> dict[str, float]:
+    kinds = summary.bytes_by_kind
+    return {"host_gpu_gb": summary.swap_bytes / 1e9,
             "gpu_gpu_gb": (kinds.get("P2P", 0.0) + kinds.get("REDUCE", 0.0)) / 1e9}
 
 
@@ -690,7 +691,7 @@ def systems_table(models: Sequence[str], minibatches: Sequence[int], hardware: s
             for policy, plan in plans_for(policies, spec, hw, minibatch, workers).items():
                 s = simulate(spec, hw, plan).summary
                 rows.append({"model": model, "minibatch": minibatch, "policy": policy, "plan": plan.describe(),
-                             "n_gpus": plan.n_gpus, "samples_per_s": s["samples_per_s"], **_moved_gb(s)})
+                             "n_gpus": plan.n_gpus, "samples_per_s": s.samples_per_s, **_moved_gb(s)})
     df = pd.DataFrame(rows)
     base = df[df.policy == BASELINE].set_index(["model", "minibatch"]).samples_per_s
     df["vs_virtual_memory"] = [r.samples_per_s / base.get((r.model, r.minibatch), math.nan)
@@ -806,7 +807,7 @@ def torch_offload_comparison(hidden: int = 256, blocks: int = 6, minibatch: int 
         seconds = statistics.median(times[name][1:])
         if isinstance(system, Engine):
             s = system.trace.summary
-            moved, peak, micro = s["swap_bytes"], s["peak_memory"]["gpu0"], f"{plan.fwd_microbatch}/{plan.bwd_microbatch}"
+            moved, peak, micro = s.swap_bytes, s.peak_memory["gpu0"], f"{plan.fwd_microbatch}/{plan.bwd_microbatch}"
         else:
             moved, peak, micro = sum(system.moved.values()), system.peak_memory, str(u)
         rows.append({"system": name, "status": "ran", "microbatch": micro, "step_s": seconds,

@@ -73,7 +73,7 @@ def estimated_tasks(plan: Plan) -> int:
 
 def out_of_memory(trace: Trace) -> str | None:
     """Which GPU runs out of memory and by how much, or None when the trace fits."""
-    peak, cap = trace.summary["peak_memory"], trace.summary["memory_capacity"]
+    peak, cap = trace.summary.peak_memory, trace.summary.memory_capacity
     over = sorted((d for d in cap if peak.get(d, 0.0) > cap[d]), key=lambda d: cap[d] - peak[d])
     if not over:
         return None
@@ -202,13 +202,13 @@ class Exploration:
 
     def to_dict(self) -> dict:
         """JSON-ready: the plan, the problem, the comparison rows and the trace's headline numbers."""
-        s = self.trace.summary if self.trace is not None else {}
+        s = self.trace.summary if self.trace is not None else None
         return {
             "plan": self.plan.to_dict() if self.plan else None,
             "problem": self.problem,
-            "iteration_s": s.get("iteration_s"),
-            "swap_bytes": s.get("swap_bytes"),
-            "peak_memory": s.get("peak_memory"),
+            "iteration_s": s and s.iteration_s,
+            "swap_bytes": s and s.swap_bytes,
+            "peak_memory": s and s.peak_memory,
             "comparison": _records(self.comparison),
         }
 
@@ -327,8 +327,8 @@ def _row(plan: Plan, trace: Trace | None, problem: str | None, chosen: bool) -> 
            "swap_gb": math.nan, "peak_gb": math.nan, "fits": False, "note": problem}
     if trace is not None:
         s = trace.summary
-        row.update(iteration_s=s["iteration_s"], samples_per_s=s["samples_per_s"], swap_gb=s["swap_bytes"] / 1e9,
-                   peak_gb=max(s["peak_memory"].values()) / 1e9, fits=bool(s["fits"]))
+        row.update(iteration_s=s.iteration_s, samples_per_s=s.samples_per_s, swap_gb=s.swap_bytes / 1e9,
+                   peak_gb=max(s.peak_memory.values()) / 1e9, fits=bool(s.fits))
     return row
 
 
@@ -472,5 +472,5 @@ class RunForReal(_Explorer):
 
 def _real_row(executor: str, trace: Trace) -> dict:
     s = trace.summary
-    return {"executor": executor, "iteration_s": s["iteration_s"], "swap_mb": s["swap_bytes"] / 1e6,
-            "peak_mb": max(s["peak_memory"].values()) / 1e6, "tasks": len(trace.timeline)}
+    return {"executor": executor, "iteration_s": s.iteration_s, "swap_mb": s.swap_bytes / 1e6,
+            "peak_mb": max(s.peak_memory.values()) / 1e6, "tasks": len(trace.timeline)}
