@@ -71,7 +71,7 @@ def main() -> int:
     print(f"h2d time overlapped with compute: {overlap_fraction(engine.trace.timeline):.2%}")
     print(f"steady state: cudaMalloc segments made per step after the first {[b - a for a, b in zip(segments, segments[1:])]}"
           f", page-locked host buffers made per step {host_buffers}")
-    print(f"peak device memory (ledger): {s['peak_memory']['gpu0'] / 1e6:.1f} MB, "
+    print(f"peak device memory (ledger): {s.peak_memory['gpu0'] / 1e6:.1f} MB, "
           f"torch max_memory_allocated: {torch.cuda.max_memory_allocated() / 1e6:.1f} MB")
     return 0
 

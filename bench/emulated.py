@@ -95,19 +95,19 @@ def main() -> None:
         results[policy] = (statistics.median(times[1:]), measured, sim, volume)
         it = statistics.median(times[1:])
         print(f"\n{policy}: measured {it:.3f} s/step (median of {args.steps - 1}), "
-              f"simulated {sim['iteration_s']:.3f} s")
-        print(f"  measured / lower bound       {measured['iteration_s'] / measured['lower_bound_s']:.3f}"
-              f"  (bound {measured['lower_bound_s']:.3f} s, {measured['lower_bound_by']})")
-        print(f"  measured / simulated time    {it / sim['iteration_s']:.3f}")
-        print(f"  measured / simulated peak    {measured['peak_memory']['gpu0'] / sim['peak_memory']['gpu0']:.3f}"
-              f"  ({measured['peak_memory']['gpu0'] / 1e6:.2f} MB vs {sim['peak_memory']['gpu0'] / 1e6:.2f} MB,"
+              f"simulated {sim.iteration_s:.3f} s")
+        print(f"  measured / lower bound       {measured.iteration_s / measured.lower_bound_s:.3f}"
+              f"  (bound {measured.lower_bound_s:.3f} s, {measured.lower_bound_by})")
+        print(f"  measured / simulated time    {it / sim.iteration_s:.3f}")
+        print(f"  measured / simulated peak    {measured.peak_memory['gpu0'] / sim.peak_memory['gpu0']:.3f}"
+              f"  ({measured.peak_memory['gpu0'] / 1e6:.2f} MB vs {sim.peak_memory['gpu0'] / 1e6:.2f} MB,"
               f" capacity {device.capacity / 1e6:.1f} MB)")
         kinds = sorted(k for k, v in volume.items() if v)
         print("  measured / closed-form bytes " + ", ".join(
-            f"{k} {measured['bytes_by_kind'].get(k, 0.0) / volume[k]:.3f}" for k in kinds))
+            f"{k} {measured.bytes_by_kind.get(k, 0.0) / volume[k]:.3f}" for k in kinds))
     (t_h, m_h, *_), (t_v, m_v, *_) = results["harmony-pp"], results["virtual-memory"]
     print(f"\nHarmony vs virtual memory on the same engine: speedup {t_v / t_h:.2f}x, "
-          f"swap volume {m_v['swap_bytes'] / m_h['swap_bytes']:.2f}x less")
+          f"swap volume {m_v.swap_bytes / m_h.swap_bytes:.2f}x less")
 
     print("\nharmony-pp: update time exposed after the last compute task (goal <= 5% of the iteration), "
           f"median of {args.steps - 1} steps")

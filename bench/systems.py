@@ -28,6 +28,7 @@ import torch
 
 import harmony
 from harmony import EmulatedServer, Engine, OutOfMemoryError
+from harmony.trace import Summary
 from harmony.engine.calibrate import calibrate
 from harmony.engine.profiler import link_like_1080ti, profile
 from harmony.planner import plans_for
@@ -38,7 +39,7 @@ POLICIES = list(harmony.POLICIES)
 PAPER_P2P_OVER_PCIE = 8.2 / 11.5  # paper-4x1080ti: peer copies vs host link
 
 
-def moved(summary: dict) -> dict:
+def moved(summary: Summary) -> dict:
     kinds = summary.bytes_by_kind
     return {"host<->GPU GB": summary.swap_bytes / 1e9,
             "GPU<->GPU GB": (kinds.get("P2P", 0.0) + kinds.get("REDUCE", 0.0)) / 1e9}

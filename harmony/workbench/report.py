@@ -40,12 +40,12 @@ def format_summary(plan: Plan, trace: Trace) -> str:
         f"plan: {plan.describe()}",
         f"  forward packs  {list(plan.fwd_packs)}",
         f"  backward packs {list(plan.bwd_packs)}",
-        f"iteration {s['iteration_s']:.3f} s, {s['samples_per_s']:.2f} samples/s, "
-        f"lower bound {s['lower_bound_s']:.3f} s ({s['lower_bound_by']}), "
-        f"time / bound {s['time_over_lower_bound']:.2f}",
+        f"iteration {s.iteration_s:.3f} s, {s.samples_per_s:.2f} samples/s, "
+        f"lower bound {s.lower_bound_s:.3f} s ({s.lower_bound_by}), "
+        f"time / bound {s.time_over_lower_bound:.2f}",
         "bytes moved: " + ", ".join(f"{k} {gb(v)}" for k, v in sorted(s.bytes_by_kind.items()) if v),
         "peak memory: " + ", ".join(
-            f"{d} {gb(v)} / {gb(s['memory_capacity'][d])}" for d, v in sorted(s.peak_memory.items())),
+            f"{d} {gb(v)} / {gb(s.memory_capacity[d])}" for d, v in sorted(s.peak_memory.items())),
         "fits: " + ("yes" if s.fits else "NO: over GPU memory"),
     ]
     return "\n".join(lines)

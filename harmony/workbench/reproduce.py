@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 from ..errors import HarmonyError
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # harmony/: its source is hashed
 ROOT = PACKAGE_DIR.parent
 EXPERIMENTS_DIR = ROOT / "experiments"
 KERNEL = "python3"

@@ -1,0 +1,40 @@
+"""Each experiment's parameters, read from its ``experiments/<name>.yaml``
+(the one place they are written), and the servers the simulated figures use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...costs.hardware import Hardware, preset
+from ...errors import HarmonyError
+from ...policies import names
+from ..reproduce import EXPERIMENTS_DIR, load_experiment
+
+HARDWARE = "paper-4x1080ti"
+HARDWARE_8 = "paper-8x1080ti"
+HARMONY_POLICIES = tuple(names("harmony"))
+BASELINE = "virtual-memory"
+PAPER_MODELS = ["bert-96", "gpt2-xl", "vgg416", "resnet1026"]
+
+
+def settings(experiment: str, quick: bool, **given: Any) -> dict[str, Any]:
+    """The parameters of ``experiment``: each one ``given`` that is not None,
+    else its value in the experiment's YAML for the mode (``quick`` or full)."""
+    path = EXPERIMENTS_DIR / f"{experiment}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
+        raise HarmonyError(f"unknown experiment {experiment!r}; known: {', '.join(known)}")
+    out = load_experiment(path).params(full=not quick)
+    out.pop("quick", None)  # the mode itself, not a setting
+    out.update({k: v for k, v in given.items() if v is not None})
+    return out
+
+
+def hardware_for(n_gpus: int, hardware: str = HARDWARE) -> Hardware:
+    """The paper's 4-GPU server for up to 4 GPUs, its 8-GPU configuration beyond."""
+    hw = preset(hardware)
+    if n_gpus > hw.n_gpus and hardware == HARDWARE:
+        hw = preset(HARDWARE_8)
+    if n_gpus > hw.n_gpus:
+        raise HarmonyError(f"{hw.name} has {hw.n_gpus} GPUs, {n_gpus} asked")
+    return hw
