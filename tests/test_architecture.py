@@ -1,0 +1,109 @@
+"""The layout ARCHITECTURE.md describes, kept: no import cycles, data flowing
+one way (policies never simulate, the engine uses policies only through their
+package's API, the library never imports the workbench)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "harmony"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The harmony modules ``name`` imports at module level (not inside functions)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in MODULES else target)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in MODULES and m != name}
+
+
+EDGES = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``edges`` as a path, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        stack.pop()
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _package(name: str) -> str:
+    return ".".join(name.split(".")[:2])
+
+
+def test_no_cycle_between_packages():
+    edges: dict[str, set[str]] = {}
+    for src, targets in EDGES.items():
+        for dst in targets:
+            if _package(src) != _package(dst) and _package(dst) != "harmony":
+                edges.setdefault(_package(src), set()).add(_package(dst))
+    assert _cycle(edges) is None
+
+
+@pytest.mark.parametrize("package", sorted({_package(m) for m in MODULES if m.count(".") >= 2}))
+def test_no_cycle_inside_a_package(package):
+    edges = {m: {d for d in t if _package(d) == package} for m, t in EDGES.items() if _package(m) == package}
+    assert _cycle(edges) is None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_policies_build_graphs_only():
+    for name, targets in EDGES.items():
+        if name.startswith("harmony.policies"):
+            assert not {t for t in targets if t.startswith(("harmony.simulate", "harmony.planner",
+                                                            "harmony.engine"))}, name
+
+
+def test_the_engine_uses_policies_through_their_package_api():
+    for name, targets in EDGES.items():
+        if name.startswith("harmony.engine"):
+            inside = {t for t in targets if t.startswith("harmony.policies.")}
+            assert not inside, f"{name} imports policy internals {sorted(inside)}"
+
+
+def test_the_library_never_imports_the_workbench():
+    for name, targets in EDGES.items():
+        if not name.startswith(("harmony.workbench", "harmony.cli")):
+            assert not {t for t in targets if t.startswith("harmony.workbench")}, name
