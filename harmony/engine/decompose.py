@@ -13,8 +13,31 @@ a parameter that two layers share (tied weights) is reported in
   ``nn.Sequential`` is replaced by its children (one level);
 * a list or tuple of modules, or an ``nn.ModuleList``: the chain as given
   (the zoo's lists, ``harmony.zoo.build(name)[:-1]``, without the loss);
-* Hugging Face ``GPT2LMHeadModel`` / ``GPT2Model``: embeddings, each block,
-  final LayerNorm (+ LM head), with the LM head tied to the token embedding;
+* a Hugging Face transformers model of a common family (transformers 5; see
+  :mod:`harmony.engine.decompose_hf`): embeddings (layer 0, called with
+  ``input_ids[, attention_mask]``, or ``pixel_values`` for ViT), one layer per
+  block, then the final norm with the head. An attention mask travels along the
+  chain with the hidden states, so padding works; an LM head tied to the token
+  embedding is reported in ``tied``. Per family:
+
+  - GPT-2 (``GPT2LMHeadModel``, ``GPT2Model``): token + learned positions, causal mask;
+  - Llama, Mistral, Qwen2 (``*ForCausalLM``, ``*Model``): each block recomputes the
+    rotary cos/sin with the model's own rotary module and its causal mask (Mistral's
+    sliding window, Qwen2's per-layer sliding window) as the model's forward does;
+  - OPT (``OPTForCausalLM``, ``OPTModel``): learned positions counted over the
+    non-padding tokens, projections in and out (``word_embed_proj_dim``);
+    ``layerdrop > 0`` is refused;
+  - GPT-NeoX (``GPTNeoXForCausalLM``, ``GPTNeoXModel``): partial rotary, parallel residual;
+  - BERT, RoBERTa (``*Model``, ``*ForMaskedLM``, ``*ForSequenceClassification``,
+    ``BertLMHeadModel``): bidirectional padding mask, ``token_type_ids`` as an
+    optional third input; a bare model with a pooler ends with
+    ``(last_hidden_state, pooler_output)``;
+  - ViT (``ViTModel``, ``ViTForImageClassification``): patch embeddings, encoder
+    blocks, final LayerNorm (+ the classifier on the first token, or the pooler).
+
+  Other transformers classes are an error that names them and the way out
+  (a list of blocks). With ``example_inputs`` the chain is also run beside the
+  model's own forward, and a failing layer or a differing output is reported;
 * any other module: a :mod:`torch.fx` split of its ``forward``. The top-level
   children are the units (the children of a top-level ``nn.Sequential``,
   ``nn.ModuleList`` or ``nn.ModuleDict`` are units themselves, so a wrapper
@@ -24,6 +47,13 @@ a parameter that two layers share (tied weights) is reported in
   called on the segment's input is returned as that module itself, otherwise
   as a ``torch.fx.GraphModule`` that references the model's own submodules
   and parameters.
+
+An in-place module (``nn.ReLU(inplace=True)`` and the like) never starts a
+layer: it joins the layer before it, since the engine stashes each layer's input
+and differentiates with respect to it. A layer that draws random numbers
+without an ``nn.Dropout`` module (functional dropout inside a Hugging Face
+block) has ``draws_random = True``, so that the engine seeds and runs it under
+its generator lock on several GPUs.
 
 The layers reference the model's parameters (the same ``Parameter`` objects),
 never copies.
@@ -103,7 +133,9 @@ def decompose(model, *, example_inputs=None) -> Chain:
     elif isinstance(model, nn.Sequential):
         layers, names = _from_sequential(model, example_inputs)
     elif type(model).__module__.startswith("transformers."):
-        layers, names = _from_transformers(model)
+        from .decompose_hf import split  # imports transformers: only for its models
+
+        layers, names = split(model, example_inputs)
     else:
         layers, names = _from_fx(model, example_inputs)
     canonical = {}
@@ -143,10 +175,31 @@ def _from_sequential(model: nn.Sequential, example_inputs) -> tuple[list[nn.Modu
             names.append(name)
     if not layers:
         raise HarmonyError("the nn.Sequential is empty: a chain needs at least one layer")
-    layers, names = _from_list(layers, names, what="the nn.Sequential")
+    layers, names = _from_list(*_join_in_place(layers, names), what="the nn.Sequential")
     if example_inputs is not None:
         layers = _take_tuples_whole(layers, names, example_inputs)
     return layers, names
+
+
+def _in_place(module: nn.Module) -> bool:
+    """Whether ``module`` overwrites its input (``nn.ReLU(inplace=True)`` and the like).
+    Such a module never starts a layer: the engine stashes a layer's input and
+    differentiates with respect to it, so the layer must not overwrite it."""
+    return getattr(module, "inplace", False) is True
+
+
+def _join_in_place(layers: list[nn.Module], names: list[str]
+                   ) -> tuple[list[nn.Module], list[str]]:
+    """Each in-place module joins the layer before it, as an ``nn.Sequential`` of both."""
+    groups: list[tuple[list[nn.Module], list[str]]] = []
+    for layer, name in zip(layers, names):
+        if groups and _in_place(layer):
+            groups[-1][0].append(layer)
+            groups[-1][1].append(name)
+        else:
+            groups.append(([layer], [name]))
+    return ([g[0] if len(g) == 1 else nn.Sequential(*g) for g, _ in groups],
+            ["+".join(n) for _, n in groups])
 
 
 class TupleArgument(nn.Module):
@@ -177,82 +230,6 @@ def _take_tuples_whole(layers, names, example_inputs) -> list[nn.Module]:
                 raise HarmonyError(f"running example_inputs through layer {names[i]} ({type(layer).__name__}) "
                                    f"failed: {type(e).__name__}: {e}; pass inputs the model accepts") from e
     return out
-
-
-# ---- Hugging Face transformers ------------------------------------------------
-class HFGPT2Embeddings(nn.Module):
-    """Token plus position embeddings, then dropout, exactly as ``GPT2Model.forward``
-    computes them for ``input_ids`` [batch, seq] (no cache, no position ids, no token types)."""
-
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module):
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        input_ids = input_ids.view(-1, input_ids.shape[-1])
-        inputs_embeds = self.wte(input_ids)
-        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
-        hidden_states = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.device)
-        return self.drop(hidden_states)
-
-
-class HFGPT2Block(nn.Module):
-    """One ``GPT2Block`` called as ``GPT2Model.forward`` calls it without an attention
-    mask: the causal mask (None under sdpa) is rebuilt from the hidden states' shape."""
-
-    def __init__(self, block: nn.Module, config):
-        super().__init__()
-        self.block = block
-        object.__setattr__(self, "_config", config)  # not a module, not saved
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
-        try:
-            from transformers.masking_utils import create_causal_mask
-        except ImportError:  # older transformers: the block masks causally itself
-            out = self.block(hidden_states)
-        else:
-            mask = create_causal_mask(config=self._config, inputs_embeds=hidden_states, attention_mask=None,
-                                      past_key_values=None, position_ids=position_ids)
-            out = self.block(hidden_states, None, mask, None, encoder_attention_mask=None, use_cache=False,
-                             position_ids=position_ids)
-        return out[0] if isinstance(out, tuple) else out
-
-
-class HFGPT2Head(nn.Module):
-    """The final LayerNorm and the LM head (whose weight is usually the token embedding's)."""
-
-    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear):
-        super().__init__()
-        self.ln_f, self.lm_head = ln_f, lm_head
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(hidden_states))
-
-
-def _from_transformers(model: nn.Module) -> tuple[list[nn.Module], list[str]]:
-    kind = type(model).__name__
-    if kind == "GPT2LMHeadModel":
-        body, prefix = model.transformer, "transformer."
-    elif kind == "GPT2Model":
-        body, prefix = model, ""
-    else:
-        raise HarmonyError(f"{kind} from transformers cannot be split automatically (supported: GPT2LMHeadModel, "
-                           f"GPT2Model); {_HOW_TO}, e.g. [embeddings, *blocks, head] with small wrappers that "
-                           "call each part as the model's forward does")
-    config = body.config
-    layers: list[nn.Module] = [HFGPT2Embeddings(body.wte, body.wpe, body.drop)]
-    names = [f"{prefix}wte+wpe+drop"]
-    for i, block in enumerate(body.h):
-        layers.append(HFGPT2Block(block, config))
-        names.append(f"{prefix}h.{i}")
-    if kind == "GPT2LMHeadModel":
-        layers.append(HFGPT2Head(body.ln_f, model.lm_head))
-        names.append(f"{prefix}ln_f+lm_head")
-    else:
-        layers.append(body.ln_f)
-        names.append("ln_f")
-    return layers, names
 
 
 # ---- torch.fx -----------------------------------------------------------------
@@ -334,6 +311,8 @@ def _from_fx(model: nn.Module, example_inputs) -> tuple[list[nn.Module], list[st
 
     cuts = []
     for a, b in zip(anchors, anchors[1:]):
+        if _in_place(gm.get_submodule(nodes[b].target)):
+            continue  # it stays with the unit before it (see _in_place)
         valid = [p for p in range(a + 1, b + 1) if single[p] is not None]
         if valid:
             cuts.append(valid[-1])  # the ops after a unit stay with it

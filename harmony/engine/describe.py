@@ -82,6 +82,8 @@ def norm_tensor_names(layer: nn.Module) -> set[str]:
 def microbatch_dependence(layers) -> str | None:
     """Why the layers' results depend on how a minibatch is cut into microbatches
     (so forward and backward must use one microbatch size), or None."""
+    if any(getattr(layer, "draws_random", False) for layer in layers):  # functional dropout
+        return "dropout: recompute must draw the forward pass's masks, which are seeded per microbatch"
     for m in (m for layer in layers for m in layer.modules()):
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             return "dropout: recompute must draw the forward pass's masks, which are seeded per microbatch"

@@ -132,9 +132,11 @@ class Engine:
         # BatchNorm's parameters and statistics keep their dtype under mixed precision
         self.norm_tensors = [norm_tensor_names(layer) for layer in self.layers]
         # Layers that draw random numbers: with several compute threads, seeding the
-        # generator and running such a layer must not interleave.
+        # generator and running such a layer must not interleave. A layer whose dropout
+        # is functional (no module to find) says so with draws_random (see decompose).
         self.random_layers = {i for i, layer in enumerate(self.layers)
-                              if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+                              if getattr(layer, "draws_random", False)
+                              or any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
                                      for m in layer.modules())}
         self.rng_lock = threading.Lock()
         self._replicas: dict[tuple[int, int], nn.Module] = {}
