@@ -1,0 +1,407 @@
+"""The storage tiers below the GPU: a host budget that refuses to overflow, a
+disk tier whose state round-trips bitwise, trains bitwise like state in
+memory, survives kill -9 at any moment as the state of a committed step,
+refuses bad directories up front, places state optimizer-first and paces
+to a bandwidth.
+
+Run as a script (``python tests/test_disk_tier.py crash DIR TRIALS SEED``),
+this file is the crash harness of
+:func:`test_kill_during_writes_leaves_a_committed_step`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from harmony import FlatAdamW
+from harmony.engine.tiers import (DiskTier, DiskTierError, HostBudget, HostBudgetError, PackBytes,
+                                  adopt_state, drop_state, export_state, measure_disk_bandwidth,
+                                  place_state)
+
+PACKS = 3
+WIDTH = 32
+
+
+# ---- a tiny model trained pack by pack, its AdamW state in memory or in a tier ----
+def make_packs() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(PACKS)]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+
+
+def backward(packs: list[nn.Module], step: int) -> None:
+    x, y = batch(step)
+    for pack in packs:
+        x = pack(x)
+    nn.functional.mse_loss(x, y).backward()
+
+
+def weights(pack: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.data for name, p in pack.named_parameters()}
+
+
+def disk_step(packs, opts, tier: DiskTier, step: int, with_weights: bool) -> None:
+    """One training step whose AdamW state (and with ``with_weights`` the weights)
+    lives in ``tier``: per pack, read the state, step, write it back; then commit."""
+    backward(packs, step)
+    for i, (pack, opt) in enumerate(zip(packs, opts)):
+        state = tier.read(i, "optimizer") if tier.has(i, "optimizer") else {}
+        adopt_state(opt, state)
+        opt.step()
+        tier.write(i, "optimizer", export_state(opt))
+        drop_state(opt)
+        if state:
+            state.release()
+        if with_weights:
+            tier.write(i, "weights", weights(pack))
+        opt.zero_grad(set_to_none=True)
+    tier.commit(step + 1)
+
+
+def memory_step(packs, opts, step: int) -> None:
+    backward(packs, step)
+    for opt in opts:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def snapshot(packs, state_of) -> list[torch.Tensor]:
+    """Every weight and optimizer-state tensor, in a fixed order, copied."""
+    out = []
+    for i, pack in enumerate(packs):
+        out += [t.clone() for t in weights(pack).values()]
+        out += [t.clone() for _, t in sorted(state_of(i).items())]
+    return out
+
+
+def bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8)
+
+    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape
+                                    and torch.equal(raw(x), raw(y)) for x, y in zip(a, b))
+
+
+def tier_state(tier: DiskTier, i: int) -> dict[str, torch.Tensor]:
+    if not tier.has(i, "optimizer"):
+        return {}
+    with tier.read(i, "optimizer", verify=True) as state:
+        return {k: v.clone() for k, v in state.items()}
+
+
+# ---- host budget -------------------------------------------------------------------
+def test_budget_refuses_over_capacity_with_what_and_how():
+    budget = HostBudget("1MB")
+    assert budget.capacity == 1_000_000 and HostBudget("8GB").capacity == 8 * 10**9
+    budget.charge("master weights", 600_000)
+    with pytest.raises(HostBudgetError, match=r"optimizer state needs 500 KB but only 400 KB of "
+                                              r"1 MB are free \(largest held: master weights "
+                                              r"600 KB\)\. Give a larger budget"):
+        budget.charge("optimizer state", 500_000)
+    with pytest.raises(HostBudgetError, match="already charged"):
+        budget.charge("master weights", 1)
+    with budget.hold("stash", 400_000):
+        assert budget.free == 0
+    t = budget.empty("gradients", 1000, torch.float32)
+    assert t.numel() == 1000 and budget.in_use == 604_000 and budget.peak == 1_000_000
+    assert budget.release("gradients") == 4000 and budget.release("master weights") == 600_000
+    assert budget.in_use == 0 and budget.peak == 1_000_000
+    with pytest.raises(HostBudgetError, match="not charged"):
+        budget.release("master weights")
+    assert HostBudget().capacity > 0  # what the machine has
+
+
+# ---- disk tier ---------------------------------------------------------------------
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+def test_round_trip_is_bitwise(tmp_path, direct):
+    g = torch.Generator().manual_seed(0)
+
+    def bits(n: int) -> torch.Tensor:
+        return torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g)
+
+    state = {
+        "exp_avg": bits(10_000).view(torch.float32),  # every bit pattern, NaNs included
+        "exp_avg_sq": bits(3 * 7 * 11).view(torch.float32).view(3, 7, 11),
+        "bf16": bits(501).view(torch.bfloat16),
+        "half": bits(17).view(torch.float16).view(2, 17),
+        "double": bits(64).view(torch.float64),
+        "index": bits(6).view(torch.int64),
+        "step": torch.tensor(7.0),
+        "empty": torch.empty(0, 4),
+    }
+    budget = HostBudget("10MB")
+    # small chunks on 3 threads: chunks cross tensor boundaries and run out of order
+    with DiskTier.create(tmp_path / "tier", state_bytes=10**6, budget=budget, chunk=8192,
+                         threads=3, direct=direct) as tier:
+        tier.write((2, 1), "optimizer", state)
+        with tier.read((2, 1), "optimizer", verify=True) as back:
+            assert list(back) == list(state) and bitwise(list(back.values()), list(state.values()))
+        into = {k: torch.empty_like(v) for k, v in state.items()}
+        tier.read((2, 1), "optimizer", into=into, verify=True)
+        assert bitwise(list(into.values()), list(state.values()))
+        tier.commit(0)
+        assert any("staging" in name for name in budget.allocations)  # kept for the next read
+    assert budget.in_use == 0
+    with DiskTier.open(tmp_path / "tier", expect_step=0, direct=direct) as tier:
+        with tier.read((2, 1), "optimizer") as back:
+            assert bitwise(list(back.values()), list(state.values()))
+        with pytest.raises(DiskTierError, match="holds no 'weights' state of pack 2-1"):
+            tier.read((2, 1), "weights")
+        with pytest.raises(DiskTierError, match="float32 \\[10000\\]; got a float32 \\[3\\]"):
+            tier.read((2, 1), "optimizer", into={**into, "exp_avg": torch.empty(3)})
+
+
+@pytest.mark.parametrize("optimizer", [lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                       lambda ps: FlatAdamW(ps, lr=1e-2)],
+                         ids=["adamw", "flat-adamw"])
+def test_training_with_optimizer_state_on_disk_is_bitwise(tmp_path, optimizer):
+    steps = 5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        packs = make_packs()
+        opts = [optimizer(p.parameters()) for p in packs]
+        for step in range(steps):
+            memory_step(packs, opts, step)
+        expected = snapshot(packs, lambda i: {k: v for k, v in export_state(opts[i]).items()})
+
+        packs = make_packs()
+        opts = [optimizer(p.parameters()) for p in packs]
+        with DiskTier.create(tmp_path / "tier", budget=HostBudget("64MB"), chunk=4096) as tier:
+            for step in range(steps):
+                disk_step(packs, opts, tier, step, with_weights=False)
+                assert all(not opt.state for opt in opts)  # no state held between updates
+            assert bitwise(snapshot(packs, lambda i: tier_state(tier, i)), expected)
+            # each write is read once, by the next step or by the check
+            assert tier.bytes_read == tier.bytes_written > 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_uncommitted_and_torn_writes_are_ignored(tmp_path):
+    a, b, c = ({"x": torch.full((5000,), v)} for v in (1.0, 2.0, 3.0))
+    slot0 = tmp_path / "pack-0.optimizer.0"
+    with DiskTier.create(tmp_path, chunk=4096) as tier:
+        tier.write(0, "optimizer", a)
+        tier.commit(1)
+        tier.write(0, "optimizer", b)
+        tier.write(1, "optimizer", b)
+        tier.commit(2)
+        old = slot0.read_bytes()
+        tier.write(0, "optimizer", a)  # a step that failed:
+        tier.discard()  # its writes are forgotten
+        with tier.read(0, "optimizer") as latest:
+            assert torch.equal(latest["x"], b["x"])
+        tier.write(0, "optimizer", c)  # step 3 under way: into the slot of step 1
+        with tier.read(0, "optimizer") as latest:
+            assert torch.equal(latest["x"], c["x"])  # a tier reads its own writes
+    with open(slot0, "r+b") as f:  # killed before the header was written: new payload, old header
+        f.write(old[:4096])
+    with DiskTier.open(tmp_path) as tier:  # step 2, untouched
+        assert tier.step == 2 and not tier.ignored
+        with tier.read(0, "optimizer") as state:
+            assert torch.equal(state["x"], b["x"])
+    with pytest.raises(DiskTierError, match=r"pack-0\.optimizer\.0 is damaged: its checksums "
+                                            r"do not match the manifest's \(0/optimizer as of "
+                                            r"step 1\)"):
+        DiskTier.open(tmp_path, expect_step=1)
+    with pytest.raises(DiskTierError, match="last committed at step 2, and step 3 was asked for"):
+        DiskTier.open(tmp_path, expect_step=3)
+    with pytest.raises(DiskTierError, match="already holds a run"):
+        DiskTier.create(tmp_path)
+    with DiskTier.open(tmp_path) as tier:  # the engine died after the tier's commit of step 3 ...
+        tier.write(0, "optimizer", c)
+        tier.commit(3)
+    # ... and before its own checkpoint of step 3
+    with DiskTier.open(tmp_path, expect_step=2) as tier:
+        assert tier.step == 2
+        assert tier.ignored == ["0/optimizer slot 0: holds step 3, newer than step 2"]
+        with tier.read(0, "optimizer", verify=True) as state:
+            assert torch.equal(state["x"], b["x"])
+        with pytest.raises(DiskTierError, match="needs a step after 2"):
+            tier.commit(2)
+        tier.write(0, "optimizer", a)  # overwrites step 3's slot, not step 2's
+        tier.commit(3)
+    with DiskTier.open(tmp_path, expect_step=2) as tier, tier.read(0, "optimizer") as state:
+        assert torch.equal(state["x"], b["x"])
+
+
+# ---- a kill at any moment ----------------------------------------------------------
+CRASH_STEPS = 400  # more than a trial gets through before its kill
+
+
+def _reference() -> list[list[torch.Tensor]]:
+    """The state after each step of the run, trained in memory."""
+    packs = make_packs()
+    opts = [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in packs]
+    states = [snapshot(packs, lambda i: {})]
+    for step in range(CRASH_STEPS):
+        memory_step(packs, opts, step)
+        states.append(snapshot(packs, lambda i: export_state(opts[i])))
+    return states
+
+
+def _resume(directory: Path, **options) -> tuple[list[nn.Module], list, DiskTier]:
+    tier = DiskTier.open(directory, **options)
+    packs = make_packs()
+    for i, pack in enumerate(packs):
+        tier.read(i, "weights", into=weights(pack))
+    return packs, [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in packs], tier
+
+
+def _crash_harness(directory: Path, trials: int, seed: int) -> None:
+    """Train in ``directory`` in a forked process, kill -9 it at a random moment,
+    keep a copy of what it left; ``trials`` times, each resuming the last."""
+    rng = random.Random(seed)
+    warm = nn.Parameter(torch.zeros(1))
+    warm.grad = torch.ones(1)
+    torch.optim.AdamW([warm]).step()  # a first step imports for seconds: not in each trial
+    for trial in range(trials):
+        pid = os.fork()
+        # the trainer: writes paced to 10 MB/s in 16 KiB chunks, so kills land mid-file
+        if pid == 0:
+            try:
+                packs, opts, tier = _resume(directory, write_rate="10MB/s", chunk=16384)
+                for step in range(tier.step, CRASH_STEPS):
+                    disk_step(packs, opts, tier, step, with_weights=True)
+            finally:
+                os._exit(0)
+        time.sleep(rng.uniform(0.05, 0.6))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        shutil.copytree(directory, directory.parent / f"trial-{trial}")
+        print(f"trial {trial} killed", flush=True)
+
+
+def test_kill_during_writes_leaves_a_committed_step(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = _reference()
+        packs = make_packs()
+        with DiskTier.create(tmp_path / "run") as tier:
+            for i, pack in enumerate(packs):
+                tier.write(i, "weights", weights(pack))
+            tier.commit(0)
+        trials = 6
+        harness = [sys.executable, __file__, "crash", str(tmp_path / "run"), str(trials), "0"]
+        done = subprocess.run(harness, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr
+        steps = []
+        for trial in range(trials):
+            packs, opts, tier = _resume(tmp_path / f"trial-{trial}")
+            with tier:
+                step = tier.step
+                steps.append(step)
+                # the state of a committed step, never a mix of two
+                assert bitwise(snapshot(packs, lambda i: tier_state(tier, i)), reference[step])
+                # and it goes on as if it had never been interrupted
+                for s in range(step, min(step + 3, CRASH_STEPS)):
+                    disk_step(packs, opts, tier, s, with_weights=True)
+                after = snapshot(packs, lambda i: tier_state(tier, i))
+                assert bitwise(after, reference[tier.step])
+        assert steps == sorted(steps) and steps[-1] > 0, steps
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- bad directories, before the first step --------------------------------------
+def test_bad_directories_are_refused_up_front(tmp_path):
+    missing = tmp_path / "no" / "tier"
+    with pytest.raises(DiskTierError, match=f"{missing} does not exist, nor does its parent"):
+        DiskTier.create(missing)
+    DiskTier.create(tmp_path / "made").close()  # the last level is made
+    assert (tmp_path / "made").is_dir()
+    with pytest.raises(DiskTierError, match="does not exist: nothing to resume"):
+        DiskTier.open(tmp_path / "missing")
+    with pytest.raises(DiskTierError, match="has no committed state"):
+        DiskTier.open(tmp_path / "made")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DiskTierError, match="is a file"):
+        DiskTier.create(tmp_path / "file")
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(DiskTierError, match=rf"{tmp_path / 'big'}: the state \(.* x 2 slots, "
+                                            r"double buffered\) needs .* on disk but the "
+                                            r"filesystem has .* free"):
+        DiskTier.create(tmp_path / "big", state_bytes=free)
+    assert not any((tmp_path / "big").iterdir())  # nothing written
+
+
+def test_read_only_directory_is_refused(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    immutable = False
+    try:
+        if os.access(ro, os.W_OK):  # root writes through permissions: make the directory immutable
+            immutable = shutil.which("chattr") is not None and subprocess.run(
+                ["chattr", "+i", str(ro)], capture_output=True).returncode == 0
+            if not immutable:
+                pytest.skip("running as root, and chattr +i is not available to make a "
+                            "directory unwritable")
+        with pytest.raises(DiskTierError, match=f"disk tier {ro} is not writable"):
+            DiskTier.create(ro)
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(ro)], check=True)
+        ro.chmod(0o700)
+
+
+# ---- placement, pacing, bandwidth ------------------------------------------------
+def test_placement_moves_optimizer_state_out_first():
+    packs = [PackBytes(weights=100, gradients=100, optimizer=200)] * 4  # 1600 in all
+    assert place_state(packs, 2000, reserve=100).on_disk == ()
+    placed = place_state(packs, 1500, reserve=100)  # the last pack's optimizer state first
+    assert placed.on_disk == ((3, "optimizer"), (2, "optimizer"), (1, "optimizer"))
+    assert placed.where(0, "optimizer") == "host" and placed.where(3, "optimizer") == "disk"
+    # state kept, staging for 2 packs, reserve
+    assert placed.host_bytes == 1600 - 600 + 2 * 200 + 100 <= 1500
+    assert placed.read_bytes_per_step == placed.write_bytes_per_step == 600 == placed.disk_bytes
+    assert placed.disk_seconds(read_rate=100, write_rate=50) == 600 / 100 + 600 / 50
+    more = place_state(packs, 1250, reserve=100)  # then master weights, before any gradient
+    assert [k for _, k in more.on_disk] == ["optimizer"] * 4 + ["weights"] * 3
+    assert more.host_bytes == 1600 - 1100 + 2 * 300 + 100 <= 1250  # staging grew to 2 x 300
+    thrice = place_state(packs, 1250, reserve=100, weight_reads=3)
+    assert thrice.read_bytes_per_step == 800 + 3 * 300
+    with pytest.raises(HostBudgetError, match="even with all the state on disk"):
+        place_state(packs, 500, reserve=100)
+
+
+def test_paced_mode_takes_bytes_over_bandwidth(tmp_path):
+    state = {"x": torch.zeros(8 << 20, dtype=torch.uint8)}  # 8.4 MB
+    with DiskTier.create(tmp_path, read_rate="40MB/s", write_rate="30MB/s", chunk=1 << 20) as tier:
+        started = time.perf_counter()
+        tier.write(0, "optimizer", state)
+        written = time.perf_counter() - started
+        started = time.perf_counter()
+        tier.read(0, "optimizer").release()
+        read = time.perf_counter() - started
+    nbytes = state["x"].numel()
+    assert abs(written / (nbytes / 30e6) - 1) < 0.15, written
+    assert abs(read / (nbytes / 40e6) - 1) < 0.15, read
+
+
+def test_measured_bandwidth_is_positive(tmp_path):
+    measured = measure_disk_bandwidth(tmp_path, "8MB")
+    assert measured.read > 0 and measured.write > 0 and not list(tmp_path.iterdir())
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["crash"]:
+    torch.set_num_threads(1)
+    _crash_harness(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
