@@ -1,13 +1,15 @@
 # Two commands do all set-up on a fresh machine:
 #   make figures   create .venv, install, run the main job (quick mode, CPU)
 #   make test      create .venv if missing, install, run the test suite
+#                  (the browser test needs chromium: apt-get install chromium)
+#   make browser   only the browser test: the notebooks in JupyterLab, offline
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= figures
 
-.PHONY: figures test test-all bench clean-venv
+.PHONY: figures test test-all browser bench clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@# A machine that already has a CUDA build of torch keeps it: the venv sees
@@ -31,6 +33,9 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m ""
+
+browser: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m browser tests/test_browser.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/swap_volume.py

@@ -33,7 +33,7 @@ from harmony.workbench.training import build_model, lm_loss, torch_threads
 
 
 def pack_copies(layers, pack: int, repeats: int) -> None:
-    tensors = [p.detach() for layer in layers[1:1 + pack] for p in layer.parameters()]
+    tensors = [p.detach() for layer in layers[1 : 1 + pack] for p in layer.parameters()]
     flat = torch.cat([t.reshape(-1) for t in tensors])  # the host layout: the pack is one slice
     nbytes = flat.numel() * flat.element_size()
     reused = [torch.empty_like(t) for t in tensors]
@@ -48,22 +48,35 @@ def pack_copies(layers, pack: int, repeats: int) -> None:
         "reused buffer per tensor": (copy_each, len(tensors)),
         "one flat copy, reused": (lambda: reused_flat.copy_(flat), 1),
     }
-    print(f"one pack of {pack} GPT-2 blocks: {len(tensors)} tensors, {nbytes / 1e6:.1f} MB "
-          f"(median of {repeats})")
+    print(
+        f"one pack of {pack} GPT-2 blocks: {len(tensors)} tensors, {nbytes / 1e6:.1f} MB "
+        f"(median of {repeats})"
+    )
     seconds = {}
     for name, (fn, copies) in ways.items():
         seconds[name] = median_time(fn, repeats)
-        print(f"  {name:26s} {seconds[name] * 1e3:7.3f} ms  {nbytes / seconds[name] / 1e9:6.2f} GB/s  "
-              f"{copies:3d} copies")
+        print(
+            f"  {name:26s} {seconds[name] * 1e3:7.3f} ms  {nbytes / seconds[name] / 1e9:6.2f} "
+            f"GB/s  {copies:3d} copies"
+        )
     first = seconds["fresh clone per tensor"]
-    print("  speedup over a fresh clone per tensor: " + ", ".join(
-        f"{name} {first / s:.2f}x" for name, s in seconds.items() if s is not seconds["fresh clone per tensor"]))
+    print(
+        "  speedup over a fresh clone per tensor: "
+        + ", ".join(
+            f"{name} {first / s:.2f}x"
+            for name, s in seconds.items()
+            if s is not seconds["fresh clone per tensor"]
+        )
+    )
 
 
 def per_tensor_engine(make):
     """An engine as it was before: host weights left per tensor (too little host
     memory to flatten them, as far as it knows)."""
-    with mock.patch.object(host_memory, "available_host_bytes", lambda: 0), mock.patch("warnings.warn"):
+    with (
+        mock.patch.object(host_memory, "available_host_bytes", lambda: 0),
+        mock.patch("warnings.warn"),
+    ):
         return make()
 
 
@@ -75,30 +88,47 @@ def fresh_buffers():
 def engine_steps(cfg: dict, minibatch: int, steps: int) -> None:
     (x,), y = harmony.zoo.example_input("gpt2-tiny", minibatch, **cfg)
     n = len(build_model("gpt2-tiny", 0, dropout=0.0, **cfg))
-    packs = tuple((i, min(i + 2, n)) for i in range(0, n, 2))  # two layers each; the last backward pack fused
+    packs = tuple(
+        (i, min(i + 2, n)) for i in range(0, n, 2)
+    )  # two layers each; the last backward pack fused
     plan = Plan("harmony-pp", 1, minibatch, minibatch // 4, minibatch // 4, packs[:-1], packs)
     device = EmulatedDevice(memory="10GB", h2d="1000GB/s", d2h="1000GB/s")
 
     def make():
-        return Engine(build_model("gpt2-tiny", 0, dropout=0.0, **cfg), lambda ps: FlatAdamW(ps, lr=1e-4), lm_loss,
-                      device=device, minibatch_size=minibatch, plan=plan)
+        return Engine(
+            build_model("gpt2-tiny", 0, dropout=0.0, **cfg),
+            lambda ps: FlatAdamW(ps, lr=1e-4),
+            lm_loss,
+            device=device,
+            minibatch_size=minibatch,
+            plan=plan,
+        )
 
     reuse, fresh = make(), per_tensor_engine(make)
-    print(f"\nthe engine on an emulated GPU with a 1000 GB/s link: {plan.describe()}; steps interleaved, median "
-          f"of {steps - 1}")
+    print(
+        f"\nthe engine on an emulated GPU with a 1000 GB/s link: {plan.describe()}; steps "
+        f"interleaved, median of {steps - 1}"
+    )
     times = {"reused buffers, flat copies": [], "fresh buffers, per-tensor copies": []}
     allocated = {name: [] for name in times}
     for _ in range(steps):
-        for name, engine in (("reused buffers, flat copies", reuse), ("fresh buffers, per-tensor copies", fresh)):
-            with (fresh_buffers() if engine is fresh else contextlib.nullcontext()):
+        for name, engine in (
+            ("reused buffers, flat copies", reuse),
+            ("fresh buffers, per-tensor copies", fresh),
+        ):
+            with fresh_buffers() if engine is fresh else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 engine.step(x, y)
                 times[name].append(time.perf_counter() - t0)
-            allocated[name].append((engine.trace.summary.new_buffers, engine.trace.summary.new_buffer_bytes))
+            allocated[name].append(
+                (engine.trace.summary.new_buffers, engine.trace.summary.new_buffer_bytes)
+            )
     for name in times:
         count, nbytes = allocated[name][-1]
-        print(f"  {name:34s} {statistics.median(times[name][1:]) * 1e3:8.1f} ms/step; the last step allocated "
-              f"{count} buffers, {nbytes / 1e6:.1f} MB")
+        print(
+            f"  {name:34s} {statistics.median(times[name][1:]) * 1e3:8.1f} ms/step; the last step "
+            f"allocated {count} buffers, {nbytes / 1e6:.1f} MB"
+        )
     a, b = (statistics.median(t[1:]) for t in times.values())
     print(f"  fresh / reused step time: {b / a:.3f}")
 
@@ -112,7 +142,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args()
-    cfg = dict(hidden=args.hidden, n_layer=args.blocks, heads=4, seq_len=64, max_position=64, vocab=512)
+    cfg = dict(
+        hidden=args.hidden, n_layer=args.blocks, heads=4, seq_len=64, max_position=64, vocab=512
+    )
     with torch_threads(1):
         pack_copies(list(build_model("gpt2-tiny", 0, dropout=0.0, **cfg)), args.pack, args.repeats)
         engine_steps(cfg, args.minibatch, args.steps)

@@ -14,8 +14,8 @@ import time
 import torch
 
 import harmony
-from harmony.workbench.training import build_model, lm_loss
 from harmony import Engine, Plan, reference_step
+from harmony.workbench.training import build_model, lm_loss
 
 
 def overlap_fraction(timeline) -> float:
@@ -37,7 +37,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("cuda_check: no CUDA device visible to torch; skipped")
         return 0
-    cfg = dict(hidden=args.hidden, n_layer=args.blocks, heads=16, seq_len=256, max_position=256, vocab=8192)
+    cfg = dict(
+        hidden=args.hidden,
+        n_layer=args.blocks,
+        heads=16,
+        seq_len=256,
+        max_position=256,
+        vocab=8192,
+    )
     B = args.minibatch
     (x,), y = harmony.zoo.example_input("gpt2-tiny", B, **cfg)
     loss = lm_loss
@@ -55,24 +62,33 @@ def main() -> int:
         t0 = time.perf_counter()
         engine.step(x, y)
         times.append(time.perf_counter() - t0)
-        segments.append(torch.cuda.memory_stats()["segment.all.allocated"])  # cudaMalloc calls so far
+        segments.append(
+            torch.cuda.memory_stats()["segment.all.allocated"]
+        )  # cudaMalloc calls so far
         host_buffers.append(engine.trace.summary.new_buffers)
 
     ref = build().cuda()
     ref_opt = opt(list(ref.parameters()))
     for step in range(args.steps):
         reference_step(list(ref), loss, ref_opt, (x.cuda(),), y.cuda(), 4, step)
-    worst = max((a.detach().cpu() - b.detach().cpu()).abs().max().item()
-                for a, b in zip(engine.model.parameters(), ref.parameters()))
+    worst = max(
+        (a.detach().cpu() - b.detach().cpu()).abs().max().item()
+        for a, b in zip(engine.model.parameters(), ref.parameters())
+    )
     s = engine.trace.summary
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(f"plan: {plan.describe()}; {statistics.median(times[1:]):.3f} s/step")
     print(f"max |engine - reference| after {args.steps} steps: {worst:.3e}")
     print(f"h2d time overlapped with compute: {overlap_fraction(engine.trace.timeline):.2%}")
-    print(f"steady state: cudaMalloc segments made per step after the first {[b - a for a, b in zip(segments, segments[1:])]}"
-          f", page-locked host buffers made per step {host_buffers}")
-    print(f"peak device memory (ledger): {s.peak_memory['gpu0'] / 1e6:.1f} MB, "
-          f"torch max_memory_allocated: {torch.cuda.max_memory_allocated() / 1e6:.1f} MB")
+    print(
+        "steady state: cudaMalloc segments made per step after the first "
+        f"{[b - a for a, b in zip(segments, segments[1:])]}, page-locked host buffers made per "
+        f"step {host_buffers}"
+    )
+    print(
+        f"peak device memory (ledger): {s.peak_memory['gpu0'] / 1e6:.1f} MB, "
+        f"torch max_memory_allocated: {torch.cuda.max_memory_allocated() / 1e6:.1f} MB"
+    )
     return 0
 
 

@@ -56,8 +56,11 @@ def meminfo(field: str) -> int:
 
 def stream(directory: Path, pack_numel: int, packs: int, steps: int) -> dict:
     """Write every pack's state once, then ``steps`` steps of read-back-write."""
-    state = {"exp_avg": torch.randn(pack_numel), "exp_avg_sq": torch.rand(pack_numel),
-             "step": torch.tensor(1.0)}
+    state = {
+        "exp_avg": torch.randn(pack_numel),
+        "exp_avg_sq": torch.rand(pack_numel),
+        "step": torch.tensor(1.0),
+    }
     budget = HostBudget()
     with DiskTier.create(directory, state_bytes=packs * 8 * pack_numel, budget=budget) as tier:
         for p in range(packs):
@@ -77,8 +80,12 @@ def stream(directory: Path, pack_numel: int, packs: int, steps: int) -> dict:
                 tier.commit(step)
                 times.append(time.perf_counter() - started)
         nbytes = tier.bytes_written // (steps + 1)  # one step's writes: every pack's state once
-        return {"step_s": times, "bytes": nbytes, "cache_growth": meminfo("Cached") - cached,
-                "budget_peak": budget.peak}
+        return {
+            "step_s": times,
+            "bytes": nbytes,
+            "cache_growth": meminfo("Cached") - cached,
+            "budget_peak": budget.peak,
+        }
 
 
 def mmap_vs_tier(directory: Path) -> tuple[float, int, float]:
@@ -102,16 +109,19 @@ def mmap_vs_tier(directory: Path) -> tuple[float, int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=".",
-                        help="directory on the disk to measure (in a temporary subdirectory)")
+    parser.add_argument(
+        "--dir", default=".", help="directory on the disk to measure (in a temporary subdirectory)"
+    )
     parser.add_argument("--params", default="1.5GB", help="float32 parameter bytes of the model")
     parser.add_argument("--packs", type=int, default=12)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--probe", default="512MB", help="size of the bandwidth probe file")
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"disk of {Path(args.dir).absolute()}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"disk of {Path(args.dir).absolute()}"
+    )
 
     direct = measure_disk_bandwidth(args.dir, args.probe)
     cached = measure_disk_bandwidth(args.dir, args.probe, direct=False)
@@ -126,27 +136,37 @@ def main() -> None:
         got = stream(work / "tier", pack_numel, args.packs, args.steps)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         moved = 2 * got["bytes"]  # read and written
-        print(f"\nAdamW state of {format_bytes(parse_bytes(args.params))} of parameters: "
-              f"{format_bytes(state_bytes)} in {args.packs} packs; per step (read + write back "
-              f"+ commit) {format_bytes(moved)} moved")
+        print(
+            f"\nAdamW state of {format_bytes(parse_bytes(args.params))} of parameters: "
+            f"{format_bytes(state_bytes)} in {args.packs} packs; per step (read + write back "
+            f"+ commit) {format_bytes(moved)} moved"
+        )
         for step, took in enumerate(got["step_s"], 1):
             write = direct.first_write if step == 1 else direct.write
             bound_s = got["bytes"] / direct.read + got["bytes"] / write
-            print(f"  step {step}{' (new slot files)' if step == 1 else ''}: {took:.2f} s, "
-                  f"{format_bytes(moved / took)}/s; the probe's bandwidth allows {bound_s:.2f} s: "
-                  f"ratio {bound_s / took:.2f}")
+            print(
+                f"  step {step}{' (new slot files)' if step == 1 else ''}: {took:.2f} s, "
+                f"{format_bytes(moved / took)}/s; the probe's bandwidth allows {bound_s:.2f} s: "
+                f"ratio {bound_s / took:.2f}"
+            )
         nvme_s = got["bytes"] / NVME_PCIE4.read + got["bytes"] / NVME_PCIE4.write
-        print(f"  on a PCIe 4 NVMe drive (preset): {nvme_s:.2f} s per step at its spec-sheet "
-              "bandwidth")
-        print(f"  peak RSS {format_bytes(rss)}, tier staging + I/O buffers "
-              f"{format_bytes(got['budget_peak'])}, page cache grew "
-              f"{format_bytes(got['cache_growth'])} (state {format_bytes(state_bytes)})")
+        print(
+            f"  on a PCIe 4 NVMe drive (preset): {nvme_s:.2f} s per step at its spec-sheet "
+            "bandwidth"
+        )
+        print(
+            f"  peak RSS {format_bytes(rss)}, tier staging + I/O buffers "
+            f"{format_bytes(got['budget_peak'])}, page cache grew "
+            f"{format_bytes(got['cache_growth'])} (state {format_bytes(state_bytes)})"
+        )
         map_s, grown, tier_s = mmap_vs_tier(work / "tier")
         pack_bytes = 8 * pack_numel
-        print(f"\none pack ({format_bytes(pack_bytes)}) read: tier "
-              f"{format_bytes(pack_bytes / tier_s)}/s; numpy.memmap + copy "
-              f"{format_bytes(pack_bytes / map_s)}/s, with {format_bytes(grown)} more resident "
-              "while mapped")
+        print(
+            f"\none pack ({format_bytes(pack_bytes)}) read: tier "
+            f"{format_bytes(pack_bytes / tier_s)}/s; numpy.memmap + copy "
+            f"{format_bytes(pack_bytes / map_s)}/s, with {format_bytes(grown)} more resident "
+            "while mapped"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -35,12 +35,24 @@ def main() -> None:
     t0 = time.perf_counter()
     with torch_threads(1):
         for _ in range(args.models):
-            seed, gpus, kb = rng.randrange(2**31), rng.choice([1, 1, 2]), int(40 * 50 ** rng.random())
+            seed, gpus, kb = (
+                rng.randrange(2**31),
+                rng.choice([1, 1, 2]),
+                int(40 * 50 ** rng.random()),
+            )
             model, inputs, target, loss = random_model(seed, args.minibatch)
-            device = (EmulatedDevice(memory=f"{kb}KB", h2d="2GB/s", d2h="2GB/s") if gpus == 1 else
-                      EmulatedServer(gpus=gpus, memory=f"{kb}KB", h2d="2GB/s", d2h="2GB/s"))
-            engine = Engine(model, lambda ps: torch.optim.SGD(ps, lr=0.01), loss, device=device,
-                            minibatch_size=args.minibatch)
+            device = (
+                EmulatedDevice(memory=f"{kb}KB", h2d="2GB/s", d2h="2GB/s")
+                if gpus == 1
+                else EmulatedServer(gpus=gpus, memory=f"{kb}KB", h2d="2GB/s", d2h="2GB/s")
+            )
+            engine = Engine(
+                model,
+                lambda ps: torch.optim.SGD(ps, lr=0.01),
+                loss,
+                device=device,
+                minibatch_size=args.minibatch,
+            )
             tried += 1
             try:
                 engine.step(inputs, target)
@@ -57,14 +69,21 @@ def main() -> None:
                 continue
             s = engine.trace.summary
             simulated = simulate_graph(engine._graph_cache).summary.peak_memory
-            ratios += [s.peak_memory[g] / simulated[g] if simulated[g] else 1.0 + s.peak_memory[g]
-                       for g in simulated]  # a GPU the plan leaves idle holds nothing
+            ratios += [
+                s.peak_memory[g] / simulated[g] if simulated[g] else 1.0 + s.peak_memory[g]
+                for g in simulated
+            ]  # a GPU the plan leaves idle holds nothing
             undeclared += list(s.undeclared_bytes.values())
-    print(f"{tried} models tried in {time.perf_counter() - t0:.0f} s; {planned} got a plan from plan='auto' "
-          f"({tried - planned} had none that fits: refused before any task ran)")
+    print(
+        f"{tried} models tried in {time.perf_counter() - t0:.0f} s; {planned} got a plan from "
+        f"plan='auto' ({tried - planned} had none that fits: refused before any task ran)"
+    )
     print(f"chosen plans that ran out of memory: {out_of_memory}")
     if ratios:
-        print(f"measured / simulated peak per GPU: min {min(ratios):.4f} max {max(ratios):.4f} over {len(ratios)}")
+        print(
+            f"measured / simulated peak per GPU: min {min(ratios):.4f} max {max(ratios):.4f} over "
+            f"{len(ratios)}"
+        )
         print(f"bytes held beyond the spec's declaration: max {max(undeclared):.0f}")
 
 

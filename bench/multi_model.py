@@ -41,47 +41,90 @@ def simulated(args) -> None:
     t0 = time.perf_counter()
     depths = list(range(6, 49, 6))
     jobs = depth_grid_jobs("gpt2-xl", depths, args.minibatch, args.steps)
-    print(f"  plans for {len(jobs)} depths searched in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"  plans for {len(jobs)} depths searched in {time.perf_counter() - t0:.1f} s", flush=True
+    )
     deepest = jobs[-1]
     grids = {
         "a. eight depths (6..48 blocks)": jobs,
-        "b. six GPT-2 XL (learning-rate grid)": [replace(deepest, name=f"lr{i}") for i in range(6)],
+        "b. six GPT-2 XL (learning-rate grid)": [
+            replace(deepest, name=f"lr{i}") for i in range(6)
+        ],
     }
     for title, grid in grids.items():
         t0 = time.perf_counter()
         df = schedules_table(grid)
-        print(f"\n{title}, {args.steps} iterations each, simulated in {time.perf_counter() - t0:.1f} s")
-        print(df[["schedule", "total_s", "over_merged", "gpu_busy", "swap_gb", "peak_gb", "fits"]]
-              .to_string(index=False, float_format=FMT))
+        print(
+            f"\n{title}, {args.steps} iterations each, simulated in "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
+        print(
+            df[
+                ["schedule", "total_s", "over_merged", "gpu_busy", "swap_gb", "peak_gb", "fits"]
+            ].to_string(index=False, float_format=FMT)
+        )
 
 
 def emulated(args) -> None:
-    cfg = dict(hidden=args.hidden, n_layer=4, heads=4, seq_len=args.seq_len, max_position=args.seq_len, vocab=512,
-               dropout=0.0)
+    cfg = dict(
+        hidden=args.hidden,
+        n_layer=4,
+        heads=4,
+        seq_len=args.seq_len,
+        max_position=args.seq_len,
+        vocab=512,
+        dropout=0.0,
+    )
     B, u = 16, 4
     server = EmulatedServer(gpus=2, memory=args.memory, h2d=args.link, d2h=args.link)
     rates = (1e-3, 3e-4, 1e-4)
     inputs, target = synthetic_batch("gpt2-tiny", B, 0, **cfg)
     layers = list(build_model("gpt2-tiny", **cfg))
-    spec = profile(layers, inputs, target, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                   name=f"gpt2-{cfg['n_layer']}x{cfg['hidden']}")
+    spec = profile(
+        layers,
+        inputs,
+        target,
+        lm_loss,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        name=f"gpt2-{cfg['n_layer']}x{cfg['hidden']}",
+    )
     packs = tuple((i, min(i + 2, len(layers))) for i in range(0, len(layers), 2))
     plan = Plan("harmony-pp", 1, B, u, u, packs[:-1], packs)
     data = [synthetic_batch("gpt2-tiny", B, step, **cfg) for step in range(args.emulated_steps)]
     jobs = [Job(spec, plan, args.emulated_steps, f"lr {lr}") for lr in rates]
     params = sum(p.numel() for layer in layers for p in layer.parameters())
-    print(f"  {len(rates)} x {spec.name} ({params / 1e6:.2f} M params), {plan.describe()}, "
-          f"{args.emulated_steps} steps each; server: {server.gpus} GPUs x "
-          f"{server.memory}, links {server.h2d}")
+    print(
+        f"  {len(rates)} x {spec.name} ({params / 1e6:.2f} M params), {plan.describe()}, "
+        f"{args.emulated_steps} steps each; server: {server.gpus} GPUs x "
+        f"{server.memory}, links {server.h2d}"
+    )
     rows = []
     for schedule in harmony.planner.multi_model.SCHEDULES:
-        engines = [Engine(build_model("gpt2-tiny", **cfg), lambda ps, lr=lr: torch.optim.AdamW(ps, lr=lr), lm_loss,
-                          device=server.device(), minibatch_size=B, plan=plan) for lr in rates]
-        run = harmony.train_many(engines, [data] * len(rates), server, schedule, specs=[spec] * len(rates))
+        engines = [
+            Engine(
+                build_model("gpt2-tiny", **cfg),
+                lambda ps, lr=lr: torch.optim.AdamW(ps, lr=lr),
+                lm_loss,
+                device=server.device(),
+                minibatch_size=B,
+                plan=plan,
+            )
+            for lr in rates
+        ]
+        run = harmony.train_many(
+            engines, [data] * len(rates), server, schedule, specs=[spec] * len(rates)
+        )
         sim = harmony.simulate_many(jobs, server.hardware(), schedule)
-        rows.append({"schedule": schedule, "measured_s": run.total_s, "simulated_s": sim.total_s,
-                     "measured_over_simulated": run.total_s / sim.total_s,
-                     "measured_gpu_busy": run.row()["gpu_busy"], "peak_mb": run.row()["peak_gb"] * 1e3})
+        rows.append(
+            {
+                "schedule": schedule,
+                "measured_s": run.total_s,
+                "simulated_s": sim.total_s,
+                "measured_over_simulated": run.total_s / sim.total_s,
+                "measured_gpu_busy": run.row()["gpu_busy"],
+                "peak_mb": run.row()["peak_gb"] * 1e3,
+            }
+        )
     df = pd.DataFrame(rows)
     merged = df.set_index("schedule").loc["merged"]
     df["measured_over_merged"] = df.measured_s / merged.measured_s
@@ -96,7 +139,9 @@ def main() -> None:
     ap.add_argument("--emulated-steps", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=256, help="emulated part: GPT-2 width")
     ap.add_argument("--seq-len", type=int, default=32, help="emulated part: tokens per sample")
-    ap.add_argument("--link", default="50MB/s", help="emulated part: each GPU's link, per direction")
+    ap.add_argument(
+        "--link", default="50MB/s", help="emulated part: each GPU's link, per direction"
+    )
     ap.add_argument("--memory", default="48MB", help="emulated part: each GPU's memory")
     ap.add_argument("--skip-simulated", action="store_true")
     args = ap.parse_args()

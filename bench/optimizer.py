@@ -43,7 +43,20 @@ def gpt2_blocks(size_bytes: int, blocks: int = 8) -> tuple[int, list[torch.Tenso
     """The hidden size h that makes ``blocks`` GPT-2 blocks (12 h^2 + 13 h float32
     parameters each) about ``size_bytes``, and their tensors."""
     h = max(64, round(math.sqrt(size_bytes / 4 / blocks / 12) / 64) * 64)
-    shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,), (h,), (h,), (h,), (h,)]
+    shapes = [
+        (3 * h, h),
+        (3 * h,),
+        (h, h),
+        (h,),
+        (4 * h, h),
+        (4 * h,),
+        (h, 4 * h),
+        (h,),
+        (h,),
+        (h,),
+        (h,),
+        (h,),
+    ]
     return h, [torch.randn(s) for _ in range(blocks) for s in shapes]
 
 
@@ -71,16 +84,20 @@ def main() -> None:
     params = [torch.nn.Parameter(w) for w in weights]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    print(f"{len(params)} float32 tensors (8 GPT-2 blocks, hidden {hidden}), "
-          f"{numel / 1e6:.1f}M elements = {numel * 4 / 2**30:.2f} GiB of parameters; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; median of {args.rounds} rounds x {args.steps} steps")
+    print(
+        f"{len(params)} float32 tensors (8 GPT-2 blocks, hidden {hidden}), {numel / 1e6:.1f}M "
+        f"elements = {numel * 4 / 2**30:.2f} GiB of parameters; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; median of {args.rounds} rounds x {args.steps} steps"
+    )
     if not fused_kernel_available():
         print("torch's fused CPU AdamW kernel: not in this torch, skipped")
 
     src, dst = torch.randn(numel), torch.empty(numel)
     times: dict[str, list[float]] = {"copy_": [], "add_": []}
     factories = variants()
-    for _ in range(args.rounds):  # interleaved: drift in the machine's load hits every variant alike
+    for _ in range(
+        args.rounds
+    ):  # interleaved: drift in the machine's load hits every variant alike
         for name, stream in (("copy_", lambda: dst.copy_(src)), ("add_", lambda: dst.add_(1.0))):
             stream()
             t0 = time.perf_counter()
@@ -95,16 +112,25 @@ def main() -> None:
             times.setdefault(name, []).append((time.perf_counter() - t0) / args.steps)
             del opt
 
-    copy_rate, in_place_rate = (2 * numel * 4 / statistics.median(times[k]) for k in ("copy_", "add_"))
-    print(f"bandwidth (bytes read + written): copy_ {copy_rate / 1e9:.1f} GB/s, in place (add_) "
-          f"{in_place_rate / 1e9:.1f} GB/s")
+    copy_rate, in_place_rate = (
+        2 * numel * 4 / statistics.median(times[k]) for k in ("copy_", "add_")
+    )
+    print(
+        f"bandwidth (bytes read + written): copy_ {copy_rate / 1e9:.1f} GB/s, in place (add_) "
+        f"{in_place_rate / 1e9:.1f} GB/s"
+    )
     base = statistics.median(times["torch AdamW (default: for-loop)"])
-    print(f"{'':40s} {'s/step':>8s} {'GB/s (7x4 B/elem)':>18s} {'x copy_':>8s} {'x in place':>10s} {'speedup':>8s}")
+    print(
+        f"{'':40s} {'s/step':>8s} {'GB/s (7x4 B/elem)':>18s} {'x copy_':>8s} {'x in place':>10s} "
+        f"{'speedup':>8s}"
+    )
     for name in factories:
         t = statistics.median(times[name])
         rate = numel * BYTES_PER_ELEMENT / t
-        print(f"{name:40s} {t:8.3f} {rate / 1e9:18.1f} {rate / copy_rate:8.2f} {rate / in_place_rate:10.2f} "
-              f"{base / t:7.2f}x")
+        print(
+            f"{name:40s} {t:8.3f} {rate / 1e9:18.1f} {rate / copy_rate:8.2f} "
+            f"{rate / in_place_rate:10.2f} {base / t:7.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -21,13 +21,22 @@ import torch.utils.checkpoint
 from torch import nn
 
 import harmony
-from harmony.workbench.training import build_model, lm_loss
 from harmony import Engine, Plan, reference_step
+from harmony.workbench.training import build_model, lm_loss
 
 
 def build(hidden, blocks):
-    return build_model("gpt2-tiny", 0, hidden=hidden, n_layer=blocks, heads=4, seq_len=64, max_position=64,
-                       vocab=512, dropout=0.0)
+    return build_model(
+        "gpt2-tiny",
+        0,
+        hidden=hidden,
+        n_layer=blocks,
+        heads=4,
+        seq_len=64,
+        max_position=64,
+        vocab=512,
+        dropout=0.0,
+    )
 
 
 def main() -> None:
@@ -40,12 +49,22 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # one compute thread both ways: the comparison is about the engine
     B, u = args.minibatch, args.microbatch
-    (x,), y = harmony.zoo.example_input("gpt2-tiny", B, hidden=args.hidden, n_layer=args.blocks, heads=4,
-                                        seq_len=64, max_position=64, vocab=512)
+    (x,), y = harmony.zoo.example_input(
+        "gpt2-tiny",
+        B,
+        hidden=args.hidden,
+        n_layer=args.blocks,
+        heads=4,
+        seq_len=64,
+        max_position=64,
+        vocab=512,
+    )
     loss = lm_loss
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
     n = args.blocks + 3
-    packs = tuple((i, i + 1) for i in range(n))  # a pack per layer: the most tasks, the most overhead
+    packs = tuple(
+        (i, i + 1) for i in range(n)
+    )  # a pack per layer: the most tasks, the most overhead
 
     def plain(checkpointed):
         model = build(args.hidden, args.blocks)
@@ -75,10 +94,16 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v[2:]) for k, v in times.items()}
     params = sum(p.numel() for p in build(args.hidden, args.blocks).parameters())
-    print(f"model: GPT-2 style, {args.blocks} blocks x {args.hidden}, {params:,} params; minibatch {B}, "
-          f"microbatch {u}, {n} layers; torch threads 1; median of {args.steps - 2} steps")
+    print(
+        f"model: GPT-2 style, {args.blocks} blocks x {args.hidden}, {params:,} params; minibatch "
+        f"{B}, microbatch {u}, {n} layers; torch threads 1; median of {args.steps - 2} steps"
+    )
     for name, t in med.items():
-        base = med["plain loop"] if "fused" in name or name == "plain loop" else med["plain loop, checkpoint per layer"]
+        base = (
+            med["plain loop"]
+            if "fused" in name or name == "plain loop"
+            else med["plain loop, checkpoint per layer"]
+        )
         print(f"{name:46s} {t * 1e3:8.1f} ms/step   ratio {t / base:.3f}")
 
 

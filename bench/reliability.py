@@ -28,17 +28,45 @@ from harmony import CheckpointDir, Plan, decompose
 from harmony.engine.checkpoint import read_checkpoint
 from harmony.workbench.training import build_model
 
+
 def train_command(workdir: Path, out: Path, checkpoints: bool, steps: int) -> list[str]:
     """``harmony train`` for the run; with checkpoints every step and --resume."""
     plan = workdir / "plan.json"
     if not plan.exists():  # a fixed plan: no profiling at start, the same plan every launch
         n = len(decompose(build_model("gpt2-tiny")).layers)
         Plan("harmony-pp", 1, 8, 4, 4, ((0, 2),), ((0, 2), (2, n))).to_json(plan)
-    args = [sys.executable, "-m", "harmony", "train", "--model", "gpt2-tiny", "--steps", str(steps),
-            "--minibatch", "8", "--memory", "4MB", "--h2d", "4MB/s", "--d2h", "4MB/s", "--plan", str(plan),
-            "--save", str(out)]
+    args = [
+        sys.executable,
+        "-m",
+        "harmony",
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--steps",
+        str(steps),
+        "--minibatch",
+        "8",
+        "--memory",
+        "4MB",
+        "--h2d",
+        "4MB/s",
+        "--d2h",
+        "4MB/s",
+        "--plan",
+        str(plan),
+        "--save",
+        str(out),
+    ]
     if checkpoints:
-        args += ["--checkpoint-dir", str(workdir / "run"), "--checkpoint-every", "1", "--keep", "2", "--resume"]
+        args += [
+            "--checkpoint-dir",
+            str(workdir / "run"),
+            "--checkpoint-every",
+            "1",
+            "--keep",
+            "2",
+            "--resume",
+        ]
     return args
 
 
@@ -46,16 +74,26 @@ def kill_and_resume(workdir: Path, kills: int, seed: int, steps: int = 8) -> dic
     """Train ``steps`` steps through up to ``kills`` SIGKILLs (fewer if the run
     ends first); returns what happened."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    subprocess.run(train_command(workdir, workdir / "whole.pt", False, steps), check=True, env=env,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        train_command(workdir, workdir / "whole.pt", False, steps),
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     rng = random.Random(seed)
     done = launches = checked = 0
     while True:
         launches += 1
         if launches > 3 * kills + 5:
             raise RuntimeError("the run never finished")
-        proc = subprocess.Popen(train_command(workdir, workdir / "resumed.pt", True, steps), env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            train_command(workdir, workdir / "resumed.pt", True, steps),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for _ in range(rng.randint(1, 4)):  # a random number of lines, then a random delay
             if not proc.stdout.readline():
                 break
@@ -74,8 +112,15 @@ def kill_and_resume(workdir: Path, kills: int, seed: int, steps: int = 8) -> dic
             raise RuntimeError(out)
         break
     whole, resumed = torch.load(workdir / "whole.pt"), torch.load(workdir / "resumed.pt")
-    equal = whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
-    return {"kills": done, "launches": launches, "checkpoints_checked": checked, "bitwise_equal": equal}
+    equal = whole.keys() == resumed.keys() and all(
+        torch.equal(whole[k], resumed[k]) for k in whole
+    )
+    return {
+        "kills": done,
+        "launches": launches,
+        "checkpoints_checked": checked,
+        "bitwise_equal": equal,
+    }
 
 
 def main() -> None:
@@ -87,9 +132,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         r = kill_and_resume(Path(tmp), args.kills, args.seed, args.steps)
-    print(f"SIGKILLs survived: {r['kills']} in {r['launches']} launches ({time.perf_counter() - t0:.0f} s); "
-          f"checkpoints read back whole after the kills: {r['checkpoints_checked']}; "
-          f"final weights bitwise equal to the uninterrupted run: {r['bitwise_equal']}")
+    print(
+        f"SIGKILLs survived: {r['kills']} in {r['launches']} launches "
+        f"({time.perf_counter() - t0:.0f} s); checkpoints read back whole after the kills: "
+        f"{r['checkpoints_checked']}; final weights bitwise equal to the uninterrupted run: "
+        f"{r['bitwise_equal']}"
+    )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ import pandas as pd
 import torch
 
 import harmony
-from harmony.workbench.training import build_model, lm_loss
 from harmony import EmulatedServer, Engine, Plan
 from harmony.engine.profiler import profile
+from harmony.workbench.training import build_model, lm_loss
 
 
 def emulated(args) -> pd.DataFrame:
@@ -46,7 +46,9 @@ def emulated(args) -> pd.DataFrame:
     packs = tuple((i, min(i + 2, n_layers)) for i in range(0, n_layers, 2))
     rows = []
     for n in (1, 2, 4):
-        server = EmulatedServer(gpus=n, memory="16MB", h2d="20MB/s", d2h="20MB/s", uplink="40MB/s", p2p="20MB/s")
+        server = EmulatedServer(
+            gpus=n, memory="16MB", h2d="20MB/s", d2h="20MB/s", uplink="40MB/s", p2p="20MB/s"
+        )
         for policy in ("harmony-pp", "harmony-dp"):
             if policy == "harmony-dp" and n == 1:
                 continue
@@ -59,13 +61,24 @@ def emulated(args) -> pd.DataFrame:
                 times.append(time.perf_counter() - t0)
             measured = statistics.median(times[1:]) if len(times) > 1 else times[0]
             sim = harmony.simulate(spec, server.hardware(), plan).summary.iteration_s
-            rows.append({"policy": policy, "gpus": n, "measured_samples_s": B / measured,
-                         "simulated_samples_s": B / sim, "measured_over_simulated": measured / sim})
+            rows.append(
+                {
+                    "policy": policy,
+                    "gpus": n,
+                    "measured_samples_s": B / measured,
+                    "simulated_samples_s": B / sim,
+                    "measured_over_simulated": measured / sim,
+                }
+            )
             if policy == "harmony-pp" and n == 4:
                 from harmony.workbench.charts import save, timeline_chart
 
-                save(timeline_chart(engine.trace, title=f"Harmony-PP on 4 emulated GPUs: {plan.describe()}"),
-                     os.path.join("figures", "scaling_pp4_timeline"))
+                save(
+                    timeline_chart(
+                        engine.trace, title=f"Harmony-PP on 4 emulated GPUs: {plan.describe()}"
+                    ),
+                    os.path.join("figures", "scaling_pp4_timeline"),
+                )
     df = pd.DataFrame(rows)
     for col in ("measured", "simulated"):
         one = df[(df.gpus == 1)][f"{col}_samples_s"].iloc[0]
@@ -78,13 +91,30 @@ def simulated(args) -> pd.DataFrame:
     models = ["gpt2-10b"] if args.quick else ["gpt2-10b", "gpt2-20b", "gpt2-30b", "gpt2-40b"]
     for name in models:
         spec = harmony.model_spec(name)
-        for n, preset in ((1, "paper-4x1080ti"), (2, "paper-4x1080ti"), (4, "paper-4x1080ti"), (8, "paper-8x1080ti")):
+        for n, preset in (
+            (1, "paper-4x1080ti"),
+            (2, "paper-4x1080ti"),
+            (4, "paper-4x1080ti"),
+            (8, "paper-8x1080ti"),
+        ):
             t0 = time.perf_counter()
-            df = harmony.search(spec, harmony.preset(preset), args.minibatch, n_gpus=n,
-                                policies=("harmony-pp", "harmony-dp"))
+            df = harmony.search(
+                spec,
+                harmony.preset(preset),
+                args.minibatch,
+                n_gpus=n,
+                policies=("harmony-pp", "harmony-dp"),
+            )
             best = df.iloc[0]
-            rows.append({"model": name, "gpus": n, "best": best.plan.describe(), "samples_s": best.samples_per_s,
-                         "search_s": time.perf_counter() - t0})
+            rows.append(
+                {
+                    "model": name,
+                    "gpus": n,
+                    "best": best.plan.describe(),
+                    "samples_s": best.samples_per_s,
+                    "search_s": time.perf_counter() - t0,
+                }
+            )
             print(rows[-1], flush=True)
     out = pd.DataFrame(rows)
     one = out[out.gpus == 1].set_index("model").samples_s
@@ -95,12 +125,16 @@ def simulated(args) -> pd.DataFrame:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--minibatch", type=int, default=32, help="minibatch of the simulated GPT-2 billions runs")
+    ap.add_argument(
+        "--minibatch", type=int, default=32, help="minibatch of the simulated GPT-2 billions runs"
+    )
     ap.add_argument("--quick", action="store_true", help="GPT-2 10B only in the simulated part")
     args = ap.parse_args()
     torch.set_num_threads(1)
     fmt = lambda v: f"{v:.3g}"  # noqa: E731
-    print(f"cores: {os.cpu_count()}\n\n== emulated server (measured by the engine vs simulated) ==")
+    print(
+        f"cores: {os.cpu_count()}\n\n== emulated server (measured by the engine vs simulated) =="
+    )
     print(emulated(args).to_string(index=False, float_format=fmt))
     print("\n== GPT-2 billions on the paper's servers (simulated, best plan per GPU count) ==")
     print(simulated(args).drop(columns=["best"]).to_string(index=False, float_format=fmt))

@@ -32,9 +32,11 @@ def main() -> None:
     for workers in (None, 1):
         t, df = timed(spec, hw, workers, args.repeats)
         n = df.attrs["simulated"]
-        print(f"workers={workers or 'auto'}: search {t:.2f} s (median of {args.repeats}), {n} plans simulated, "
-              f"{1e3 * t / n:.1f} ms per plan, {len(df)} fit; best: {df.iloc[0].plan.describe()} "
-              f"{df.iloc[0].iteration_s:.2f} s/iter")
+        print(
+            f"workers={workers or 'auto'}: search {t:.2f} s (median of {args.repeats}), {n} plans "
+            f"simulated, {1e3 * t / n:.1f} ms per plan, {len(df)} fit; best: "
+            f"{df.iloc[0].plan.describe()} {df.iloc[0].iteration_s:.2f} s/iter"
+        )
 
 
 if __name__ == "__main__":

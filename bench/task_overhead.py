@@ -48,15 +48,31 @@ def main() -> None:
     opt = sgd(layers.parameters())
     rows = []
     with torch_threads(1):
-        plain = timed(lambda: reference_step(list(layers), nn.functional.mse_loss, opt, x, y, 2, 0), args.steps)
-        for name, device in (("cpu", "cpu"), ("emulated", EmulatedDevice(memory="1GB", h2d="1TB/s", d2h="1TB/s"))):
-            engine = Engine(layers, sgd, nn.functional.mse_loss, device=device, minibatch_size=8, plan=plan,
-                            safe_updates=False)
+        plain = timed(
+            lambda: reference_step(list(layers), nn.functional.mse_loss, opt, x, y, 2, 0),
+            args.steps,
+        )
+        for name, device in (
+            ("cpu", "cpu"),
+            ("emulated", EmulatedDevice(memory="1GB", h2d="1TB/s", d2h="1TB/s")),
+        ):
+            engine = Engine(
+                layers,
+                sgd,
+                nn.functional.mse_loss,
+                device=device,
+                minibatch_size=8,
+                plan=plan,
+                safe_updates=False,
+            )
             step = timed(lambda: engine.step(x, y), args.steps)
             tasks = engine._graph_cache.tasks
             kinds = Counter(t.kind for t in tasks)
             rows.append((name, step, len(tasks), kinds))
-    print(f"plain loop: {plain * 1e3:.2f} ms/step (4 microbatches x 8 layers, forward + backward + SGD)")
+    print(
+        f"plain loop: {plain * 1e3:.2f} ms/step (4 microbatches x 8 layers, forward + backward + "
+        "SGD)"
+    )
     print("| backend | ms/step | tasks | us/task | engine / plain loop |")
     print("|---|---|---|---|---|")
     for name, step, n, kinds in rows:

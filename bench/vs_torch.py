@@ -48,8 +48,10 @@ cannot share the capped memory). Printed per system: samples/s, the ratio to
 harmony and model-FLOPs utilization (6 x parameters x tokens per step / step
 time / the GPU's measured matmul FLOP/s). A system that fails prints why.
 
-    python bench/vs_torch.py [--steps 6] [--hidden 256] [--blocks 6] [--minibatch 32] [--memory 56MB]
-    python bench/vs_torch.py --device cuda [--precision bf16] [--hidden 2048] [--blocks 24] [--minibatch 8] [--memory 16GB]
+    python bench/vs_torch.py [--steps 6] [--hidden 256] [--blocks 6] [--minibatch 32] \
+        [--memory 56MB]
+    python bench/vs_torch.py --device cuda [--precision bf16] [--hidden 2048] [--blocks 24] \
+        [--minibatch 8] [--memory 16GB]
 """
 
 from __future__ import annotations
@@ -71,17 +73,21 @@ from torch.utils.checkpoint import checkpoint
 
 import harmony
 from harmony import Engine, FlatAdamW
-from harmony.workbench.baselines import TorchOffload, fastest_microbatch, timed
-from harmony.engine.profiler import default_sizes, profile
-from harmony.workbench.experiments import gpt2_config, torch_offload_comparison
 from harmony.costs.hardware import parse_bytes
+from harmony.engine.profiler import default_sizes, profile
 from harmony.plan import split_samples
 from harmony.planner.search import search
+from harmony.workbench.baselines import TorchOffload, fastest_microbatch, timed
+from harmony.workbench.experiments import gpt2_config, torch_offload_comparison
 from harmony.workbench.training import build_model, lm_loss
 
 DEFAULTS = {
-    "emulated": dict(steps=6, hidden=256, blocks=6, minibatch=32, memory="56MB", seq_len=64, vocab=512),
-    "cuda": dict(steps=3, hidden=2048, blocks=24, minibatch=8, memory="16GB", seq_len=1024, vocab=50257),
+    "emulated": dict(
+        steps=6, hidden=256, blocks=6, minibatch=32, memory="56MB", seq_len=64, vocab=512
+    ),
+    "cuda": dict(
+        steps=3, hidden=2048, blocks=24, minibatch=8, memory="16GB", seq_len=1024, vocab=50257
+    ),
 }
 
 
@@ -95,8 +101,17 @@ def torch_adamw(params):
 
 # ---- emulated device -------------------------------------------------------------
 def run_emulated(args) -> None:
-    table, details = report(torch_offload_comparison(args.hidden, args.blocks, args.minibatch, args.memory,
-                                                     args.steps - 1, args.seq_len, args.vocab))
+    table, details = report(
+        torch_offload_comparison(
+            args.hidden,
+            args.blocks,
+            args.minibatch,
+            args.memory,
+            args.steps - 1,
+            args.seq_len,
+            args.vocab,
+        )
+    )
     if (table.status == "ran").all():
         return
     cfg = gpt2_config(args.hidden, args.blocks, args.seq_len, args.vocab)
@@ -104,16 +119,34 @@ def run_emulated(args) -> None:
     if smaller is None:
         print("\nno smaller model of this width leaves the recipe room on this device")
         return
-    print(f"\nagain with {smaller} blocks, a model whose weights and gradients take under half the device:")
-    report(torch_offload_comparison(args.hidden, smaller, args.minibatch, args.memory, args.steps - 1, args.seq_len,
-                                    args.vocab, link=details["link_mb_s"] * 1e6))
+    print(
+        f"\nagain with {smaller} blocks, a model whose weights and gradients take under half the "
+        "device:"
+    )
+    report(
+        torch_offload_comparison(
+            args.hidden,
+            smaller,
+            args.minibatch,
+            args.memory,
+            args.steps - 1,
+            args.seq_len,
+            args.vocab,
+            link=details["link_mb_s"] * 1e6,
+        )
+    )
 
 
 def blocks_that_fit(cfg: dict, capacity: int) -> int | None:
     """The most transformer blocks for which weights and gradients take at most
     half of the device (the rest for the recipe's activations)."""
-    one, two = (sum(p.numel() for p in build_model("gpt2-tiny", 0, dropout=0.0, **{**cfg, "n_layer": n}).parameters())
-                for n in (1, 2))
+    one, two = (
+        sum(
+            p.numel()
+            for p in build_model("gpt2-tiny", 0, dropout=0.0, **{**cfg, "n_layer": n}).parameters()
+        )
+        for n in (1, 2)
+    )
     per_block, rest = two - one, 2 * one - two
     blocks = int((capacity / 2 / 8 - rest) // per_block)
     return min(blocks, cfg["n_layer"] - 1) if blocks >= 1 else None
@@ -121,23 +154,34 @@ def blocks_that_fit(cfg: dict, capacity: int) -> int | None:
 
 def report(result):
     table, d = result
-    print(f"{d['model']}: {d['params']:,} params, weights {d['weights_mb']:.1f} MB; training footprint (weights, "
-          f"gradients, 2 AdamW states, activations) {d['footprint_mb']:.1f} MB = "
-          f"{d['footprint_mb'] / d['capacity_mb']:.1f}x the {d['capacity_mb']:.1f} MB device; link "
-          f"{d['link_mb_s']:.1f} MB/s per direction")
+    print(
+        f"{d['model']}: {d['params']:,} params, weights {d['weights_mb']:.1f} MB; training "
+        f"footprint (weights, gradients, 2 AdamW states, activations) {d['footprint_mb']:.1f} MB "
+        f"= {d['footprint_mb'] / d['capacity_mb']:.1f}x the {d['capacity_mb']:.1f} MB device; "
+        f"link {d['link_mb_s']:.1f} MB/s per direction"
+    )
     print(f"  the recipe keeps weights + gradients on the device: {d['weights_mb'] * 2:.1f} MB")
     print(f"  harmony: {d['harmony_plan']} (simulated {d['harmony_simulated_s']:.3f} s/step)")
     print("  the recipe's microbatch size, tuned (one step each):")
     for line in d["tuning"] or ["weights and gradients alone do not fit"]:
         print(f"    {line}")
     if "first_step_max_weight_diff" in d:
-        print(f"  after the first step: max |harmony - recipe| over the weights {d['first_step_max_weight_diff']:.2e}")
+        print(
+            "  after the first step: max |harmony - recipe| over the weights "
+            f"{d['first_step_max_weight_diff']:.2e}"
+        )
     print("\n" + table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     for r in table.iloc[1:].itertuples():
         if r.status == "ran":
-            print(f"harmony / {r.system}: samples/s {r.harmony_speedup:.2f}x, host-link bytes {r.harmony_bytes_ratio:.2f}x")
+            print(
+                f"harmony / {r.system}: samples/s {r.harmony_speedup:.2f}x, host-link bytes "
+                f"{r.harmony_bytes_ratio:.2f}x"
+            )
         else:
-            print(f"{r.system}: {r.status}; harmony runs at {table.iloc[0].samples_per_s:.2f} samples/s")
+            print(
+                f"{r.system}: {r.status}; harmony runs at {table.iloc[0].samples_per_s:.2f} "
+                "samples/s"
+            )
     return table, d
 
 
@@ -160,7 +204,13 @@ class FSDP2Offload:
     layers, gradient accumulation over microbatches (each microbatch's gradient
     is reduced into the host's)."""
 
-    def __init__(self, model: nn.Sequential, loss_fn: Callable, microbatch_size: int, dtype: torch.dtype | None):
+    def __init__(
+        self,
+        model: nn.Sequential,
+        loss_fn: Callable,
+        microbatch_size: int,
+        dtype: torch.dtype | None,
+    ):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -168,7 +218,11 @@ class FSDP2Offload:
         for block in self.model:
             fully_shard(block, offload_policy=CPUOffloadPolicy(), mp_policy=mp)
         # the logits in float32 for the loss, as under torch.autocast
-        fully_shard(self.model, offload_policy=CPUOffloadPolicy(), mp_policy=replace(mp, output_dtype=torch.float32))
+        fully_shard(
+            self.model,
+            offload_policy=CPUOffloadPolicy(),
+            mp_policy=replace(mp, output_dtype=torch.float32),
+        )
         self.optimizer = torch_adamw(self.model.parameters())
         self.loss_fn, self.microbatch_size = loss_fn, microbatch_size
 
@@ -187,31 +241,46 @@ class DeepSpeedOffload:
     Adam, AdamW mode) and its float32 master weights on the host, checkpointed
     layers, gradient accumulation by DeepSpeed."""
 
-    def __init__(self, model: nn.Sequential, loss_fn: Callable, microbatch_size: int, minibatch: int,
-                 dtype: torch.dtype | None):
+    def __init__(
+        self,
+        model: nn.Sequential,
+        loss_fn: Callable,
+        microbatch_size: int,
+        minibatch: int,
+        dtype: torch.dtype | None,
+    ):
         import deepspeed
 
         config = {
             "train_micro_batch_size_per_gpu": microbatch_size,
             "gradient_accumulation_steps": minibatch // microbatch_size,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            "zero_optimization": {
+                "stage": 2,
+                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            },
             "bf16": {"enabled": dtype == torch.bfloat16},
         }
         chain = nn.Sequential(*(Checkpointed(layer) for layer in model))
-        self.engine, *_ = deepspeed.initialize(model=chain, model_parameters=chain.parameters(), config=config)
+        self.engine, *_ = deepspeed.initialize(
+            model=chain, model_parameters=chain.parameters(), config=config
+        )
         self.loss_fn, self.microbatch_size = loss_fn, microbatch_size
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         for a, b in split_samples(y.shape[0], self.microbatch_size):
-            loss = self.loss_fn(self.engine(x[a:b].cuda(non_blocking=True)), y[a:b].cuda(non_blocking=True))
+            loss = self.loss_fn(
+                self.engine(x[a:b].cuda(non_blocking=True)), y[a:b].cuda(non_blocking=True)
+            )
             self.engine.backward(loss)
-            self.engine.step()  # DeepSpeed steps the optimizer at the last microbatch of the minibatch
+            # DeepSpeed steps the optimizer at the last microbatch of the minibatch
+            self.engine.step()
         torch.cuda.synchronize()
 
 
 def measured_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
-    """FLOP/s of a large matmul in ``dtype`` on the GPU: the denominator of model-FLOPs utilization."""
+    """FLOP/s of a large matmul in ``dtype`` on the GPU: the denominator of model-FLOPs
+    utilization."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
@@ -229,13 +298,18 @@ def init_single_process_group(device: torch.device) -> None:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+    )
     torch.distributed.init_process_group("nccl", rank=0, world_size=1, device_id=device)
 
 
 def run_cuda(args) -> None:
     if not torch.cuda.is_available():
-        print("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False); nothing measured")
+        print(
+            "--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False); "
+            "nothing measured"
+        )
         return
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
@@ -248,11 +322,16 @@ def run_cuda(args) -> None:
     (x,), y = harmony.zoo.example_input("gpt2-tiny", args.minibatch, **cfg)
     params = sum(p.numel() for p in model.parameters())
     peak = measured_peak_flops(dev, dtype or torch.float32)
-    print(f"{torch.cuda.get_device_name(dev)}: usable memory capped at {cap / 1e9:.1f} of {total / 1e9:.1f} GB; "
-          f"matmul peak {peak / 1e12:.1f} TFLOP/s in {dtype or torch.float32}")
-    print(f"GPT-2 {cfg['n_layer']} x {cfg['hidden']}, seq {cfg['seq_len']}, vocab {cfg['vocab']}: {params / 1e9:.2f} B "
-          f"params; plain training needs {params * 16 / 1e9:.1f} GB (weights, gradients, 2 AdamW states) plus "
-          f"activations; minibatch {args.minibatch}, {args.precision}")
+    print(
+        f"{torch.cuda.get_device_name(dev)}: usable memory capped at {cap / 1e9:.1f} of "
+        f"{total / 1e9:.1f} GB; matmul peak {peak / 1e12:.1f} TFLOP/s in {dtype or torch.float32}"
+    )
+    print(
+        f"GPT-2 {cfg['n_layer']} x {cfg['hidden']}, seq {cfg['seq_len']}, vocab {cfg['vocab']}: "
+        f"{params / 1e9:.2f} B params; plain training needs {params * 16 / 1e9:.1f} GB (weights, "
+        f"gradients, 2 AdamW states) plus activations; minibatch {args.minibatch}, "
+        f"{args.precision}"
+    )
 
     results = {}
 
@@ -264,18 +343,31 @@ def run_cuda(args) -> None:
             u = sizes[0]
             if len(sizes) > 1:
                 print(f"{name}: microbatch size, tuned (one step each):")
-                u = fastest_microbatch(lambda u: timed(lambda: make(u).step(x, y)), sizes,
-                                       log=lambda line: print(f"    {line}"))
+                u = fastest_microbatch(
+                    lambda u: timed(lambda: make(u).step(x, y)),
+                    sizes,
+                    log=lambda line: print(f"    {line}"),
+                )
                 if u is None:
                     print(f"  {name}: out of memory at every microbatch size")
                     return
             system = make(u)
             torch.cuda.reset_peak_memory_stats(dev)
             times = [timed(lambda: system.step(x, y)) for _ in range(args.steps)]
-            micro = f"{system.plan.fwd_microbatch}/{system.plan.bwd_microbatch}" if isinstance(system, Engine) else str(u)
-            results[name] = (statistics.median(times[1:]), torch.cuda.max_memory_allocated(dev), micro)
+            micro = (
+                f"{system.plan.fwd_microbatch}/{system.plan.bwd_microbatch}"
+                if isinstance(system, Engine)
+                else str(u)
+            )
+            results[name] = (
+                statistics.median(times[1:]),
+                torch.cuda.max_memory_allocated(dev),
+                micro,
+            )
         except Exception as e:  # one system failing is a result; the others still run
-            print(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            print(
+                f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            )
         finally:
             system = None
             gc.collect()
@@ -283,44 +375,83 @@ def run_cuda(args) -> None:
 
     sizes = default_sizes(args.minibatch)
     measure("harmony-pp", lambda u: harmony_on_cuda(model, x, y, args, dev, cap), [args.minibatch])
-    measure("torch offload", lambda u: TorchOffload(copy.deepcopy(model), flat_adamw, lm_loss, "cuda:0", u,
-                                                     autocast=dtype), sizes)
+    measure(
+        "torch offload",
+        lambda u: TorchOffload(
+            copy.deepcopy(model), flat_adamw, lm_loss, "cuda:0", u, autocast=dtype
+        ),
+        sizes,
+    )
     init_single_process_group(dev)
     try:
-        measure("FSDP2 + CPUOffloadPolicy", lambda u: FSDP2Offload(copy.deepcopy(model), lm_loss, u, dtype), sizes)
+        measure(
+            "FSDP2 + CPUOffloadPolicy",
+            lambda u: FSDP2Offload(copy.deepcopy(model), lm_loss, u, dtype),
+            sizes,
+        )
         if importlib.util.find_spec("deepspeed") is None:
             print("DeepSpeed ZeRO-Offload: deepspeed not installed")
         else:
-            measure("DeepSpeed ZeRO-Offload",
-                    lambda u: DeepSpeedOffload(copy.deepcopy(model), lm_loss, u, args.minibatch, dtype),
-                    [u for u in sizes if args.minibatch % u == 0])
+            measure(
+                "DeepSpeed ZeRO-Offload",
+                lambda u: DeepSpeedOffload(
+                    copy.deepcopy(model), lm_loss, u, args.minibatch, dtype
+                ),
+                [u for u in sizes if args.minibatch % u == 0],
+            )
     finally:
         torch.distributed.destroy_process_group()
 
     flop_per_step = 6 * params * args.minibatch * cfg["seq_len"]
-    print(f"\nmeasured, median of {args.steps - 1} steps each (the first is left out), one system at a time")
-    print(f"  {'system':28s}{'microbatch':>11s}{'samples/s':>11s}{'harmony is':>12s}{'MFU':>8s}{'peak GB':>9s}")
+    print(
+        f"\nmeasured, median of {args.steps - 1} steps each (the first is left out), one system "
+        "at a time"
+    )
+    print(
+        f"  {'system':28s}{'microbatch':>11s}{'samples/s':>11s}{'harmony is':>12s}"
+        f"{'MFU':>8s}{'peak GB':>9s}"
+    )
     base = results.get("harmony-pp")
     for name, (seconds, peak_bytes, micro) in results.items():
         ratio = f"{seconds / base[0]:.2f}x" if base else "-"
-        print(f"  {name:28s}{micro:>11s}{args.minibatch / seconds:11.2f}{ratio:>12s}"
-              f"{flop_per_step / seconds / peak:8.1%}{peak_bytes / 1e9:9.2f}")
-    print("  harmony is: harmony's samples/s over the system's; MFU: 6 x params x tokens per step / step time / "
-          "matmul peak")
+        print(
+            f"  {name:28s}{micro:>11s}{args.minibatch / seconds:11.2f}{ratio:>12s}"
+            f"{flop_per_step / seconds / peak:8.1%}{peak_bytes / 1e9:9.2f}"
+        )
+    print(
+        "  harmony is: harmony's samples/s over the system's; MFU: 6 x params x tokens per step "
+        "/ step time / matmul peak"
+    )
 
 
 def harmony_on_cuda(model: nn.Sequential, x, y, args, dev: torch.device, cap: int) -> Engine:
     """The engine with the plan ``plan="auto"`` would pick, searched for the
     capped memory (less the engine's planning headroom) instead of the whole GPU."""
-    engine = Engine(copy.deepcopy(model), flat_adamw, lm_loss, device="cuda:0", minibatch_size=args.minibatch,
-                    precision=args.precision)
-    spec = profile(engine.layers, (x,), y, lm_loss, flat_adamw, device=dev, name="gpt2-bench",
-                   dtype=engine.compute_dtype)
+    engine = Engine(
+        copy.deepcopy(model),
+        flat_adamw,
+        lm_loss,
+        device="cuda:0",
+        minibatch_size=args.minibatch,
+        precision=args.precision,
+    )
+    spec = profile(
+        engine.layers,
+        (x,),
+        y,
+        lm_loss,
+        flat_adamw,
+        device=dev,
+        name="gpt2-bench",
+        dtype=engine.compute_dtype,
+    )
     # 90% of the cap: the CUDA allocator's own slack, as Engine leaves it on a whole GPU
     hw = replace(engine.hardware(), gpu_memory=int(cap * 0.9))
     df = search(spec, hw, args.minibatch, policies=("harmony-pp",), n_gpus=1, workers=1)
     engine.set_plan(df.iloc[0]["plan"])
-    print(f"harmony-pp: {engine.plan.describe()} (simulated {df.iloc[0]['iteration_s']:.3f} s/step)")
+    print(
+        f"harmony-pp: {engine.plan.describe()} (simulated {df.iloc[0]['iteration_s']:.3f} s/step)"
+    )
     return engine
 
 

@@ -8,31 +8,63 @@ giving a Trace. :func:`search` picks the plan.
 
 from .costs import zoo
 from .costs.catalog import known_models, model_spec
+from .costs.hardware import PRESETS, Hardware, parse_bytes, parse_rate, preset
+from .costs.spec import Curve, LayerCost, ModelSpec
 from .engine import Chain, EmulatedDevice, EmulatedServer, Engine, decompose, reference_step
-from .engine.profiler import profile
 from .engine.checkpoint import CheckpointDir, CheckpointError
+from .engine.multi_model import train_many
+from .engine.optim import FlatAdamW
+from .engine.profiler import profile
 from .errors import DeadlockError, HarmonyError, NonFiniteError, OutOfMemoryError
 from .graph import Task, TaskGraph
-from .costs.hardware import PRESETS, Hardware, parse_bytes, parse_rate, preset
-from .engine.multi_model import train_many
-from .planner.multi_model import Job, compare_schedules, simulate_many
-from .engine.optim import FlatAdamW
 from .plan import Plan
-from .policies import POLICIES, build_graph, swap_volume
-
-from .simulate import simulate_graph
 from .planner import plan_for, search, simulate
-from .costs.spec import Curve, LayerCost, ModelSpec
+from .planner.multi_model import Job, compare_schedules, simulate_many
+from .policies import POLICIES, build_graph, swap_volume
+from .simulate import simulate_graph
 from .trace import Trace
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Chain", "EmulatedDevice", "EmulatedServer", "Engine", "decompose", "reference_step",
-    "CheckpointDir", "CheckpointError", "Curve", "DeadlockError", "FlatAdamW", "Hardware", "HarmonyError", "LayerCost",
+    "Chain",
+    "EmulatedDevice",
+    "EmulatedServer",
+    "Engine",
+    "decompose",
+    "reference_step",
+    "CheckpointDir",
+    "CheckpointError",
+    "Curve",
+    "DeadlockError",
+    "FlatAdamW",
+    "Hardware",
+    "HarmonyError",
+    "LayerCost",
     "ModelSpec",
-    "NonFiniteError", "OutOfMemoryError", "POLICIES", "PRESETS", "Plan", "Task", "TaskGraph", "Trace",
-    "build_graph", "known_models", "profile", "model_spec", "parse_bytes", "parse_rate", "preset",
-    "plan_for", "search", "simulate", "simulate_graph", "swap_volume",
-    "Job", "compare_schedules", "simulate_many", "train_many", "zoo",
+    "NonFiniteError",
+    "OutOfMemoryError",
+    "POLICIES",
+    "PRESETS",
+    "Plan",
+    "Task",
+    "TaskGraph",
+    "Trace",
+    "build_graph",
+    "known_models",
+    "profile",
+    "model_spec",
+    "parse_bytes",
+    "parse_rate",
+    "preset",
+    "plan_for",
+    "search",
+    "simulate",
+    "simulate_graph",
+    "swap_volume",
+    "Job",
+    "compare_schedules",
+    "simulate_many",
+    "train_many",
+    "zoo",
 ]

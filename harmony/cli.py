@@ -2,7 +2,8 @@
 
     harmony search   --model gpt2-xl --hardware paper-4x1080ti --minibatch 64
     harmony simulate --model gpt2-xl --hardware paper-4x1080ti --plan plan.json --chrome out.json
-    harmony train    --model gpt2-tiny --steps 20 --minibatch 16 --memory 2MB   (torchrun: one server per process)
+    harmony train    --model gpt2-tiny --steps 20 --minibatch 16 --memory 2MB
+                     (torchrun: one server per process)
     harmony models | presets | policies
     harmony reproduce --quick --out figures
 
@@ -39,10 +40,28 @@ def _str_list(text: str) -> list[str]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model name (see `harmony models`)")
-    p.add_argument("--source", default="auto", choices=["auto", "reference", "zoo"],
-                   help="cost model: measured 1080 Ti profile (reference), analytic (zoo), or reference if any (auto)")
-    p.add_argument("--hardware", default="paper-4x1080ti", help="hardware preset (see `harmony presets`)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+    p.add_argument(
+        "--source",
+        default="auto",
+        choices=["auto", "reference", "zoo"],
+        help=(
+            "cost model: measured 1080 Ti profile (reference), analytic (zoo), "
+            "or reference if any (auto)"
+        ),
+    )
+    p.add_argument(
+        "--hardware", default="paper-4x1080ti", help="hardware preset (see `harmony presets`)"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print machine-readable JSON instead of tables"
+    )
+    p.add_argument(
+        "--precision",
+        default=None,
+        choices=["fp32", "bf16", "fp16"],
+        help="plan a run in this precision (mixed: half the bytes on every link, float32 master "
+        "weights on the host; default: the cost model's, or the plan's)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("search", help="rank plans by simulated iteration time")
     _add_model_args(s)
     s.add_argument("--minibatch", type=_positive_int, required=True, help="samples per iteration")
-    s.add_argument("--policies", type=_str_list, default=None,
-                   help="comma-separated policies (default: harmony-pp,harmony-dp,virtual-memory)")
-    s.add_argument("--gpus", type=_int_list, default=None, help="comma-separated GPU counts (default: all)")
+    s.add_argument(
+        "--policies",
+        type=_str_list,
+        default=None,
+        help="comma-separated policies (default: harmony-pp,harmony-dp,harmony-no-grouping)",
+    )
+    s.add_argument(
+        "--gpus", type=_int_list, default=None, help="comma-separated GPU counts (default: all)"
+    )
     s.add_argument("--top", type=_positive_int, default=10, help="rows to show")
     s.add_argument("--save-plan", type=Path, default=None, help="write the best plan as JSON")
     s.add_argument("--workers", type=_positive_int, default=None, help="simulation processes")
@@ -62,18 +87,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("simulate", help="simulate one plan (or the best one found) and report")
     _add_model_args(m)
-    m.add_argument("--plan", type=Path, default=None, help="plan JSON (default: search at --minibatch)")
-    m.add_argument("--minibatch", type=_positive_int, default=None, help="search at this minibatch if no --plan")
-    m.add_argument("--policy", default=None,
-                   help="simulate this system's best plan at --minibatch (see `harmony policies`)")
+    m.add_argument(
+        "--plan", type=Path, default=None, help="plan JSON (default: search at --minibatch)"
+    )
+    m.add_argument(
+        "--minibatch",
+        type=_positive_int,
+        default=None,
+        help="search at this minibatch if no --plan",
+    )
+    m.add_argument(
+        "--policy",
+        default=None,
+        help="simulate this system's best plan at --minibatch (see `harmony policies`)",
+    )
     m.add_argument("--chrome", type=Path, default=None, help="write a Chrome/Perfetto trace JSON")
-    m.add_argument("--timeline", type=Path, default=None, help="write a timeline figure (.svg and .png)")
+    m.add_argument(
+        "--timeline", type=Path, default=None, help="write a timeline figure (.svg and .png)"
+    )
     m.add_argument("--csv", type=Path, default=None, help="write the timeline as CSV")
 
-    t = sub.add_parser("train", help="train a zoo model on synthetic data with the engine (torchrun: across servers)")
+    t = sub.add_parser(
+        "train",
+        help="train a zoo model on synthetic data with the engine (torchrun: across servers)",
+    )
     t.add_argument("--model", default="gpt2-tiny", help="zoo model (see `harmony models`)")
     t.add_argument("--steps", type=_positive_int, default=10)
-    t.add_argument("--minibatch", type=_positive_int, default=16, help="samples per step per server")
+    t.add_argument(
+        "--minibatch", type=_positive_int, default=16, help="samples per step per server"
+    )
     t.add_argument("--gpus", type=_positive_int, default=1, help="emulated GPUs in this server")
     t.add_argument("--memory", default="4MB", help="memory of each emulated GPU")
     t.add_argument("--h2d", default="200MB/s", help="host->GPU bandwidth of each emulated GPU")
@@ -83,32 +125,69 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--plan", default="auto", help="plan JSON file, or 'auto' (profile and search)")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a zoo config field, e.g. --set n_layer=4 --set dropout=0.0")
-    t.add_argument("--save", type=Path, default=None, help="write the final weights (torch.save state_dict)")
-    t.add_argument("--checkpoint-dir", type=Path, default=None, help="directory for checkpoints of this run")
-    t.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
-                   help="write a checkpoint every N steps (needs --checkpoint-dir)")
-    t.add_argument("--keep", type=_positive_int, default=3, help="checkpoints to keep (the newest)")
-    t.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
-                   help="mixed precision: weights, activations and gradients cross the links in this dtype")
-    t.add_argument("--nonfinite", default="raise", choices=["raise", "skip"],
-                   help="a NaN/inf loss or gradient: stop (weights untouched) or skip the step")
-    t.add_argument("--resume", action="store_true",
-                   help="continue from the newest good checkpoint in --checkpoint-dir (if there is one)")
-    t.add_argument("--timeout", type=float, default=60.0, help="seconds before a lost server is an error")
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a zoo config field, e.g. --set n_layer=4 --set dropout=0.0",
+    )
+    t.add_argument(
+        "--save", type=Path, default=None, help="write the final weights (torch.save state_dict)"
+    )
+    t.add_argument(
+        "--checkpoint-dir", type=Path, default=None, help="directory for checkpoints of this run"
+    )
+    t.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="write a checkpoint every N steps (needs --checkpoint-dir)",
+    )
+    t.add_argument(
+        "--keep", type=_positive_int, default=3, help="checkpoints to keep (the newest)"
+    )
+    t.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="mixed precision: weights, activations and gradients cross the links in this dtype",
+    )
+    t.add_argument(
+        "--nonfinite",
+        default="raise",
+        choices=["raise", "skip"],
+        help="a NaN/inf loss or gradient: stop (weights untouched) or skip the step",
+    )
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest good checkpoint in --checkpoint-dir (if there is one)",
+    )
+    t.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds before a lost server is an error"
+    )
 
     sub.add_parser("models", help="list models")
     sub.add_parser("presets", help="list hardware presets")
     sub.add_parser("policies", help="list policies")
 
-    r = sub.add_parser("reproduce", help="run the experiments (notebooks through papermill), write figures")
-    r.add_argument("names", nargs="*", help="experiments to run, by name or unique prefix (default: all)")
+    r = sub.add_parser(
+        "reproduce", help="run the experiments (notebooks through papermill), write figures"
+    )
+    r.add_argument(
+        "names", nargs="*", help="experiments to run, by name or unique prefix (default: all)"
+    )
     size = r.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="CPU-sized parameters (the default)")
     size.add_argument("--full", action="store_true", help="the paper-sized parameters")
-    r.add_argument("--force", action="store_true", help="re-run experiments already done with the same code")
-    r.add_argument("--out", type=Path, default=Path("figures"), help="where figures and their data go")
+    r.add_argument(
+        "--force", action="store_true", help="re-run experiments already done with the same code"
+    )
+    r.add_argument(
+        "--out", type=Path, default=Path("figures"), help="where figures and their data go"
+    )
     r.add_argument("--list", action="store_true", help="list the experiments and exit")
     r.add_argument("--timeout", type=float, default=None, help="seconds allowed per notebook cell")
     return parser
@@ -138,13 +217,25 @@ def _cmd_search(args) -> int:
     kwargs = {}
     if args.policies:
         kwargs["policies"] = args.policies
-    df = search(spec, hw, args.minibatch, n_gpus=args.gpus, progress=not (args.no_progress or args.json),
-                workers=args.workers, **kwargs)
+    df = search(
+        spec,
+        hw,
+        args.minibatch,
+        n_gpus=args.gpus,
+        progress=not (args.no_progress or args.json),
+        workers=args.workers,
+        precision=args.precision,
+        **kwargs,
+    )
     if args.save_plan:
         df.iloc[0]["plan"].to_json(args.save_plan)
     if args.json:
         out = df.head(args.top).assign(plan=lambda d: d["plan"].map(lambda p: p.to_dict()))
-        print(json.dumps({"attrs": df.attrs, "rows": out.to_dict(orient="records")}, indent=2, default=str))
+        print(
+            json.dumps(
+                {"attrs": df.attrs, "rows": out.to_dict(orient="records")}, indent=2, default=str
+            )
+        )
     else:
         print(format_search(df, args.top))
     return 0
@@ -160,14 +251,22 @@ def _cmd_simulate(args) -> int:
         if args.policy is not None:
             raise HarmonyError("give --plan or --policy, not both: the plan names its policy")
         plan = Plan.from_json(args.plan)
+        if args.precision is not None:
+            plan = plan.with_options(precision=args.precision)
     elif args.minibatch is not None and args.policy is not None:
         from .planner import plan_for
 
+        if args.precision is not None:
+            spec = spec.in_precision(args.precision)
         plan = plan_for(args.policy, spec, hw, args.minibatch)
     elif args.minibatch is not None:
-        plan = search(spec, hw, args.minibatch, progress=False).iloc[0]["plan"]
+        plan = search(spec, hw, args.minibatch, progress=False, precision=args.precision).iloc[0][
+            "plan"
+        ]
     else:
-        raise HarmonyError("give --plan plan.json, or --minibatch N to simulate the best plan found")
+        raise HarmonyError(
+            "give --plan plan.json, or --minibatch N to simulate the best plan found"
+        )
     trace = simulate(spec, hw, plan)
     if args.chrome:
         trace.to_chrome(args.chrome)
@@ -176,9 +275,16 @@ def _cmd_simulate(args) -> int:
     if args.timeline:
         from .workbench.charts import save, timeline_chart
 
-        save(timeline_chart(trace, title=f"{spec.name} on {hw.name}: {plan.describe()}"), args.timeline)
+        save(
+            timeline_chart(trace, title=f"{spec.name} on {hw.name}: {plan.describe()}"),
+            args.timeline,
+        )
     if args.json:
-        print(json.dumps({"plan": plan.to_dict(), "summary": trace.summary.to_dict()}, indent=2, default=str))
+        print(
+            json.dumps(
+                {"plan": plan.to_dict(), "summary": trace.summary.to_dict()}, indent=2, default=str
+            )
+        )
     else:
         print(format_summary(plan, trace))
     return 0
@@ -198,20 +304,38 @@ def _overrides(pairs: list[str]) -> dict:
 
 
 def _cmd_train(args) -> int:
-    from .plan import Plan
     from .engine.checkpoint import CheckpointDir
+    from .plan import Plan
     from .workbench.training import device_from_args, save_weights, train
 
     device = device_from_args(args.gpus, args.memory, args.h2d, args.d2h, args.uplink, args.p2p)
     plan = "auto" if args.plan == "auto" else Plan.from_json(Path(args.plan))
-    checkpoints = CheckpointDir(args.checkpoint_dir, keep=args.keep) if args.checkpoint_dir else None
-    result = train(args.model, args.steps, args.minibatch, device, plan, lr=args.lr, seed=args.seed,
-                   timeout_s=args.timeout, checkpoints=checkpoints, checkpoint_every=args.checkpoint_every or 0,
-                   resume=args.resume, precision=args.precision, nonfinite=args.nonfinite, **_overrides(args.set))
+    checkpoints = (
+        CheckpointDir(args.checkpoint_dir, keep=args.keep) if args.checkpoint_dir else None
+    )
+    result = train(
+        args.model,
+        args.steps,
+        args.minibatch,
+        device,
+        plan,
+        lr=args.lr,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        checkpoints=checkpoints,
+        checkpoint_every=args.checkpoint_every or 0,
+        resume=args.resume,
+        precision=args.precision,
+        nonfinite=args.nonfinite,
+        **_overrides(args.set),
+    )
     if args.save:
         save_weights(result.engine, args.save)
     if result.losses:
-        print(f"{result.samples_per_s:.1f} samples/s after the first step; final loss {result.losses[-1]:.6f}")
+        print(
+            f"{result.samples_per_s:.1f} samples/s after the first step; final loss "
+            f"{result.losses[-1]:.6f}"
+        )
     else:
         print(f"nothing to do: the run had already done its {args.steps} steps")
     return 0
@@ -221,7 +345,11 @@ def _cmd_models(args) -> int:
     from .costs import reference, zoo
 
     for name in sorted(set(reference.VARIANTS) | set(zoo.MODELS)):
-        sources = [s for s, table in (("reference", reference.VARIANTS), ("zoo", zoo.MODELS)) if name in table]
+        sources = [
+            s
+            for s, table in (("reference", reference.VARIANTS), ("zoo", zoo.MODELS))
+            if name in table
+        ]
         print(f"{name:16s} {', '.join(sources)}")
     return 0
 
@@ -230,9 +358,11 @@ def _cmd_presets(args) -> int:
     from .costs.hardware import PRESETS
 
     for hw in PRESETS.values():
-        print(f"{hw.name:16s} {hw.n_gpus} GPU x {hw.gpu_memory / 1e9:.1f} GB, host link {hw.h2d / 1e9:.1f} GB/s"
-              f" ({hw.gpus_per_switch} per uplink), p2p {'-' if hw.p2p is None else f'{hw.p2p / 1e9:.1f} GB/s'}"
-              f"  {hw.notes}")
+        print(
+            f"{hw.name:16s} {hw.n_gpus} GPU x {hw.gpu_memory / 1e9:.1f} GB, host link "
+            f"{hw.h2d / 1e9:.1f} GB/s ({hw.gpus_per_switch} per uplink), p2p "
+            f"{'-' if hw.p2p is None else f'{hw.p2p / 1e9:.1f} GB/s'}  {hw.notes}"
+        )
     return 0
 
 
@@ -250,13 +380,20 @@ def _cmd_reproduce(args) -> int:
     if args.list:
         print(list_experiments())
         return 0
-    report = reproduce(args.names or None, full=args.full, out=args.out, force=args.force, timeout=args.timeout)
+    report = reproduce(
+        args.names or None, full=args.full, out=args.out, force=args.force, timeout=args.timeout
+    )
     return report.exit_code
 
 
 _COMMANDS = {
-    "search": _cmd_search, "simulate": _cmd_simulate, "train": _cmd_train, "models": _cmd_models,
-    "presets": _cmd_presets, "policies": _cmd_policies, "reproduce": _cmd_reproduce,
+    "search": _cmd_search,
+    "simulate": _cmd_simulate,
+    "train": _cmd_train,
+    "models": _cmd_models,
+    "presets": _cmd_presets,
+    "policies": _cmd_policies,
+    "reproduce": _cmd_reproduce,
 }
 
 if __name__ == "__main__":  # pragma: no cover

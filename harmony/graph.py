@@ -23,8 +23,10 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-# Compute kinds
-FWD, BWD, FWDBWD, UPD = "FWD", "BWD", "FWDBWD", "UPD"
+# Compute kinds. A backward pack's op is two tasks: REC recomputes the pack's forward
+# with autograd from its stashed input (it needs the weights and the stash only), BWD
+# runs backward once the output gradient is there; the fused last pack is one FWDBWD.
+FWD, REC, BWD, FWDBWD, UPD = "FWD", "REC", "BWD", "FWDBWD", "UPD"
 # Transfer kinds and what they move
 W_IN = "W_IN"  # weights host -> GPU
 G_OUT = "G_OUT"  # weight gradients GPU -> host
@@ -35,11 +37,84 @@ ACT_IN = "ACT_IN"
 P2P = "P2P"  # activations / their gradients GPU -> GPU
 DATA_IN = "DATA_IN"  # minibatch inputs and labels
 REDUCE = "REDUCE"  # data-parallel gradient reduce-scatter, per GPU
+# Training state that the swapping baselines keep in (virtual) GPU memory
+G_IN = "G_IN"  # a gradient accumulator host -> GPU, to add one more microbatch to it
+OPT_IN = "OPT_IN"  # weights, gradients and optimizer state host -> GPU, for an update there
+OPT_OUT = "OPT_OUT"  # updated weights and optimizer state GPU -> host
 
-COMPUTE_KINDS = frozenset({FWD, BWD, FWDBWD, UPD})
+COMPUTE_KINDS = frozenset({FWD, REC, BWD, FWDBWD, UPD})
 #: kinds whose lane runs strictly in seq order
-IN_ORDER_KINDS = frozenset({FWD, BWD, FWDBWD})
-TRANSFER_KINDS = frozenset({W_IN, G_OUT, STASH_OUT, STASH_IN, ACT_OUT, ACT_IN, P2P, DATA_IN, REDUCE})
+IN_ORDER_KINDS = frozenset({FWD, REC, BWD, FWDBWD})
+TRANSFER_KINDS = frozenset(
+    {
+        W_IN,
+        G_OUT,
+        STASH_OUT,
+        STASH_IN,
+        ACT_OUT,
+        ACT_IN,
+        P2P,
+        DATA_IN,
+        REDUCE,
+        G_IN,
+        OPT_IN,
+        OPT_OUT,
+    }
+)
+
+
+# ---- what a task moves or steps (its payload) ----------------------------------------------
+@dataclass(frozen=True)
+class Weights:
+    """A pack's weights (and buffers), host -> GPU."""
+
+    layers: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The minibatch's ``inputs`` or ``labels`` for some samples, host -> GPU."""
+
+    what: str  # "inputs" | "labels"
+    samples: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The input of ``layer`` for some samples (``"act"``), the same kept for
+    recompute (``"stash"``), or its gradient (``"grad"``)."""
+
+    what: str  # "act" | "stash" | "grad"
+    layer: int
+    samples: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """A pack's gradient, or shard ``(r, k)`` of it (every k-th layer from the
+    r-th, summed over the data-parallel replicas), GPU -> host."""
+
+    layers: tuple[int, int]
+    shard: tuple[int, int] = (0, 1)
+
+
+@dataclass(frozen=True)
+class TiedGradients:
+    """One microbatch's gradient of the parameters a pack shares with other packs."""
+
+    layers: tuple[int, int]
+    samples: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Update:
+    """The CPU optimizer step of a pack's parameters, or of shard ``(r, k)`` of them."""
+
+    layers: tuple[int, int]
+    shard: tuple[int, int] = (0, 1)
+
+
+Payload = Weights | Batch | Activation | Gradients | TiedGradients | Update | None
 
 
 @dataclass(slots=True)
@@ -48,23 +123,25 @@ class Task:
     kind: str
     lane: str
     device: str  # where it runs: "gpu0".., "cpu"
-    seq: tuple[int, int, int]  # priority; (op, 0, n) inputs of op, (op, 1, 0) the op, (op, 2, n) after it
+    seq: tuple[
+        int, int, int
+    ]  # priority; (op, 0, n) inputs of op, (op, 1, 0) the op, (op, 2, n) after it
     deps: list[int] = field(default_factory=list)
     duration: float = 0.0  # seconds (compute)
     nbytes: float = 0.0  # bytes (transfer)
     links: tuple[str, ...] = ()  # route of a transfer
     max_rate: float = math.inf  # per-transfer cap (e.g. the P2P bandwidth)
     model: int = 0
-    pack: int = -1  # index into the plan's bwd packs (BWD/FWDBWD/UPD/G_OUT) or fwd packs (FWD)
+    pack: int = -1  # index into the plan's bwd packs (REC/BWD/FWDBWD/UPD/G_OUT), fwd packs (FWD)
     layers: tuple[int, int] = (0, 0)
     microbatch: int = -1
     samples: tuple[int, int] = (0, 0)
     what: str = ""  # for people reading traces
-    #: what a transfer moves, as a key of host-side data: ("weights", s, e), ("inputs", a, b),
-    #: ("labels", a, b), ("stash"|"act"|"grad", layer, a, b), ("grads", s, e)
-    data: tuple = ()
+    #: what the task moves or steps, for an executor (a transfer's data, an update's layers)
+    data: Payload = None
     #: the buffers the task works on, by role, for an executor: "weights", "grads", "input",
-    #: "labels", "stash_in", "grad_in" (lists), "output", "stash" ({layer: buffer}), "src", "dst"
+    #: "labels", "stash_in", "grad_in" (lists), "output", "stash" ({layer: buffer}), "src", "dst",
+    #: "work" (working memory), "saved" (what a REC keeps for its BWD: autograd's saved tensors)
     io: dict = field(default_factory=dict)
     allocs: list[int] = field(default_factory=list)
     releases: list[int] = field(default_factory=list)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import numbers
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -33,6 +33,22 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     # Packs whose weights may be resident at once on a GPU (2 = double buffering:
     # the next pack's weights load while the current pack computes).
     "prefetch_packs": 2,
+    # A backward pack recomputes its forward as soon as its weights and stashed input
+    # are on the GPU, while its output gradient is still on its way (True, Harmony's
+    # schedule), or only once the gradient is there (False: the ablation).
+    "overlap_recompute": True,
+    # The run's precision ("fp32", or mixed "bf16" / "fp16"): what crosses the links
+    # in which dtype (harmony.costs.spec.ModelSpec.in_precision). None: the spec's own.
+    "precision": None,
+    # Where the swapping baselines keep training state (harmony.policies.swapping), as a
+    # framework with virtualized GPU memory does; other policies refuse them. The
+    # optimizer steps on the GPU: weights, gradients and optimizer state cross in, and
+    # weights and state back out, once per iteration and replica (False: on the CPU).
+    "gpu_optimizer": False,
+    # A pack's gradient accumulates on the GPU: every microbatch after the first brings
+    # the accumulator back in before backward (False: each microbatch's gradient goes
+    # out and the host adds them up). Either way it leaves after every microbatch.
+    "gpu_gradients": False,
 }
 
 
@@ -68,17 +84,29 @@ class Plan:
             try:
                 opts = dict(opts)
             except (TypeError, ValueError):
-                raise HarmonyError(f"plan options must be a mapping of option -> value, got {opts!r}") from None
+                raise HarmonyError(
+                    f"plan options must be a mapping of option -> value, got {opts!r}"
+                ) from None
         unknown = set(opts) - set(DEFAULT_OPTIONS)
         if unknown:
             raise HarmonyError(
-                f"unknown plan option(s) {sorted(unknown)}; known options: {sorted(DEFAULT_OPTIONS)}"
+                f"unknown plan option(s) {sorted(unknown)}; known options: "
+                f"{sorted(DEFAULT_OPTIONS)}"
             )
         object.__setattr__(self, "options", tuple(sorted(opts.items())))
 
     @classmethod
-    def uniform(cls, policy: str, n_gpus: int, minibatch: int, microbatch: int, num_layers: int,
-                layers_per_pack: int, fwd_microbatch: int | None = None, **options: Any) -> "Plan":
+    def uniform(
+        cls,
+        policy: str,
+        n_gpus: int,
+        minibatch: int,
+        microbatch: int,
+        num_layers: int,
+        layers_per_pack: int,
+        fwd_microbatch: int | None = None,
+        **options: Any,
+    ) -> "Plan":
         """Backward packs of ``layers_per_pack`` layers cut from the last layer, so
         the fused last pack is full and the first pack takes the remainder;
         forward packs on the same boundaries (all but the fused pack);
@@ -91,13 +119,36 @@ class Plan:
             raise HarmonyError(f"num_layers must be an integer >= 1, got {num_layers!r}")
         cuts = list(range(num_layers, 0, -layers_per_pack)) + [0]
         bwd = tuple(reversed([(max(a, 0), b) for b, a in zip(cuts, cuts[1:])]))
-        kept = {k: v for k, v in options.items() if k not in DEFAULT_OPTIONS or v != DEFAULT_OPTIONS[k]}
-        return cls(policy, n_gpus, minibatch, microbatch if fwd_microbatch is None else fwd_microbatch,
-                   microbatch, bwd[:-1], bwd, kept)
+        kept = {
+            k: v for k, v in options.items() if k not in DEFAULT_OPTIONS or v != DEFAULT_OPTIONS[k]
+        }
+        return cls(
+            policy,
+            n_gpus,
+            minibatch,
+            microbatch if fwd_microbatch is None else fwd_microbatch,
+            microbatch,
+            bwd[:-1],
+            bwd,
+            kept,
+        )
 
     # ---- accessors -----------------------------------------------------------
     def option(self, name: str) -> Any:
         return dict(self.options).get(name, DEFAULT_OPTIONS[name])
+
+    def with_options(self, **changes: Any) -> "Plan":
+        """The same plan with ``changes`` to its options (those equal to their default left
+        out)."""
+        merged = {**dict(self.options), **changes}
+        return replace(
+            self,
+            options={
+                k: v
+                for k, v in merged.items()
+                if k not in DEFAULT_OPTIONS or v != DEFAULT_OPTIONS[k]
+            },
+        )
 
     @property
     def num_layers(self) -> int:
@@ -117,6 +168,7 @@ class Plan:
     # ---- validation ----------------------------------------------------------
     def validate(self, num_layers: int | None = None) -> "Plan":
         """Raise :class:`HarmonyError` saying what is wrong; return self if fine."""
+
         def bad(msg: str) -> HarmonyError:
             return HarmonyError(f"invalid plan ({self.policy}): {msg}")
 
@@ -126,18 +178,32 @@ class Plan:
                 raise bad(f"{name} must be a positive integer, got {v!r}")
         for name in ("fwd_microbatch", "bwd_microbatch"):
             if getattr(self, name) > self.minibatch:
-                raise bad(f"{name}={getattr(self, name)} is larger than the minibatch ({self.minibatch})")
+                raise bad(
+                    f"{name}={getattr(self, name)} is larger than the minibatch ({self.minibatch})"
+                )
         if not self.bwd_packs:
             raise bad("bwd_packs is empty: give at least one (start, stop) layer range")
         L = self.num_layers if num_layers is None else num_layers
         _check_cover(self.bwd_packs, 0, L, "bwd_packs", bad)
-        _check_cover(self.fwd_packs, 0, self.bwd_packs[-1][0], "fwd_packs", bad,
-                     why=" (forward packs stop where the fused last backward pack starts)")
+        _check_cover(
+            self.fwd_packs,
+            0,
+            self.bwd_packs[-1][0],
+            "fwd_packs",
+            bad,
+            why=" (forward packs stop where the fused last backward pack starts)",
+        )
         prefetch = self.option("prefetch_packs")
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
             raise bad(f"option prefetch_packs must be an integer >= 1, got {prefetch!r}")
-        if not isinstance(self.option("offload_activations"), bool):
-            raise bad(f"option offload_activations must be true or false, got {self.option('offload_activations')!r}")
+        for name in ("offload_activations", "overlap_recompute", "gpu_optimizer", "gpu_gradients"):
+            if not isinstance(self.option(name), bool):
+                raise bad(f"option {name} must be true or false, got {self.option(name)!r}")
+        if self.option("precision") not in (None, "fp32", "bf16", "fp16"):
+            raise bad(
+                "option precision must be 'fp32', 'bf16' or 'fp16', got "
+                f"{self.option('precision')!r}"
+            )
         return self
 
     # ---- JSON ----------------------------------------------------------------
@@ -156,8 +222,16 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
-        fields = {"policy", "n_gpus", "minibatch", "fwd_microbatch", "bwd_microbatch",
-                  "fwd_packs", "bwd_packs", "options"}
+        fields = {
+            "policy",
+            "n_gpus",
+            "minibatch",
+            "fwd_microbatch",
+            "bwd_microbatch",
+            "fwd_packs",
+            "bwd_packs",
+            "options",
+        }
         missing = fields - {"options"} - set(d)
         extra = set(d) - fields
         if missing or extra:
@@ -183,22 +257,28 @@ class Plan:
             raise HarmonyError(f"plan JSON is not valid JSON: {e}") from None
 
     def describe(self) -> str:
-        return (f"{self.policy} x{self.n_gpus} minibatch {self.minibatch} "
-                f"uF={self.fwd_microbatch} uB={self.bwd_microbatch} "
-                f"packs F{len(self.fwd_packs)}/B{len(self.bwd_packs)}"
-                + ("" if not self.options else " " + ",".join(f"{k}={v}" for k, v in self.options)))
+        return (
+            f"{self.policy} x{self.n_gpus} minibatch {self.minibatch} "
+            f"uF={self.fwd_microbatch} uB={self.bwd_microbatch} "
+            f"packs F{len(self.fwd_packs)}/B{len(self.bwd_packs)}"
+            + ("" if not self.options else " " + ",".join(f"{k}={v}" for k, v in self.options))
+        )
 
 
 def _normalise_packs(packs, name: str) -> tuple[Pack, ...]:
     try:
         out = tuple(tuple(p) for p in packs)
-        if any(len(p) != 2 or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in p)
-               for p in out):
+        if any(
+            len(p) != 2
+            or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in p)
+            for p in out
+        ):
             raise TypeError
         return tuple((int(a), int(b)) for a, b in out)
     except TypeError:
         raise HarmonyError(
-            f"{name} must be a list of [start, stop] integer layer ranges, e.g. [[0, 4], [4, 8]]; got {packs!r}"
+            f"{name} must be a list of [start, stop] integer layer ranges, e.g. [[0, 4], [4, 8]]; "
+            f"got {packs!r}"
         ) from None
 
 
@@ -207,13 +287,19 @@ def _check_cover(packs, start: int, stop: int, name: str, bad, why: str = "") ->
     for p in packs:
         a, b = p
         if a != at:
-            kind = "overlaps the previous pack" if a < at else f"leaves layers {at}..{a - 1} uncovered"
+            kind = (
+                "overlaps the previous pack"
+                if a < at
+                else f"leaves layers {at}..{a - 1} uncovered"
+            )
             raise bad(f"{name}: pack {p} {kind}")
         if b <= a:
             raise bad(f"{name}: pack {p} is empty or reversed (stop must be > start)")
         at = b
     if at != stop:
-        raise bad(f"{name} must cover layers {start}..{stop - 1}{why}, but they end at layer {at - 1}")
+        raise bad(
+            f"{name} must cover layers {start}..{stop - 1}{why}, but they end at layer {at - 1}"
+        )
 
 
 def layer_shard(layers: tuple[int, int], r: int, k: int) -> list[int]:

@@ -9,6 +9,14 @@ uplink are both limits), capped by any per-transfer rate. Memory is a ledger
 per device: buffers are charged when the task that allocates them starts and
 freed when their last user ends; the peak is reported (the planner rejects
 plans whose peak exceeds capacity).
+
+A copy waits for room: a transfer that would take its device past capacity
+(the next pack's weights while the previous pack's gradient is still leaving,
+say) does not start until enough has been freed, and its lane starts nothing
+else meanwhile (what it holds back is the most urgent). Only when nothing at
+all is running, so nothing will be freed, does the most urgent such copy start
+anyway, and the peak then exceeds capacity. A graph whose play never has to
+wait is played exactly as without the rule.
 """
 
 from __future__ import annotations
@@ -25,12 +33,14 @@ from .trace import Trace
 _EPS = 1e-12
 
 
-def fair_rates(active: dict[int, tuple[tuple[str, ...], float]], capacity: dict[str, float]) -> dict[int, float]:
+def fair_rates(
+    active: dict[int, tuple[tuple[str, ...], float]], capacity: dict[str, float]
+) -> dict[int, float]:
     """Max-min fair rates (progressive filling) of transfers over shared links.
 
     ``active`` maps a transfer to (its links, its own rate cap)."""
     if len(active) == 1:  # the common case: one transfer gets its narrowest link
-        (tid, (links, mx)), = active.items()
+        ((tid, (links, mx)),) = active.items()
         return {tid: min([mx] + [capacity[link] for link in links])}
     rates: dict[int, float] = {}
     left = dict(active)
@@ -94,7 +104,9 @@ def play(graph: TaskGraph) -> Played:
             lane_of[i] = lane
     in_order = graph.in_order_lanes()
     head = {lane: 0 for lane in lanes}  # next task of an in-order lane
-    ready: dict[str, list] = {lane: [] for lane in lanes if lane not in in_order}  # heaps of (seq, task)
+    ready: dict[str, list] = {
+        lane: [] for lane in lanes if lane not in in_order
+    }  # heaps of (seq, task)
     for lane, heap in ready.items():
         for i in lanes[lane]:
             if not waiting[i]:
@@ -102,6 +114,18 @@ def play(graph: TaskGraph) -> Played:
         heapq.heapify(heap)
     busy = {lane: False for lane in lanes}
     refs = [b.refs for b in graph.buffers]
+    capacity = graph.memory_capacity
+    # what each copy allocates on a device with a capacity, and the lanes whose most
+    # urgent ready copy waits for room on a device
+    room: dict[int, dict[str, float]] = {}
+    for t in tasks:
+        if t.is_transfer:
+            for b in t.allocs:
+                buf = graph.buffers[b]
+                if buf.device in capacity and buf.nbytes > 0:
+                    need = room.setdefault(t.id, {})
+                    need[buf.device] = need.get(buf.device, 0.0) + buf.nbytes
+    waits_on: dict[str, set[str]] = defaultdict(set)
     in_use: dict[str, float] = defaultdict(float)
     peak: dict[str, float] = {d: 0.0 for d in graph.memory_capacity}
     memory: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -120,6 +144,33 @@ def play(graph: TaskGraph) -> Played:
         if in_use[device] > peak.get(device, 0.0):
             peak[device] = in_use[device]
 
+    def fits(tid: int) -> str | None:
+        """None, or a device that has no room yet for what copy ``tid`` allocates."""
+        for device, nbytes in room.get(tid, {}).items():
+            if in_use[device] + nbytes > capacity[device] * (1 + 1e-12):
+                return device
+        return None
+
+    def begin(lane: str, tid: int) -> None:
+        nonlocal rates_stale
+        busy[lane] = True
+        start[tid] = now
+        t = tasks[tid]
+        for b in t.allocs:
+            buf = graph.buffers[b]
+            charge(buf.device, buf.nbytes)
+            order[buf.device].append((b, True))
+        if t.is_transfer:
+            if t.nbytes > 0:
+                moving[tid] = t.nbytes
+                rates_stale = True
+            else:
+                finish(tid)
+        elif t.duration > 0:
+            heapq.heappush(computing, (now + t.duration, tid))
+        else:
+            finish(tid)
+
     def finish(tid: int) -> None:
         nonlocal done
         end[tid] = now
@@ -131,6 +182,7 @@ def play(graph: TaskGraph) -> Played:
                 buf = graph.buffers[b]
                 charge(buf.device, -buf.nbytes)
                 order[buf.device].append((b, False))
+                to_check.update(waits_on.pop(buf.device, ()))
         lane = lane_of[tid]
         busy[lane] = False
         to_check.add(lane)
@@ -142,14 +194,30 @@ def play(graph: TaskGraph) -> Played:
                 if dl in ready:
                     heapq.heappush(ready[dl], (tasks[d].seq, d))
 
+    def urgency(lane: str) -> tuple:
+        """The seq of the task ``lane`` would start next (lanes that may start
+        something go most urgent first, so the most urgent copy gets room first)."""
+        if lane in ready:
+            return ready[lane][0][0] if ready[lane] else (math.inf,)
+        ids = lanes[lane]
+        return tasks[ids[head[lane]]].seq if head[lane] < len(ids) else (math.inf,)
+
     while done < n:
         # Start what can start now.
         while to_check:
-            lane = to_check.pop()
+            if len(to_check) == 1:
+                lane = to_check.pop()
+            else:
+                lane = min(to_check, key=lambda x: (urgency(x), x))
+                to_check.discard(lane)
             if busy[lane]:
                 continue
             if lane in ready:
                 if not ready[lane]:
+                    continue
+                full = fits(ready[lane][0][1])
+                if full is not None:
+                    waits_on[full].add(lane)
                     continue
                 tid = heapq.heappop(ready[lane])[1]
             else:
@@ -158,27 +226,21 @@ def play(graph: TaskGraph) -> Played:
                     continue
                 tid = ids[head[lane]]
                 head[lane] += 1
-            busy[lane] = True
-            start[tid] = now
-            t = tasks[tid]
-            for b in t.allocs:
-                buf = graph.buffers[b]
-                charge(buf.device, buf.nbytes)
-                order[buf.device].append((b, True))
-            if t.is_transfer:
-                if t.nbytes > 0:
-                    moving[tid] = t.nbytes
-                    rates_stale = True
-                else:
-                    finish(tid)
-            elif t.duration > 0:
-                heapq.heappush(computing, (now + t.duration, tid))
-            else:
-                finish(tid)
+            begin(lane, tid)
         if done == n:
             break
+        held_back = [lane for lanes_ in waits_on.values() for lane in lanes_ if ready[lane]]
+        if not computing and not moving and held_back:
+            # nothing runs, so nothing will be freed: the most urgent waiting copy goes
+            lane = min(held_back, key=lambda x: ready[x][0])
+            waits_on.clear()
+            begin(lane, heapq.heappop(ready[lane])[1])
+            to_check.update(held_back)
+            continue
         if rates_stale:
-            rates = fair_rates({tid: (tasks[tid].links, tasks[tid].max_rate) for tid in moving}, graph.links)
+            rates = fair_rates(
+                {tid: (tasks[tid].links, tasks[tid].max_rate) for tid in moving}, graph.links
+            )
             rates_stale = False
         # Advance to the next end.
         t_next = computing[0][0] if computing else math.inf
@@ -211,7 +273,9 @@ def _deadlock(graph: TaskGraph, start: list[float], end: list[float]) -> Deadloc
         if math.isnan(start[t.id]):
             missing = [d for d in t.deps if math.isnan(end[d])]
             if all(not math.isnan(start[d]) or d in missing for d in t.deps):
-                stuck.append(f"{t.lane}: task {t.id} {t.kind} '{t.what}' waits on tasks {missing[:5]}")
+                stuck.append(
+                    f"{t.lane}: task {t.id} {t.kind} '{t.what}' waits on tasks {missing[:5]}"
+                )
     return DeadlockError(
         f"task graph deadlocks: {sum(math.isnan(x) for x in start)} tasks never start; "
         "some waiting tasks:\n  " + "\n  ".join(stuck[:12])
@@ -220,5 +284,11 @@ def _deadlock(graph: TaskGraph, start: list[float], end: list[float]) -> Deadloc
 
 def simulate_graph(graph: TaskGraph) -> Trace:
     played = play(graph)
-    return Trace.from_run(graph, played.start, played.end, [t.nbytes for t in graph.tasks], played.peak,
-                          played.memory)
+    return Trace.from_run(
+        graph,
+        played.start,
+        played.end,
+        [t.nbytes for t in graph.tasks],
+        played.peak,
+        played.memory,
+    )

@@ -31,9 +31,14 @@ class _Attention(nn.Module):
 
     def forward(self, x):
         b, t, d = x.shape
-        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                       dropout_p=self.p if self.training else 0.0)
+        q, k, v = (
+            self.qkv(self.norm(x))
+            .view(b, t, 3, self.heads, d // self.heads)
+            .permute(2, 0, 3, 1, 4)
+        )
+        a = nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0
+        )
         return x + self.out(a.transpose(1, 2).reshape(b, t, d))
 
 
@@ -69,26 +74,55 @@ def random_model(seed: int, minibatch: int):
             block = nn.Sequential(nn.Linear(d, d), norm, act, nn.Dropout(p))
             layers.append(_Residual(block) if rng.random() < 0.5 else block)
         layers.append(nn.Linear(d, 7))
-        return (nn.Sequential(*layers), (torch.randn(minibatch, 12, generator=g),),
-                torch.randint(0, 7, (minibatch,), generator=g), nn.functional.cross_entropy)
+        return (
+            nn.Sequential(*layers),
+            (torch.randn(minibatch, 12, generator=g),),
+            torch.randint(0, 7, (minibatch,), generator=g),
+            nn.functional.cross_entropy,
+        )
     if kind == "cnn":
         c = rng.choice([4, 8, 12])
         layers = [nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU()]
         for i in range(depth):
-            layers.append(_Residual(nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c),
-                                                  nn.ReLU(), nn.Conv2d(c, c, 3, padding=1, bias=False))))
+            layers.append(
+                _Residual(
+                    nn.Sequential(
+                        nn.Conv2d(c, c, 3, padding=1, bias=False),
+                        nn.BatchNorm2d(c),
+                        nn.ReLU(),
+                        nn.Conv2d(c, c, 3, padding=1, bias=False),
+                    )
+                )
+            )
             if i == depth // 2:
                 layers.append(nn.MaxPool2d(2))
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(p), nn.Linear(c, 10)]
-        return (nn.Sequential(*layers), (torch.randn(minibatch, 3, 8, 8, generator=g),),
-                torch.randint(0, 10, (minibatch,), generator=g), nn.functional.cross_entropy)
+        return (
+            nn.Sequential(*layers),
+            (torch.randn(minibatch, 3, 8, 8, generator=g),),
+            torch.randint(0, 10, (minibatch,), generator=g),
+            nn.functional.cross_entropy,
+        )
     vocab, seq, d = rng.choice([32, 64]), rng.choice([4, 8, 12]), rng.choice([16, 32, 48])
     embedding = nn.Embedding(vocab, d)
     blocks = []
     for _ in range(depth):
         blocks.append(_Attention(d, rng.choice([2, 4]), p))
-        blocks.append(_Residual(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d),
-                                              nn.Dropout(p))))
-    head = _TiedHead(embedding) if kind == "tied-lm" else nn.Sequential(nn.LayerNorm(d), nn.Linear(d, vocab))
+        blocks.append(
+            _Residual(
+                nn.Sequential(
+                    nn.LayerNorm(d),
+                    nn.Linear(d, 2 * d),
+                    nn.GELU(),
+                    nn.Linear(2 * d, d),
+                    nn.Dropout(p),
+                )
+            )
+        )
+    head = (
+        _TiedHead(embedding)
+        if kind == "tied-lm"
+        else nn.Sequential(nn.LayerNorm(d), nn.Linear(d, vocab))
+    )
     ids = torch.randint(0, vocab, (minibatch, seq), generator=g)
     return nn.Sequential(embedding, *blocks, head), (ids,), torch.roll(ids, -1, 1), _token_loss

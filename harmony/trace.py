@@ -24,9 +24,30 @@ import pandas as pd
 
 from .graph import UPD, TaskGraph
 
-TIMELINE_COLUMNS = ["device", "lane", "kind", "model", "pack", "microbatch", "start_s", "end_s", "bytes"]
+TIMELINE_COLUMNS = [
+    "device",
+    "lane",
+    "kind",
+    "model",
+    "pack",
+    "microbatch",
+    "start_s",
+    "end_s",
+    "bytes",
+]
 #: transfers between host and GPU memory ("swap"); P2P and REDUCE stay between GPUs
-HOST_LINK_KINDS = ("W_IN", "G_OUT", "STASH_OUT", "STASH_IN", "ACT_OUT", "ACT_IN", "DATA_IN")
+HOST_LINK_KINDS = (
+    "W_IN",
+    "G_OUT",
+    "STASH_OUT",
+    "STASH_IN",
+    "ACT_OUT",
+    "ACT_IN",
+    "DATA_IN",
+    "G_IN",
+    "OPT_IN",
+    "OPT_OUT",
+)
 
 
 @dataclass(frozen=True)
@@ -73,8 +94,13 @@ class Summary:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field and derived number, JSON-ready."""
-        return {**asdict(self), "samples_per_s": self.samples_per_s, "swap_bytes": self.swap_bytes,
-                "fits": self.fits, "time_over_lower_bound": self.time_over_lower_bound}
+        return {
+            **asdict(self),
+            "samples_per_s": self.samples_per_s,
+            "swap_bytes": self.swap_bytes,
+            "fits": self.fits,
+            "time_over_lower_bound": self.time_over_lower_bound,
+        }
 
 
 @dataclass
@@ -101,10 +127,20 @@ class Trace:
         return self.summary.iteration_s
 
     @classmethod
-    def from_run(cls, graph: TaskGraph, start: Sequence[float], end: Sequence[float], moved: Sequence[float],
-                 peak: dict[str, float], memory: dict[str, list[tuple[float, float]]], *,
-                 capacity: dict[str, float] | None = None, iteration_s: float | None = None,
-                 link_bounds: bool = True, **summary: Any) -> "Trace":
+    def from_run(
+        cls,
+        graph: TaskGraph,
+        start: Sequence[float],
+        end: Sequence[float],
+        moved: Sequence[float],
+        peak: dict[str, float],
+        memory: dict[str, list[tuple[float, float]]],
+        *,
+        capacity: dict[str, float] | None = None,
+        iteration_s: float | None = None,
+        link_bounds: bool = True,
+        **summary: Any,
+    ) -> "Trace":
         """The trace of one play of ``graph``: when each task started and ended
         (seconds), the bytes each moved, the peak and memory-over-time per device.
         ``capacity``: per device (default: the graph's); ``iteration_s``: the
@@ -131,17 +167,32 @@ class Trace:
         lower, limiter = max(((v, k) for k, v in bounds.items()), default=(0.0, ""))
         info = {k: graph.info[k] for k in ("policy", "model", "hardware") if k in graph.info}
         result = Summary(
-            iteration_s=max(end, default=0.0) if iteration_s is None else iteration_s, samples=graph.samples,
-            bytes_by_kind=dict(by_kind), peak_memory=dict(peak),
+            iteration_s=max(end, default=0.0) if iteration_s is None else iteration_s,
+            samples=graph.samples,
+            bytes_by_kind=dict(by_kind),
+            peak_memory=dict(peak),
             memory_capacity=dict(graph.memory_capacity if capacity is None else capacity),
-            lower_bound_s=lower, lower_bound_by=limiter, **{**info, **summary})
+            lower_bound_s=lower,
+            lower_bound_by=limiter,
+            **{**info, **summary},
+        )
         start, end, moved = list(start), list(end), list(moved)
 
         def rows() -> list[dict[str, Any]]:
             return [
-                {"device": t.device, "lane": t.lane, "kind": t.kind, "model": t.model, "pack": t.pack,
-                 "microbatch": t.microbatch, "start_s": start[t.id], "end_s": end[t.id],
-                 "bytes": moved[t.id], "layers": t.layers, "what": t.what}
+                {
+                    "device": t.device,
+                    "lane": t.lane,
+                    "kind": t.kind,
+                    "model": t.model,
+                    "pack": t.pack,
+                    "microbatch": t.microbatch,
+                    "start_s": start[t.id],
+                    "end_s": end[t.id],
+                    "bytes": moved[t.id],
+                    "layers": t.layers,
+                    "what": t.what,
+                }
                 for t in graph.tasks
             ]
 
@@ -150,7 +201,11 @@ class Trace:
     def memory_timeline(self) -> pd.DataFrame:
         """Bytes in use per device over time (one row per change)."""
         return pd.DataFrame(
-            [{"device": d, "time_s": t, "bytes": b} for d, steps in self.memory.items() for t, b in steps],
+            [
+                {"device": d, "time_s": t, "bytes": b}
+                for d, steps in self.memory.items()
+                for t, b in steps
+            ],
             columns=["device", "time_s", "bytes"],
         )
 
@@ -160,14 +215,31 @@ class Trace:
         for r in self.rows:
             if math.isnan(r["start_s"]):
                 continue
-            events.append({
-                "name": r["kind"] if not r.get("what") else f"{r['kind']} {r['what']}",
-                "cat": r["kind"], "ph": "X", "pid": r["device"], "tid": r["lane"],
-                "ts": r["start_s"] * 1e6, "dur": max(0.0, (r["end_s"] - r["start_s"]) * 1e6),
-                "args": {"bytes": r["bytes"], "pack": r["pack"], "microbatch": r["microbatch"],
-                         "model": r["model"]},
-            })
+            events.append(
+                {
+                    "name": r["kind"] if not r.get("what") else f"{r['kind']} {r['what']}",
+                    "cat": r["kind"],
+                    "ph": "X",
+                    "pid": r["device"],
+                    "tid": r["lane"],
+                    "ts": r["start_s"] * 1e6,
+                    "dur": max(0.0, (r["end_s"] - r["start_s"]) * 1e6),
+                    "args": {
+                        "bytes": r["bytes"],
+                        "pack": r["pack"],
+                        "microbatch": r["microbatch"],
+                        "model": r["model"],
+                    },
+                }
+            )
         path = Path(path)
-        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
-                                    "otherData": {k: str(v) for k, v in self.summary.to_dict().items()}}))
+        path.write_text(
+            json.dumps(
+                {
+                    "traceEvents": events,
+                    "displayTimeUnit": "ms",
+                    "otherData": {k: str(v) for k, v in self.summary.to_dict().items()},
+                }
+            )
+        )
         return path

@@ -90,38 +90,56 @@ def contiguous_packs(draw, start: int, stop: int) -> tuple[tuple[int, int], ...]
     """Random contiguous (start, stop) packs covering [start, stop); () if empty."""
     if stop <= start:
         return ()
-    cuts = sorted(draw(st.sets(st.integers(start + 1, stop - 1), max_size=stop - start - 1))
-                  if stop - start > 1 else set())
+    cuts = sorted(
+        draw(st.sets(st.integers(start + 1, stop - 1), max_size=stop - start - 1))
+        if stop - start > 1
+        else set()
+    )
     bounds = [start, *cuts, stop]
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
 @st.composite
-def plans(draw, policy: str, num_layers: int, max_gpus: int, max_minibatch: int = 16,
-          minibatch=None) -> Plan:
+def plans(
+    draw, policy: str, num_layers: int, max_gpus: int, max_minibatch: int = 16, minibatch=None
+) -> Plan:
     bwd = draw(contiguous_packs(0, num_layers))
     fwd = draw(contiguous_packs(0, bwd[-1][0]))
     B = draw(minibatch if minibatch is not None else st.integers(1, max_minibatch))
     uf = draw(st.integers(1, B))  # need not divide the minibatch
     ub = uf if harmony.policies.get_policy(policy).PER_MICROBATCH else draw(st.integers(1, B))
-    options = draw(st.one_of(
-        st.just({}),
-        st.fixed_dictionaries({"offload_activations": st.booleans(),
-                               "prefetch_packs": st.integers(1, 3)}),
-    ))
-    return fit_to_policy(Plan(policy, draw(st.integers(1, max_gpus)), B, uf, ub, fwd, bwd, options))
+    options = draw(
+        st.one_of(
+            st.just({}),
+            st.fixed_dictionaries(
+                {"offload_activations": st.booleans(), "prefetch_packs": st.integers(1, 3)}
+            ),
+        )
+    )
+    return fit_to_policy(
+        Plan(policy, draw(st.integers(1, max_gpus)), B, uf, ub, fwd, bwd, options)
+    )
 
 
 def fit_to_policy(plan: Plan) -> Plan:
     """``plan`` made acceptable to its policy: hydra runs on one GPU, gpipe-swap
     needs a backward pack (stage) per GPU, zero-offload the same number of
-    microbatches on every GPU (a minibatch divisible by the GPUs)."""
+    microbatches on every GPU (a minibatch divisible by the GPUs),
+    model-parallel a pack per GPU, forward on the backward packs and one
+    microbatch size."""
     if plan.policy == "hydra":
         return replace(plan, n_gpus=1)
     if plan.policy == "gpipe-swap":
         return replace(plan, n_gpus=min(plan.n_gpus, len(plan.bwd_packs)))
     if plan.policy == "zero-offload":
         return replace(plan, minibatch=-(-plan.minibatch // plan.n_gpus) * plan.n_gpus)
+    if plan.policy == "model-parallel":
+        return replace(
+            plan,
+            n_gpus=min(plan.n_gpus, len(plan.bwd_packs)),
+            fwd_packs=plan.bwd_packs[:-1],
+            bwd_microbatch=plan.fwd_microbatch,
+        )
     return plan
 
 
@@ -136,29 +154,61 @@ def scenarios(draw, policies=POLICY_NAMES, memory=None):
 
 
 # ---- fixtures -----------------------------------------------------------------------
-def tiny_spec(n_layers: int = 2, *, params: int = 1_000_000, act: float = 250_000.0,
-              fwd_s: float = 1e-3, bwd_s: float = 3e-3, update_s: float = 0.01,
-              target: float = 8.0, optimizer: str = "adamw") -> ModelSpec:
+def tiny_spec(
+    n_layers: int = 2,
+    *,
+    params: int = 1_000_000,
+    act: float = 250_000.0,
+    fwd_s: float = 1e-3,
+    bwd_s: float = 3e-3,
+    update_s: float = 0.01,
+    target: float = 8.0,
+    optimizer: str = "adamw",
+) -> ModelSpec:
     """A chain of identical layers with simple, hand-computable costs
     (times per sample, fixed working memory)."""
     layer = lambda i: LayerCost(  # noqa: E731
-        name=f"l{i}", param_numel=params, input_numel_per_sample=act,
-        fwd_time=Curve.linear(fwd_s), bwd_time=Curve.linear(bwd_s),
-        fwd_extra=Curve.linear(0.0, 1e6), bwd_extra=Curve.linear(0.0, 2e6),
-        update_time_s=update_s)
-    return ModelSpec("tiny", tuple(layer(i) for i in range(n_layers)), optimizer=optimizer,
-                     target_bytes_per_sample=target)
+        name=f"l{i}",
+        param_numel=params,
+        input_numel_per_sample=act,
+        fwd_time=Curve.linear(fwd_s),
+        bwd_time=Curve.linear(bwd_s),
+        fwd_extra=Curve.linear(0.0, 1e6),
+        bwd_extra=Curve.linear(0.0, 2e6),
+        update_time_s=update_s,
+    )
+    return ModelSpec(
+        "tiny",
+        tuple(layer(i) for i in range(n_layers)),
+        optimizer=optimizer,
+        target_bytes_per_sample=target,
+    )
 
 
-def simple_hardware(n_gpus: int = 1, *, link: float = 1e9, uplink: float | None = None,
-                    p2p: float | None = 2e9, memory: int = 10**12, gpus_per_switch: int | None = None,
-                    workers: int = 4) -> Hardware:
+def simple_hardware(
+    n_gpus: int = 1,
+    *,
+    link: float = 1e9,
+    uplink: float | None = None,
+    p2p: float | None = 2e9,
+    memory: int = 10**12,
+    gpus_per_switch: int | None = None,
+    workers: int = 4,
+) -> Hardware:
     """Every host link at ``link`` bytes/s, uplink as fast unless given."""
     return Hardware(
-        name=f"simple-{n_gpus}", n_gpus=n_gpus, gpu_memory=memory, gpu_flops=1e12,
-        h2d=link, d2h=link, uplink=link if uplink is None else uplink,
-        gpus_per_switch=gpus_per_switch or n_gpus, p2p=p2p,
-        cpu_update_bandwidth=1e10, cpu_update_workers=workers, host_memory=10**13,
+        name=f"simple-{n_gpus}",
+        n_gpus=n_gpus,
+        gpu_memory=memory,
+        gpu_flops=1e12,
+        h2d=link,
+        d2h=link,
+        uplink=link if uplink is None else uplink,
+        gpus_per_switch=gpus_per_switch or n_gpus,
+        p2p=p2p,
+        cpu_update_bandwidth=1e10,
+        cpu_update_workers=workers,
+        host_memory=10**13,
     )
 
 

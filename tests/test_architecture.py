@@ -52,7 +52,7 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         state[node] = 2
@@ -80,7 +80,11 @@ def test_no_cycle_between_packages():
 
 @pytest.mark.parametrize("package", sorted({_package(m) for m in MODULES if m.count(".") >= 2}))
 def test_no_cycle_inside_a_package(package):
-    edges = {m: {d for d in t if _package(d) == package} for m, t in EDGES.items() if _package(m) == package}
+    edges = {
+        m: {d for d in t if _package(d) == package}
+        for m, t in EDGES.items()
+        if _package(m) == package
+    }
     assert _cycle(edges) is None
 
 
@@ -92,8 +96,11 @@ def test_the_cycle_finder_finds_cycles():
 def test_policies_build_graphs_only():
     for name, targets in EDGES.items():
         if name.startswith("harmony.policies"):
-            assert not {t for t in targets if t.startswith(("harmony.simulate", "harmony.planner",
-                                                            "harmony.engine"))}, name
+            assert not {
+                t
+                for t in targets
+                if t.startswith(("harmony.simulate", "harmony.planner", "harmony.engine"))
+            }, name
 
 
 def test_the_engine_uses_policies_through_their_package_api():

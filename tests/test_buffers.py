@@ -20,24 +20,46 @@ def make_model() -> nn.Sequential:
     """Identity layers make a pack's output (or a stash) the very tensor that
     came in: a buffer copied in from the host is then held by two graph buffers."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Identity(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Identity(), nn.Linear(32, 32), nn.Identity(), nn.Linear(32, 5))
+    return nn.Sequential(
+        nn.Linear(16, 32),
+        nn.LayerNorm(32),
+        nn.Identity(),
+        nn.Linear(32, 32),
+        nn.Tanh(),
+        nn.Identity(),
+        nn.Linear(32, 32),
+        nn.Identity(),
+        nn.Linear(32, 5),
+    )
 
 
 def batches(n: int):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(B, 16, generator=g), torch.randint(0, 5, (B,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(B, 16, generator=g), torch.randint(0, 5, (B,), generator=g)) for _ in range(n)
+    ]
 
 
 DEVICE = EmulatedDevice(memory="4MB", h2d="1GB/s", d2h="1GB/s")
-CASES = {  # plan, device: each moves weights, gradients and inputs; most stash or offload through the host
-    "harmony-pp": (Plan("harmony-pp", 1, B, 4, 4, ((0, 2), (2, 5)), ((0, 2), (2, 5), (5, 9))), DEVICE),
-    "virtual-memory": (Plan("virtual-memory", 1, B, 4, 4, ((0, 5),), ((0, 5), (5, 9))), DEVICE),
+# plan, device: each moves weights, gradients and inputs; most stash or offload through the host
+CASES = {
+    "harmony-pp": (
+        Plan("harmony-pp", 1, B, 4, 4, ((0, 2), (2, 5)), ((0, 2), (2, 5), (5, 9))),
+        DEVICE,
+    ),
+    "harmony-no-grouping": (
+        Plan("harmony-no-grouping", 1, B, 4, 4, ((0, 5),), ((0, 5), (5, 9))),
+        DEVICE,
+    ),
     "hydra": (Plan("hydra", 1, B, 4, 4, ((0, 3), (3, 6)), ((0, 3), (3, 6), (6, 9))), DEVICE),
-    "harmony-dp": (Plan("harmony-dp", 2, B, 2, 2, ((0, 5),), ((0, 5), (5, 9))),
-                   EmulatedServer(gpus=2, memory="4MB", h2d="1GB/s", d2h="1GB/s", p2p="1GB/s")),
-    "gpipe-swap": (Plan("gpipe-swap", 2, B, 3, 3, ((0, 2), (2, 6)), ((0, 2), (2, 6), (6, 9))),
-                   EmulatedServer(gpus=2, memory="4MB", h2d="1GB/s", d2h="1GB/s", p2p="1GB/s")),
+    "harmony-dp": (
+        Plan("harmony-dp", 2, B, 2, 2, ((0, 5),), ((0, 5), (5, 9))),
+        EmulatedServer(gpus=2, memory="4MB", h2d="1GB/s", d2h="1GB/s", p2p="1GB/s"),
+    ),
+    "gpipe-swap": (
+        Plan("gpipe-swap", 2, B, 3, 3, ((0, 2), (2, 6)), ((0, 2), (2, 6), (6, 9))),
+        EmulatedServer(gpus=2, memory="4MB", h2d="1GB/s", d2h="1GB/s", p2p="1GB/s"),
+    ),
 }
 
 
@@ -51,14 +73,18 @@ class WeightAddresses:
             layer.register_forward_pre_hook(self.record)
 
     def record(self, module, args):
-        self.seen.update(getattr(module, name).data_ptr() for name, _ in module.named_parameters(recurse=False))
+        self.seen.update(
+            getattr(module, name).data_ptr() for name, _ in module.named_parameters(recurse=False)
+        )
 
 
 class RecordingAdamW(torch.optim.AdamW):
     """AdamW that notes where the gradients it steps with live."""
 
     def step(self, closure=None):
-        self.grad_addresses = [p.grad.data_ptr() for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self.grad_addresses = [
+            p.grad.data_ptr() for g in self.param_groups for p in g["params"] if p.grad is not None
+        ]
         return super().step(closure)
 
 
@@ -67,8 +93,15 @@ class RecordingAdamW(torch.optim.AdamW):
 def test_the_steady_state_step_allocates_no_new_buffers(case, precision):
     plan, device = CASES[case]
     model = make_model()
-    engine = Engine(model, lambda ps: RecordingAdamW(ps, lr=1e-2), LOSS, device=device, minibatch_size=B,
-                    plan=plan, precision=precision)
+    engine = Engine(
+        model,
+        lambda ps: RecordingAdamW(ps, lr=1e-2),
+        LOSS,
+        device=device,
+        minibatch_size=B,
+        plan=plan,
+        precision=precision,
+    )
     host = {p.data_ptr() for p in model.parameters()}
     addresses = WeightAddresses(model)
     data = batches(4)
@@ -76,7 +109,9 @@ def test_the_steady_state_step_allocates_no_new_buffers(case, precision):
     first = engine.trace.summary
     # the pools made at least the buffers for the weights of a pack and the host gradients
     weights = sum(p.numel() for p in model.parameters())
-    assert first.new_buffers > 0 and first.new_buffer_bytes >= weights * (4 + 2 if precision == "bf16" else 8)
+    assert first.new_buffers > 0 and first.new_buffer_bytes >= weights * (
+        4 + 2 if precision == "bf16" else 8
+    )
     engine.step(*data[1])
     warm = addresses.seen - host  # (the first step also ran the layers on the host, to size them)
     addresses.seen = set()
@@ -84,8 +119,12 @@ def test_the_steady_state_step_allocates_no_new_buffers(case, precision):
     for x, y in data[2:]:
         engine.step(x, y)
         assert (engine.trace.summary.new_buffers, engine.trace.summary.new_buffer_bytes) == (0, 0)
-        assert addresses.seen and addresses.seen <= warm  # the layers computed on copies made by earlier steps
-        grads.append({key: opt.grad_addresses for key, opt in engine.optimizers.items() if opt is not None})
+        assert (
+            addresses.seen and addresses.seen <= warm
+        )  # the layers computed on copies made by earlier steps
+        grads.append(
+            {key: opt.grad_addresses for key, opt in engine.optimizers.items() if opt is not None}
+        )
     assert grads[0] == grads[1]  # gradients land in the same host buffers every step
     assert all(engine.host_layout.has_grad_buffer(p) for p in model.parameters())
 
@@ -99,8 +138,10 @@ def test_pooled_buffers_are_reused_only_when_no_graph_buffer_holds_them():
             continue  # data parallel sums gradients in another order: allclose, tested elsewhere
         reference_model = make_model()
         opt = ADAMW(list(reference_model.parameters()))
-        expected = [reference_step(list(reference_model), LOSS, opt, (x,), y, plan.fwd_microbatch, s)
-                    for s, (x, y) in enumerate(data)]
+        expected = [
+            reference_step(list(reference_model), LOSS, opt, (x,), y, plan.fwd_microbatch, s)
+            for s, (x, y) in enumerate(data)
+        ]
         engine = Engine(make_model(), ADAMW, LOSS, device=device, minibatch_size=B, plan=plan)
         losses = [engine.step(x, y) for x, y in data]
         assert losses == expected, case
@@ -123,21 +164,26 @@ def test_host_weights_are_flat_per_dtype_in_layer_order_and_keep_their_values():
     device = torch.empty(sum(t.numel() for t in host))
     pieces, o = [], 0
     for t in host:
-        pieces.append((device[o:o + t.numel()], t))
+        pieces.append((device[o : o + t.numel()], t))
         o += t.numel()
-    (dst, src), = copy_runs(pieces)
+    ((dst, src),) = copy_runs(pieces)
     dst.copy_(src)
     assert torch.equal(device, torch.cat([t.reshape(-1) for t in host]))
 
 
 def test_copy_runs_merge_only_what_is_adjacent_on_both_sides():
     src, dst = torch.arange(10.0), torch.zeros(10)
-    runs = copy_runs([(dst[0:2], src[0:2]), (dst[2:5], src[2:5]),  # merged
-                      (dst[5:7], src[6:8]),  # source not adjacent
-                      (dst[8:10], src[8:10])])  # destination not adjacent
+    runs = copy_runs(
+        [
+            (dst[0:2], src[0:2]),
+            (dst[2:5], src[2:5]),  # merged
+            (dst[5:7], src[6:8]),  # source not adjacent
+            (dst[8:10], src[8:10]),
+        ]
+    )  # destination not adjacent
     assert [(d.numel(), s.numel()) for d, s in runs] == [(5, 5), (2, 2), (2, 2)]
     transposed = torch.arange(6.0).view(2, 3).t()
-    (d, s), = copy_runs([(torch.zeros(6), transposed)])  # not contiguous: copied in its shape
+    ((d, s),) = copy_runs([(torch.zeros(6), transposed)])  # not contiguous: copied in its shape
     d.copy_(s)
     assert torch.equal(d, transposed)
 

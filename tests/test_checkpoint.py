@@ -8,14 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine import ADAMW, SGD_MOMENTUM, B, batches, loss_fn, make_model
 from torch import nn
 
-from harmony import (CheckpointDir, CheckpointError, EmulatedDevice, Engine, FlatAdamW, HarmonyError,
-                     NonFiniteError, Plan)
+from harmony import (
+    CheckpointDir,
+    CheckpointError,
+    EmulatedDevice,
+    Engine,
+    FlatAdamW,
+    HarmonyError,
+    NonFiniteError,
+    Plan,
+)
 from harmony.engine import host_memory
 from harmony.engine.checkpoint import read_checkpoint, write_checkpoint
-
-from test_engine import ADAMW, SGD_MOMENTUM, B, batches, loss_fn, make_model
 
 PLAN = Plan("harmony-pp", 1, B, 4, 4, ((0, 3), (3, 6)), ((0, 3), (3, 6), (6, 9)))
 OTHER_PLAN = Plan("harmony-pp", 1, B, 4, 4, ((0, 2), (2, 5)), ((0, 1), (1, 4), (4, 5), (5, 9)))
@@ -37,12 +44,17 @@ def uninterrupted(optimizer, data, plan=PLAN):
     return weights(engine.model)
 
 
-@pytest.mark.parametrize("optimizer", [ADAMW, SGD_MOMENTUM, lambda ps: FlatAdamW(ps, lr=1e-2)],
-                         ids=["adamw", "sgd-momentum", "flat-adamw"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [ADAMW, SGD_MOMENTUM, lambda ps: FlatAdamW(ps, lr=1e-2)],
+    ids=["adamw", "sgd-momentum", "flat-adamw"],
+)
 @pytest.mark.parametrize("resume_plan", [PLAN, OTHER_PLAN], ids=["same-plan", "other-plan"])
 def test_save_and_load_resume_bitwise(tmp_path, optimizer, resume_plan):
     data = batches(5)
-    engine = Engine(make_model(), optimizer, loss_fn, device=EMULATED, minibatch_size=B, plan=PLAN, seed=3)
+    engine = Engine(
+        make_model(), optimizer, loss_fn, device=EMULATED, minibatch_size=B, plan=PLAN, seed=3
+    )
     for x, y in data[:2]:
         engine.step(x, y)
     path = engine.save(tmp_path / "run.ckpt")
@@ -104,16 +116,25 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(data[: len(data) * 2 // 3])
     elif how == "flipped":
         middle = len(data) // 2
-        path.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:])
+        path.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :])
     elif how == "header":
         path.write_bytes(data[:30])
     else:
         path.write_bytes(b"PK\x03\x04 not ours")
 
 
-@pytest.mark.parametrize("how, message", [("truncated", "truncated"), ("flipped", "checksum"),
-                                          ("header", "truncated|header"), ("foreign", "not a harmony checkpoint")])
-def test_a_damaged_checkpoint_is_rejected_naming_the_file_and_the_previous_one_resumes(tmp_path, how, message):
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated", "truncated"),
+        ("flipped", "checksum"),
+        ("header", "truncated|header"),
+        ("foreign", "not a harmony checkpoint"),
+    ],
+)
+def test_a_damaged_checkpoint_is_rejected_naming_the_file_and_the_previous_one_resumes(
+    tmp_path, how, message
+):
     data = batches(3)
     engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
     run = CheckpointDir(tmp_path / "run", keep=2)
@@ -122,7 +143,9 @@ def test_a_damaged_checkpoint_is_rejected_naming_the_file_and_the_previous_one_r
         run.save(engine.state_dict(), engine.step_count)
     newest = run.paths()[-1]
     _damage(newest, how)
-    with pytest.raises(CheckpointError, match=f"{newest.name}.*({message})|({message}).*{newest.name}"):
+    with pytest.raises(
+        CheckpointError, match=f"{newest.name}.*({message})|({message}).*{newest.name}"
+    ):
         read_checkpoint(newest)
     logged = []
     path, state = run.latest(logged.append)
@@ -145,7 +168,10 @@ def test_checkpoint_dir_keeps_the_last_k_and_writes_atomically(tmp_path, monkeyp
         run.save(engine.state_dict(), 4)
     monkeypatch.undo()
     assert [p.name for p in run.paths()] == ["step-00000002.ckpt", "step-00000003.ckpt"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002.ckpt", "step-00000003.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000002.ckpt",
+        "step-00000003.ckpt",
+    ]
     read_checkpoint(run.paths()[-1])
 
 
@@ -201,13 +227,17 @@ def test_a_non_finite_loss_or_gradient_stops_before_any_weight_changes(where, va
     engine = Engine(model, ADAMW, loss_fn, minibatch_size=B, plan=NAN_PLAN)
     engine.step(*data[0])
     before = weights(model)
-    states = [opt.state_dict()["state"][0]["exp_avg"].clone() for opt in engine.optimizers.values()]
+    states = [
+        opt.state_dict()["state"][0]["exp_avg"].clone() for opt in engine.optimizers.values()
+    ]
     model[4].value, model[4].where = value, where
     with pytest.raises(NonFiniteError, match="loss of samples|gradient of layers"):
         engine.step(*data[1])
     assert same(before, weights(model))
-    assert all(torch.equal(opt.state_dict()["state"][0]["exp_avg"], s)
-               for opt, s in zip(engine.optimizers.values(), states))
+    assert all(
+        torch.equal(opt.state_dict()["state"][0]["exp_avg"], s)
+        for opt, s in zip(engine.optimizers.values(), states)
+    )
     assert engine.step_count == 1 and all(p.grad is None for p in model.parameters())
 
 
@@ -231,7 +261,9 @@ def test_not_enough_host_memory_is_said_before_the_first_step(monkeypatch):
     engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1000)
     before = weights(engine.model)
-    with pytest.raises(HarmonyError, match=r"host memory: this plan needs .* KB more host memory \(gradients"):
+    with pytest.raises(
+        HarmonyError, match=r"host memory: this plan needs .* KB more host memory \(gradients"
+    ):
         engine.step(*batches(1)[0])
     assert same(before, weights(engine.model)) and engine.step_count == 0
     monkeypatch.undo()
@@ -246,9 +278,15 @@ def test_host_memory_estimate_counts_gradients_optimizer_state_and_stash():
     need = host_memory.host_bytes_needed(fresh, engine._graph_cache)
     weight_bytes = sum(p.numel() * 4 for p in fresh.model.parameters())
     assert need["gradients"] == weight_bytes and need["optimizer state"] == 2 * weight_bytes
-    assert need["stashed inputs"] == engine.spec.input_bytes(3, B)  # layer 0: the minibatch itself; 6: fused
-    assert host_memory.host_bytes_needed(engine, engine._graph_cache)["optimizer state"] == 0  # allocated
-    assert host_memory.host_bytes_needed(engine, engine._graph_cache)["emulated GPU buffers"] == 0  # cpu backend
+    assert need["stashed inputs"] == engine.spec.input_bytes(
+        3, B
+    )  # layer 0: the minibatch itself; 6: fused
+    assert (
+        host_memory.host_bytes_needed(engine, engine._graph_cache)["optimizer state"] == 0
+    )  # allocated
+    assert (
+        host_memory.host_bytes_needed(engine, engine._graph_cache)["emulated GPU buffers"] == 0
+    )  # cpu backend
 
 
 def test_an_emulated_gpu_counts_its_buffer_pools_as_host_memory():
@@ -256,8 +294,14 @@ def test_an_emulated_gpu_counts_its_buffer_pools_as_host_memory():
     engine.step(*batches(1)[0])
     moved = engine.trace.summary.bytes_by_kind
     need = host_memory.host_bytes_needed(engine, engine._graph_cache)["emulated GPU buffers"]
-    assert need == sum(moved.get(k, 0.0) for k in ("W_IN", "DATA_IN", "STASH_IN", "ACT_IN", "P2P")) > 0
-    assert engine.trace.summary.new_buffer_bytes >= need  # what the pools then held (plus host stashes)
+    assert (
+        need
+        == sum(moved.get(k, 0.0) for k in ("W_IN", "DATA_IN", "STASH_IN", "ACT_IN", "P2P"))
+        > 0
+    )
+    assert (
+        engine.trace.summary.new_buffer_bytes >= need
+    )  # what the pools then held (plus host stashes)
     with pytest.raises(HarmonyError, match="emulated GPU buffers"):
         host_memory.check_host_memory(engine, engine._graph_cache, available=int(need))
 
@@ -289,9 +333,13 @@ def test_page_locking_weights_without_the_host_memory_for_it_is_refused(monkeypa
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 100)
-    with pytest.raises(HarmonyError, match="page-locked weights need it on CUDA"):  # checked before pinning
+    with pytest.raises(
+        HarmonyError, match="page-locked weights need it on CUDA"
+    ):  # checked before pinning
         HostLayout(list(model), pin=True)
-    with pytest.warns(UserWarning, match="copied tensor by tensor"):  # without a GPU: left as they are
+    with pytest.warns(
+        UserWarning, match="copied tensor by tensor"
+    ):  # without a GPU: left as they are
         HostLayout(list(model), pin=False)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
@@ -303,5 +351,11 @@ def test_the_rollback_journal_reuses_its_buffers_from_step_to_step():
     engine.step(*data[1])
     first = {key: [t.data_ptr() for t in ts] for key, ts in engine.journal._buffers.items()}
     engine.step(*data[2])
-    assert first and {key: [t.data_ptr() for t in ts] for key, ts in engine.journal._buffers.items()} == first
-    assert len(engine.journal.entries) == len(engine.optimizers) - 1  # every update but the step's last task
+    assert (
+        first
+        and {key: [t.data_ptr() for t in ts] for key, ts in engine.journal._buffers.items()}
+        == first
+    )
+    assert (
+        len(engine.journal.entries) == len(engine.optimizers) - 1
+    )  # every update but the step's last task

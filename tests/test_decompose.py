@@ -58,8 +58,12 @@ def _seed():
 
 # ---- lists and Sequentials -------------------------------------------------------
 def test_sequential_with_residual_block_and_nested_sequential():
-    model = nn.Sequential(nn.Linear(8, 16), Residual(16), nn.ReLU(),
-                          nn.Sequential(nn.Linear(16, 4), nn.Sequential(nn.Tanh())))
+    model = nn.Sequential(
+        nn.Linear(8, 16),
+        Residual(16),
+        nn.ReLU(),
+        nn.Sequential(nn.Linear(16, 4), nn.Sequential(nn.Tanh())),
+    )
     chain = decompose(model)
     assert chain.names == ["0", "1", "2", "3.0", "3.1"]  # flattened one level only
     assert chain[1] is model[1] and isinstance(chain[4], nn.Sequential)
@@ -141,8 +145,13 @@ class ListWrapper(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("cls, names", [(Wrapper, ["layers.0", "layers.1", "layers.2"]),
-                                        (ListWrapper, ["blocks.0", "blocks.1", "blocks.2"])])
+@pytest.mark.parametrize(
+    "cls, names",
+    [
+        (Wrapper, ["layers.0", "layers.1", "layers.2"]),
+        (ListWrapper, ["blocks.0", "blocks.1", "blocks.2"]),
+    ],
+)
 def test_wrapper_around_a_chain_gives_its_modules(cls, names):
     model = cls()
     chain = decompose(model)
@@ -196,7 +205,9 @@ def test_fx_split_merges_what_a_skip_spans(example):
     chain = decompose(model, example_inputs=ids if example else None)
     assert chain.names == ["emb", "b+c", "head"]
     assert chain.tied == [(0, 2, "emb.weight")]
-    assert chain[1].get_parameter("scale") is model.scale and chain[2] is model.head  # ops follow the unit before
+    assert (
+        chain[1].get_parameter("scale") is model.scale and chain[2] is model.head
+    )  # ops follow the unit before
     check_params(chain, model.parameters())
     assert_same(chain, model, ids)
     # gradients reach the model's own parameters, the tied one from both layers
@@ -249,14 +260,17 @@ def test_data_dependent_control_flow_is_a_clear_error():
         decompose(Branchy())
 
 
-@pytest.mark.parametrize("bad, message", [
-    (nn.Sequential(), "empty"),
-    ([], "empty"),
-    ([nn.Linear(2, 2), "relu"], "element 1 of the list is a str"),
-    ([nn.ModuleList([nn.Linear(2, 2)])], "cannot be called"),
-    (nn.Sequential(nn.Linear(2, 2), nn.MSELoss()), "excludes the loss"),
-    (42, "cannot split a int"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (nn.Sequential(), "empty"),
+        ([], "empty"),
+        ([nn.Linear(2, 2), "relu"], "element 1 of the list is a str"),
+        ([nn.ModuleList([nn.Linear(2, 2)])], "cannot be called"),
+        (nn.Sequential(nn.Linear(2, 2), nn.MSELoss()), "excludes the loss"),
+        (42, "cannot split a int"),
+    ],
+)
 def test_bad_inputs_are_clear_errors(bad, message):
     with pytest.raises(HarmonyError, match=message):
         decompose(bad)
@@ -279,13 +293,24 @@ def test_parameters_outside_every_layer_are_an_error():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_hf_gpt2_with_tied_head(attn):
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=100,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     config._attn_implementation = attn
     model = transformers.GPT2LMHeadModel(config).eval()
     chain = decompose(model)
-    assert chain.names == ["transformer.wte+wpe+drop", "transformer.h.0", "transformer.h.1",
-                           "transformer.ln_f+lm_head"]
+    assert chain.names == [
+        "transformer.wte+wpe+drop",
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.ln_f+lm_head",
+    ]
     assert chain.tied == [(0, 3, "transformer.wte.weight")]
     assert chain[0].wte.weight is chain[3].lm_head.weight is model.transformer.wte.weight
     check_params(chain, model.parameters())

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_unseen_models import SGD, device
 from torch import nn
+from unseen_models import token_loss
 
 import harmony
 from harmony import Engine, Plan, reference_step
 from harmony.errors import HarmonyError
-from test_unseen_models import SGD, device
-from unseen_models import token_loss
 
 transformers = pytest.importorskip("transformers")
 decompose_hf = pytest.importorskip("harmony.engine.decompose_hf")
@@ -25,36 +25,74 @@ B, U = 4, 2  # minibatch, microbatch of the training runs
 def configs(p: float) -> dict:
     """name -> (model class, config): 2 blocks, hidden 32; every dropout probability ``p``."""
     t = transformers
-    text = {"vocab_size": V, "hidden_size": D, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "max_position_embeddings": 16}
+    text = {
+        "vocab_size": V,
+        "hidden_size": D,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 16,
+    }
     rotary = {**text, "intermediate_size": 64, "num_key_value_heads": 2, "attention_dropout": p}
-    encoder = {**text, "intermediate_size": 64, "hidden_dropout_prob": p,
-               "attention_probs_dropout_prob": p}
+    encoder = {
+        **text,
+        "intermediate_size": 64,
+        "hidden_dropout_prob": p,
+        "attention_probs_dropout_prob": p,
+    }
     roberta = {**encoder, "max_position_embeddings": 18}  # positions start after the padding id
-    vit = {"hidden_size": D, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "intermediate_size": 64, "image_size": IMAGE, "patch_size": 4,
-           "hidden_dropout_prob": p, "attention_probs_dropout_prob": p}
-    gpt2 = t.GPT2Config(n_layer=2, n_embd=D, n_head=4, vocab_size=V, n_positions=16, resid_pdrop=p,
-                        embd_pdrop=p, attn_pdrop=p, bos_token_id=0, eos_token_id=0)
+    vit = {
+        "hidden_size": D,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "image_size": IMAGE,
+        "patch_size": 4,
+        "hidden_dropout_prob": p,
+        "attention_probs_dropout_prob": p,
+    }
+    gpt2 = t.GPT2Config(
+        n_layer=2,
+        n_embd=D,
+        n_head=4,
+        vocab_size=V,
+        n_positions=16,
+        resid_pdrop=p,
+        embd_pdrop=p,
+        attn_pdrop=p,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return {
         "gpt2": (t.GPT2LMHeadModel, gpt2),
         "llama": (t.LlamaForCausalLM, t.LlamaConfig(**rotary, tie_word_embeddings=True)),
         "llama-bare": (t.LlamaModel, t.LlamaConfig(**rotary)),
         # windows shorter than the sequence: Mistral's in every block, Qwen2's in the second
         "mistral": (t.MistralForCausalLM, t.MistralConfig(**rotary, sliding_window=4)),
-        "qwen2": (t.Qwen2ForCausalLM, t.Qwen2Config(**rotary, use_sliding_window=True,
-                                                    sliding_window=4, max_window_layers=1)),
+        "qwen2": (
+            t.Qwen2ForCausalLM,
+            t.Qwen2Config(
+                **rotary, use_sliding_window=True, sliding_window=4, max_window_layers=1
+            ),
+        ),
         # embeddings projected in and out (word_embed_proj_dim < hidden), the LM head tied to them
-        "opt": (t.OPTForCausalLM, t.OPTConfig(**text, ffn_dim=64, word_embed_proj_dim=16,
-                                              dropout=p, attention_dropout=p)),
-        "gpt-neox": (t.GPTNeoXForCausalLM, t.GPTNeoXConfig(**text, intermediate_size=64,
-                                                           hidden_dropout=p, attention_dropout=p)),
+        "opt": (
+            t.OPTForCausalLM,
+            t.OPTConfig(
+                **text, ffn_dim=64, word_embed_proj_dim=16, dropout=p, attention_dropout=p
+            ),
+        ),
+        "gpt-neox": (
+            t.GPTNeoXForCausalLM,
+            t.GPTNeoXConfig(**text, intermediate_size=64, hidden_dropout=p, attention_dropout=p),
+        ),
         "bert-mlm": (t.BertForMaskedLM, t.BertConfig(**encoder)),
         "bert": (t.BertModel, t.BertConfig(**encoder)),  # with its pooler
         "bert-cls": (t.BertForSequenceClassification, t.BertConfig(**encoder, num_labels=3)),
         "roberta-mlm": (t.RobertaForMaskedLM, t.RobertaConfig(**roberta)),
-        "roberta-cls": (t.RobertaForSequenceClassification,
-                        t.RobertaConfig(**roberta, num_labels=3)),
+        "roberta-cls": (
+            t.RobertaForSequenceClassification,
+            t.RobertaConfig(**roberta, num_labels=3),
+        ),
         "vit-cls": (t.ViTForImageClassification, t.ViTConfig(**vit, num_labels=3)),
         "vit": (t.ViTModel, t.ViTConfig(**vit)),
     }
@@ -129,14 +167,20 @@ def test_chain_output_is_the_models(name, attn):
             assert torch.equal(got, expected), f"max difference {(got - expected).abs().max()}"
 
 
-@pytest.mark.parametrize("name, tied", [
-    ("gpt2", [(0, 3, "transformer.wte.weight")]),
-    ("llama", [(0, 3, "model.embed_tokens.weight")]),
-    ("opt", [(0, 3, "model.decoder.embed_tokens.weight")]),
-    ("bert-mlm", [(0, 3, "bert.embeddings.word_embeddings.weight")]),
-    ("roberta-mlm", [(0, 3, "roberta.embeddings.word_embeddings.weight")]),
-    ("mistral", []), ("gpt-neox", []), ("bert-cls", []), ("vit-cls", []),
-])
+@pytest.mark.parametrize(
+    "name, tied",
+    [
+        ("gpt2", [(0, 3, "transformer.wte.weight")]),
+        ("llama", [(0, 3, "model.embed_tokens.weight")]),
+        ("opt", [(0, 3, "model.decoder.embed_tokens.weight")]),
+        ("bert-mlm", [(0, 3, "bert.embeddings.word_embeddings.weight")]),
+        ("roberta-mlm", [(0, 3, "roberta.embeddings.word_embeddings.weight")]),
+        ("mistral", []),
+        ("gpt-neox", []),
+        ("bert-cls", []),
+        ("vit-cls", []),
+    ],
+)
 def test_tied_weights_are_reported(name, tied):
     chain = harmony.decompose(build(name))
     assert chain.tied == tied
@@ -144,13 +188,24 @@ def test_tied_weights_are_reported(name, tied):
 
 def test_layer_names_follow_the_model():
     assert harmony.decompose(build("llama")).names == [
-        "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm+lm_head"]
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.norm+lm_head",
+    ]
     assert harmony.decompose(build("opt")).names == [
-        "model.decoder.embed_tokens+embed_positions+project_in", "model.decoder.layers.0",
-        "model.decoder.layers.1", "model.decoder.final_layer_norm+project_out+lm_head"]
+        "model.decoder.embed_tokens+embed_positions+project_in",
+        "model.decoder.layers.0",
+        "model.decoder.layers.1",
+        "model.decoder.final_layer_norm+project_out+lm_head",
+    ]
     assert harmony.decompose(build("bert")).names[-1] == "pooler"
     assert harmony.decompose(build("vit-cls")).names == [
-        "vit.embeddings", "vit.layers.0", "vit.layers.1", "vit.layernorm+classifier"]
+        "vit.embeddings",
+        "vit.layers.0",
+        "vit.layers.1",
+        "vit.layernorm+classifier",
+    ]
 
 
 # ---- a torchvision-style ResNet written with plain modules -------------------------
@@ -164,8 +219,9 @@ class BasicBlock(nn.Module):
         self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
         self.downsample = None
         if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                            nn.BatchNorm2d(cout))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x):
         identity = x if self.downsample is None else self.downsample(x)
@@ -196,8 +252,17 @@ def test_torchvision_style_resnet_splits_through_fx():
     model = ResNet().eval()
     chain = harmony.decompose(model)
     # the in-place ReLU stays with the layer before it; flatten goes with avgpool
-    assert chain.names == ["conv1", "bn1+relu", "maxpool", "layer1.0", "layer1.1", "layer2.0",
-                           "layer2.1", "avgpool", "fc"]
+    assert chain.names == [
+        "conv1",
+        "bn1+relu",
+        "maxpool",
+        "layer1.0",
+        "layer1.1",
+        "layer2.0",
+        "layer2.1",
+        "avgpool",
+        "fc",
+    ]
     assert chain[3] is model.layer1[0] and chain.tied == []
     check_params(chain, model)
     x = torch.randn(3, 3, IMAGE, IMAGE)
@@ -207,8 +272,13 @@ def test_torchvision_style_resnet_splits_through_fx():
 
 def test_in_place_activation_joins_the_layer_before_it():
     torch.manual_seed(0)
-    features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3),
-                             nn.ReLU(inplace=True), nn.MaxPool2d(2))
+    features = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(4, 4, 3),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+    )
     chain = harmony.decompose(features)
     assert chain.names == ["0+1", "2+3", "4"]
     assert list(chain[0]) == [features[0], features[1]]
@@ -220,8 +290,11 @@ def test_in_place_activation_joins_the_layer_before_it():
 # ---- training through the engine ---------------------------------------------------
 def batch(name: str, seed: int) -> tuple[tuple, torch.Tensor]:
     """A minibatch: images or padded token ids, with class labels or next tokens."""
-    x = (torch.randn(B, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(seed)),) if (
-        name == "resnet") else inputs(name, B, padded=True, seed=seed)
+    x = (
+        (torch.randn(B, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(seed)),)
+        if (name == "resnet")
+        else inputs(name, B, padded=True, seed=seed)
+    )
     labels = torch.randint(0, 3, (B,), generator=torch.Generator().manual_seed(seed))
     return x, labels if name.endswith(("-cls", "resnet")) else torch.roll(x[0], -1, 1)
 
@@ -234,15 +307,29 @@ def trainable(name: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "opt", "gpt-neox",
-                                  "bert-mlm", "roberta-cls", "vit-cls", "resnet"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpt2",
+        "llama",
+        "mistral",
+        "qwen2",
+        "opt",
+        "gpt-neox",
+        "bert-mlm",
+        "roberta-cls",
+        "vit-cls",
+        "resnet",
+    ],
+)
 def test_engine_trains_bitwise_like_the_plain_loop(name, n):
     steps = [batch(name, seed) for seed in (1, 2)]
     expected = trainable(name)
     opt = SGD(list(expected.parameters()))
     layers = list(harmony.decompose(expected))
-    ref_losses = [reference_step(layers, token_loss, opt, x, y, U, step)
-                  for step, (x, y) in enumerate(steps)]
+    ref_losses = [
+        reference_step(layers, token_loss, opt, x, y, U, step) for step, (x, y) in enumerate(steps)
+    ]
     model = trainable(name)
     one_per_pack = Plan.uniform("harmony-pp", n, B, U, num_layers=len(layers), layers_per_pack=1)
     engine = Engine(model, SGD, token_loss, device=device(n), minibatch_size=B, plan=one_per_pack)
@@ -254,8 +341,9 @@ def test_engine_trains_bitwise_like_the_plain_loop(name, n):
 
 # ---- models that cannot be split ----------------------------------------------------
 def test_unsupported_class_names_itself_and_the_way_out():
-    config = transformers.GPT2Config(n_layer=1, n_embd=D, n_head=4, vocab_size=V, bos_token_id=0,
-                                     eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=D, n_head=4, vocab_size=V, bos_token_id=0, eos_token_id=0
+    )
     message = r"GPT2ForSequenceClassification .*supported: .*LlamaForCausalLM.*list of modules"
     with pytest.raises(HarmonyError, match=message):
         harmony.decompose(transformers.GPT2ForSequenceClassification(config))
@@ -293,4 +381,3 @@ def test_example_inputs_check_the_chain_against_the_model(monkeypatch):
     monkeypatch.setattr(decompose_hf, "create_causal_mask", lambda **kwargs: None)
     with pytest.raises(HarmonyError, match="chain of LlamaForCausalLM does not compute what its"):
         harmony.decompose(model, example_inputs=ids)
-

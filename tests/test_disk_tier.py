@@ -25,9 +25,18 @@ import torch
 from torch import nn
 
 from harmony import FlatAdamW
-from harmony.engine.tiers import (DiskTier, DiskTierError, HostBudget, HostBudgetError, PackBytes,
-                                  adopt_state, drop_state, export_state, measure_disk_bandwidth,
-                                  place_state)
+from harmony.engine.tiers import (
+    DiskTier,
+    DiskTierError,
+    HostBudget,
+    HostBudgetError,
+    PackBytes,
+    adopt_state,
+    drop_state,
+    export_state,
+    measure_disk_bandwidth,
+    place_state,
+)
 
 PACKS = 3
 WIDTH = 32
@@ -93,8 +102,10 @@ def bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     def raw(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1).view(torch.uint8)
 
-    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape
-                                    and torch.equal(raw(x), raw(y)) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(raw(x), raw(y))
+        for x, y in zip(a, b)
+    )
 
 
 def tier_state(tier: DiskTier, i: int) -> dict[str, torch.Tensor]:
@@ -109,9 +120,12 @@ def test_budget_refuses_over_capacity_with_what_and_how():
     budget = HostBudget("1MB")
     assert budget.capacity == 1_000_000 and HostBudget("8GB").capacity == 8 * 10**9
     budget.charge("master weights", 600_000)
-    with pytest.raises(HostBudgetError, match=r"optimizer state needs 500 KB but only 400 KB of "
-                                              r"1 MB are free \(largest held: master weights "
-                                              r"600 KB\)\. Give a larger budget"):
+    with pytest.raises(
+        HostBudgetError,
+        match=r"optimizer state needs 500 KB but only 400 KB of "
+        r"1 MB are free \(largest held: master weights "
+        r"600 KB\)\. Give a larger budget",
+    ):
         budget.charge("optimizer state", 500_000)
     with pytest.raises(HostBudgetError, match="already charged"):
         budget.charge("master weights", 1)
@@ -132,7 +146,7 @@ def test_round_trip_is_bitwise(tmp_path, direct):
     g = torch.Generator().manual_seed(0)
 
     def bits(n: int) -> torch.Tensor:
-        return torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g)
+        return torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g)
 
     state = {
         "exp_avg": bits(10_000).view(torch.float32),  # every bit pattern, NaNs included
@@ -146,8 +160,9 @@ def test_round_trip_is_bitwise(tmp_path, direct):
     }
     budget = HostBudget("10MB")
     # small chunks on 3 threads: chunks cross tensor boundaries and run out of order
-    with DiskTier.create(tmp_path / "tier", state_bytes=10**6, budget=budget, chunk=8192,
-                         threads=3, direct=direct) as tier:
+    with DiskTier.create(
+        tmp_path / "tier", state_bytes=10**6, budget=budget, chunk=8192, threads=3, direct=direct
+    ) as tier:
         tier.write((2, 1), "optimizer", state)
         with tier.read((2, 1), "optimizer", verify=True) as back:
             assert list(back) == list(state) and bitwise(list(back.values()), list(state.values()))
@@ -166,9 +181,11 @@ def test_round_trip_is_bitwise(tmp_path, direct):
             tier.read((2, 1), "optimizer", into={**into, "exp_avg": torch.empty(3)})
 
 
-@pytest.mark.parametrize("optimizer", [lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-                                       lambda ps: FlatAdamW(ps, lr=1e-2)],
-                         ids=["adamw", "flat-adamw"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: FlatAdamW(ps, lr=1e-2)],
+    ids=["adamw", "flat-adamw"],
+)
 def test_training_with_optimizer_state_on_disk_is_bitwise(tmp_path, optimizer):
     steps = 5
     threads = torch.get_num_threads()
@@ -216,9 +233,12 @@ def test_uncommitted_and_torn_writes_are_ignored(tmp_path):
         assert tier.step == 2 and not tier.ignored
         with tier.read(0, "optimizer") as state:
             assert torch.equal(state["x"], b["x"])
-    with pytest.raises(DiskTierError, match=r"pack-0\.optimizer\.0 is damaged: its checksums "
-                                            r"do not match the manifest's \(0/optimizer as of "
-                                            r"step 1\)"):
+    with pytest.raises(
+        DiskTierError,
+        match=r"pack-0\.optimizer\.0 is damaged: its checksums "
+        r"do not match the manifest's \(0/optimizer as of "
+        r"step 1\)",
+    ):
         DiskTier.open(tmp_path, expect_step=1)
     with pytest.raises(DiskTierError, match="last committed at step 2, and step 3 was asked for"):
         DiskTier.open(tmp_path, expect_step=3)
@@ -300,8 +320,13 @@ def test_kill_during_writes_leaves_a_committed_step(tmp_path):
             tier.commit(0)
         trials = 6
         harness = [sys.executable, __file__, "crash", str(tmp_path / "run"), str(trials), "0"]
-        done = subprocess.run(harness, capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(
+            harness,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert done.returncode == 0, done.stderr
         steps = []
         for trial in range(trials):
@@ -336,9 +361,12 @@ def test_bad_directories_are_refused_up_front(tmp_path):
     with pytest.raises(DiskTierError, match="is a file"):
         DiskTier.create(tmp_path / "file")
     free = shutil.disk_usage(tmp_path).free
-    with pytest.raises(DiskTierError, match=rf"{tmp_path / 'big'}: the state \(.* x 2 slots, "
-                                            r"double buffered\) needs .* on disk but the "
-                                            r"filesystem has .* free"):
+    with pytest.raises(
+        DiskTierError,
+        match=rf"{tmp_path / 'big'}: the state \(.* x 2 slots, "
+        r"double buffered\) needs .* on disk but the "
+        r"filesystem has .* free",
+    ):
         DiskTier.create(tmp_path / "big", state_bytes=free)
     assert not any((tmp_path / "big").iterdir())  # nothing written
 
@@ -350,11 +378,15 @@ def test_read_only_directory_is_refused(tmp_path):
     immutable = False
     try:
         if os.access(ro, os.W_OK):  # root writes through permissions: make the directory immutable
-            immutable = shutil.which("chattr") is not None and subprocess.run(
-                ["chattr", "+i", str(ro)], capture_output=True).returncode == 0
+            immutable = (
+                shutil.which("chattr") is not None
+                and subprocess.run(["chattr", "+i", str(ro)], capture_output=True).returncode == 0
+            )
             if not immutable:
-                pytest.skip("running as root, and chattr +i is not available to make a "
-                            "directory unwritable")
+                pytest.skip(
+                    "running as root, and chattr +i is not available to make a "
+                    "directory unwritable"
+                )
         with pytest.raises(DiskTierError, match=f"disk tier {ro} is not writable"):
             DiskTier.create(ro)
     finally:

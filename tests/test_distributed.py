@@ -28,14 +28,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path, rank: int, port: int, steps: int = STEPS, timeout: float = 30.0) -> subprocess.Popen:
-    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "harmony", "train", "--model", MODEL, "--steps", str(steps), "--minibatch", str(B),
-           "--memory", "8MB", "--h2d", "1GB/s", "--d2h", "1GB/s", "--lr", str(LR), "--plan",
-           str(tmp_path / "plan.json"), "--set", "dropout=0.0", "--save", str(tmp_path / f"rank{rank}.pt"),
-           "--timeout", str(timeout)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def launch(
+    tmp_path, rank: int, port: int, steps: int = STEPS, timeout: float = 30.0
+) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "harmony",
+        "train",
+        "--model",
+        MODEL,
+        "--steps",
+        str(steps),
+        "--minibatch",
+        str(B),
+        "--memory",
+        "8MB",
+        "--h2d",
+        "1GB/s",
+        "--d2h",
+        "1GB/s",
+        "--lr",
+        str(LR),
+        "--plan",
+        str(tmp_path / "plan.json"),
+        "--set",
+        "dropout=0.0",
+        "--save",
+        str(tmp_path / f"rank{rank}.pt"),
+        "--timeout",
+        str(timeout),
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def write_plan(tmp_path, policy: str = "harmony-pp") -> Plan:
@@ -44,8 +79,12 @@ def write_plan(tmp_path, policy: str = "harmony-pp") -> Plan:
     return plan
 
 
-@pytest.mark.parametrize("policy", ["harmony-pp", "karma"])  # KARMA: out-of-core, data parallel across servers
-def test_two_servers_end_with_identical_weights_equal_to_one_process_over_all_data(tmp_path, policy):
+@pytest.mark.parametrize(
+    "policy", ["harmony-pp", "karma"]
+)  # KARMA: out-of-core, data parallel across servers
+def test_two_servers_end_with_identical_weights_equal_to_one_process_over_all_data(
+    tmp_path, policy
+):
     plan = write_plan(tmp_path, policy)
     port = free_port()
     procs = [launch(tmp_path, rank, port) for rank in (0, 1)]
@@ -58,12 +97,16 @@ def test_two_servers_end_with_identical_weights_equal_to_one_process_over_all_da
     # one process over the union of both servers' minibatches, same microbatches
     model = build_model(MODEL, 0, **OVERRIDES)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    split = microbatches((0, B), plan.bwd_microbatch) + microbatches((B, 2 * B), plan.bwd_microbatch)
+    split = microbatches((0, B), plan.bwd_microbatch) + microbatches(
+        (B, 2 * B), plan.bwd_microbatch
+    )
     for step in range(STEPS):
         parts = [synthetic_batch(MODEL, B, step, rank, 0, **OVERRIDES) for rank in (0, 1)]
         inputs = tuple(torch.cat([p[0][i] for p in parts]) for i in range(len(parts[0][0])))
         target = torch.cat([p[1] for p in parts])
-        reference_step(list(model), loss_for(MODEL), opt, inputs, target, None, step, microbatches=split)
+        reference_step(
+            list(model), loss_for(MODEL), opt, inputs, target, None, step, microbatches=split
+        )
     for k, v in model.state_dict().items():
         # AdamW normalises last-bit differences of near-zero gradients (the sums' order differs)
         torch.testing.assert_close(w0[k], v, rtol=1e-5, atol=1e-5, msg=k)
@@ -85,7 +128,11 @@ def test_a_server_that_dies_makes_the_other_fail_fast(tmp_path):
     out, err = survivor.communicate(timeout=90)
     assert survivor.returncode != 0
     assert time.time() - t0 < 60
-    lost = "another server stopped or timed out" in err or "Connection" in err or "timed out" in err.lower()
+    lost = (
+        "another server stopped or timed out" in err
+        or "Connection" in err
+        or "timed out" in err.lower()
+    )
     assert lost, err[-2000:]
 
 
@@ -99,11 +146,12 @@ from harmony.engine.distributed import init_from_env
 init_from_env(timeout_s=30.0)
 rank = dist.get_rank()
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
-                            torch.nn.Linear(16, 4))
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                            torch.nn.Tanh(), torch.nn.Linear(16, 4))
 plan = Plan("harmony-pp", 1, 8, 4, 4, ((0, 2), (2, 4)), ((0, 2), (2, 4), (4, 5)))
-engine = Engine(model, lambda ps: torch.optim.SGD(ps, lr=0.1), torch.nn.functional.mse_loss, plan=plan,
-                device=EmulatedDevice(memory="1MB", h2d="1GB/s", d2h="1GB/s"), minibatch_size=8, nonfinite="skip")
+engine = Engine(model, lambda ps: torch.optim.SGD(ps, lr=0.1), torch.nn.functional.mse_loss,
+                plan=plan, device=EmulatedDevice(memory="1MB", h2d="1GB/s", d2h="1GB/s"),
+                minibatch_size=8, nonfinite="skip")
 g = torch.Generator().manual_seed(rank)
 losses = []
 for step in range(4):
@@ -111,7 +159,8 @@ for step in range(4):
     if step == 1 and rank == 1:
         x[5, 0] = float("nan")  # a non-finite loss on this server only
     losses.append(engine.step(x, y))
-torch.save({"weights": model.state_dict(), "skipped": engine.skipped_steps, "losses": losses}, sys.argv[1])
+torch.save({"weights": model.state_dict(), "skipped": engine.skipped_steps, "losses": losses},
+           sys.argv[1])
 """
 
 
@@ -121,10 +170,24 @@ def test_a_non_finite_loss_on_one_server_makes_every_server_skip_that_step_at_on
     port = free_port()
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / f"rank{rank}.pt")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(tmp_path / f"rank{rank}.pt")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     t0 = time.time()
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (_, err) in zip(procs, outs):
@@ -148,18 +211,29 @@ def test_gradients_in_one_run_of_memory_are_averaged_in_place_and_poison_spreads
     try:
         params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
         flat = torch.arange(7.0)
-        params[0].grad, params[1].grad = flat[:3], flat[3:].view(2, 2)  # a pack's grads in the flat buffer
+        params[0].grad, params[1].grad = (
+            flat[:3],
+            flat[3:].view(2, 2),
+        )  # a pack's grads in the flat buffer
         sync = GradientSync([(0, 0)])
         sync.start_step()
         with sync.update((0, 0)):
             sync.average((0, 0), params)
-        assert params[0].grad.data_ptr() == flat.data_ptr() and torch.equal(flat, torch.arange(7.0))
-        params[1].grad = torch.ones(2, 2)  # elsewhere in memory: through a gathered copy, same tensors
+        assert params[0].grad.data_ptr() == flat.data_ptr() and torch.equal(
+            flat, torch.arange(7.0)
+        )
+        params[1].grad = torch.ones(
+            2, 2
+        )  # elsewhere in memory: through a gathered copy, same tensors
         before = params[1].grad
         sync.start_step()
         with sync.update((0, 0)):
             sync.average((0, 0), params, poison=True)
-        assert params[1].grad is before and torch.isnan(before).all() and torch.isnan(params[0].grad).all()
+        assert (
+            params[1].grad is before
+            and torch.isnan(before).all()
+            and torch.isnan(params[0].grad).all()
+        )
         sync.start_step()
         with pytest.raises(RuntimeError), sync.update((0, 0)):  # a failed update ...
             raise RuntimeError("an update that fails")

@@ -29,13 +29,24 @@ def make_model(dropout: float = 0.1, batchnorm: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
     d = 32
     norm = nn.BatchNorm1d(d) if batchnorm else nn.LayerNorm(d)
-    return nn.Sequential(nn.Linear(16, d), norm, nn.ReLU(), Residual(d, dropout), nn.Dropout(dropout),
-                         Residual(d, dropout), nn.Linear(d, d), nn.ReLU(), nn.Linear(d, 5))
+    return nn.Sequential(
+        nn.Linear(16, d),
+        norm,
+        nn.ReLU(),
+        Residual(d, dropout),
+        nn.Dropout(dropout),
+        Residual(d, dropout),
+        nn.Linear(d, d),
+        nn.ReLU(),
+        nn.Linear(d, 5),
+    )
 
 
 def batches(n: int = 5):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(B, 16, generator=g), torch.randint(0, 5, (B,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(B, 16, generator=g), torch.randint(0, 5, (B,), generator=g)) for _ in range(n)
+    ]
 
 
 ADAMW = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
@@ -46,7 +57,10 @@ loss_fn = nn.functional.cross_entropy
 def reference(optimizer, data, microbatch, dropout=0.1, batchnorm=True):
     model = make_model(dropout, batchnorm)
     opt = optimizer(list(model.parameters()))
-    losses = [reference_step(list(model), loss_fn, opt, (x,), y, microbatch, step) for step, (x, y) in enumerate(data)]
+    losses = [
+        reference_step(list(model), loss_fn, opt, (x,), y, microbatch, step)
+        for step, (x, y) in enumerate(data)
+    ]
     return model, losses
 
 
@@ -61,9 +75,9 @@ PLANS = [  # (policy, fwd packs, bwd packs)
     ("harmony-pp", ((0, 3), (3, 6)), ((0, 3), (3, 6), (6, 9))),
     ("harmony-pp", ((0, 2), (2, 5)), ((0, 1), (1, 4), (4, 5), (5, 9))),
     ("harmony-pp", (), ((0, 9),)),
-    ("virtual-memory", ((0, 4),), ((0, 4), (4, 9))),
+    ("harmony-no-grouping", ((0, 4),), ((0, 4), (4, 9))),
     # one pack reloaded per microbatch: the next load is prefetched before BatchNorm's write-back
-    ("virtual-memory", (), ((0, 9),)),
+    ("harmony-no-grouping", (), ((0, 9),)),
 ]
 DEVICES = ["cpu", EmulatedDevice(memory="4MB", h2d="400MB/s", d2h="400MB/s")]
 
@@ -86,15 +100,25 @@ def test_different_forward_and_backward_microbatches_are_allclose():
     data = batches(3)
     expected, ref_losses = reference(ADAMW, data, microbatch=2, dropout=0.0, batchnorm=False)
     plan = Plan("harmony-pp", 1, B, 6, 2, ((0, 3), (3, 6)), ((0, 3), (3, 6), (6, 9)))
-    engine, losses = train(plan, ADAMW, data, EmulatedDevice(memory="4MB", h2d="1GB/s", d2h="1GB/s"), dropout=0.0,
-                           batchnorm=False)
+    engine, losses = train(
+        plan,
+        ADAMW,
+        data,
+        EmulatedDevice(memory="4MB", h2d="1GB/s", d2h="1GB/s"),
+        dropout=0.0,
+        batchnorm=False,
+    )
     for a, b in zip(engine.model.parameters(), expected.parameters()):
         torch.testing.assert_close(a, b)
     assert losses == pytest.approx(ref_losses)
 
 
-@pytest.mark.parametrize("dropout, batchnorm, why", [(0.1, False, "dropout"), (0.0, True, "BatchNorm")])
-def test_microbatch_dependent_layers_with_different_microbatches_are_refused(dropout, batchnorm, why):
+@pytest.mark.parametrize(
+    "dropout, batchnorm, why", [(0.1, False, "dropout"), (0.0, True, "BatchNorm")]
+)
+def test_microbatch_dependent_layers_with_different_microbatches_are_refused(
+    dropout, batchnorm, why
+):
     plan = Plan("harmony-pp", 1, B, 6, 2, ((0, 3),), ((0, 3), (3, 9)))
     with pytest.raises(HarmonyError, match=why):
         Engine(make_model(dropout, batchnorm), ADAMW, loss_fn, minibatch_size=B, plan=plan)
@@ -102,15 +126,19 @@ def test_microbatch_dependent_layers_with_different_microbatches_are_refused(dro
 
 def test_trace_has_the_simulator_schema_and_counts_bytes():
     plan = Plan("harmony-pp", 1, B, 4, 4, ((0, 3), (3, 6)), ((0, 3), (3, 6), (6, 9)))
-    engine, _ = train(plan, ADAMW, batches(1), EmulatedDevice(memory="4MB", h2d="1GB/s", d2h="1GB/s"))
+    engine, _ = train(
+        plan, ADAMW, batches(1), EmulatedDevice(memory="4MB", h2d="1GB/s", d2h="1GB/s")
+    )
     trace = engine.trace
-    assert list(trace.timeline.columns[:len(TIMELINE_COLUMNS)]) == TIMELINE_COLUMNS
+    assert list(trace.timeline.columns[: len(TIMELINE_COLUMNS)]) == TIMELINE_COLUMNS
     assert (trace.timeline.end_s >= trace.timeline.start_s).all()
     s = trace.summary
     weights = sum(p.numel() * 4 for p in engine.model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in engine.model.buffers())
     # each weight crosses once forward (layers before the fused pack) and once backward
-    fwd_weights = sum(p.numel() * 4 for layer in list(engine.model)[:6] for p in layer.parameters())
+    fwd_weights = sum(
+        p.numel() * 4 for layer in list(engine.model)[:6] for p in layer.parameters()
+    )
     assert s.bytes_by_kind["W_IN"] == pytest.approx(weights + fwd_weights + 2 * buffers, rel=0.01)
     assert s.bytes_by_kind["G_OUT"] == weights
     assert 0 < s.peak_memory["gpu0"] <= 4e6
@@ -123,7 +151,9 @@ def test_out_of_memory_leaves_the_engine_unchanged_and_a_feasible_plan_then_work
     tiny = EmulatedDevice(memory="40KB", h2d="1GB/s", d2h="1GB/s")
     whole = Plan("harmony-pp", 1, B, B, B, (), ((0, 9),))
     engine = Engine(model, ADAMW, loss_fn, device=tiny, minibatch_size=B, plan=whole)
-    before = [p.detach().clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
+    before = [p.detach().clone() for p in model.parameters()] + [
+        b.clone() for b in model.buffers()
+    ]
     with pytest.raises(OutOfMemoryError, match=r"needs .* but only .* of 40 KB are free"):
         engine.step(*data[0])
     after = [p.detach() for p in model.parameters()] + list(model.buffers())
@@ -149,7 +179,9 @@ def test_an_update_already_applied_is_rolled_back_when_a_later_task_fails():
     x, y = batches(1)[0]
     engine.step(x, y)
     before = [p.detach().clone() for p in model.parameters()]
-    states = [opt.state_dict()["state"][0]["exp_avg"].clone() for opt in engine.optimizers.values()]
+    states = [
+        opt.state_dict()["state"][0]["exp_avg"].clone() for opt in engine.optimizers.values()
+    ]
     last_pack = engine.optimizers[(2, 0)]
     stepped = threading.Event()
     original_step = last_pack.step
@@ -173,36 +205,63 @@ def test_an_update_already_applied_is_rolled_back_when_a_later_task_fails():
         engine.step(x, y)
     handle.remove()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
-    assert all(torch.equal(opt.state_dict()["state"][0]["exp_avg"], s)
-               for opt, s in zip(engine.optimizers.values(), states))
+    assert all(
+        torch.equal(opt.state_dict()["state"][0]["exp_avg"], s)
+        for opt, s in zip(engine.optimizers.values(), states)
+    )
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(optimizer=lambda ps: None), "not a torch.optim.Optimizer"),
-    (dict(minibatch_size=0), "minibatch_size must be a positive integer"),
-    (dict(device="tpu"), "unknown device 'tpu'"),
-    (dict(plan="fast"), "plan must be a harmony.Plan or 'auto'"),
-    (dict(plan=Plan("harmony-pp", 1, B, 4, 4, (), ((0, 5),))), "must cover layers 0..8"),
-    (dict(plan=Plan("harmony-dp", 2, B, 4, 4, (), ((0, 9),))), "plan is for 2 GPUs but the engine has 1"),
-    (dict(plan=Plan("harmony-pp", 1, 8, 4, 4, (), ((0, 9),))), "plan is for minibatch 8"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(optimizer=lambda ps: None), "not a torch.optim.Optimizer"),
+        (dict(minibatch_size=0), "minibatch_size must be a positive integer"),
+        (dict(device="tpu"), "unknown device 'tpu'"),
+        (dict(plan="fast"), "plan must be a harmony.Plan or 'auto'"),
+        (dict(plan=Plan("harmony-pp", 1, B, 4, 4, (), ((0, 5),))), "must cover layers 0..8"),
+        (
+            dict(plan=Plan("harmony-dp", 2, B, 4, 4, (), ((0, 9),))),
+            "plan is for 2 GPUs but the engine has 1",
+        ),
+        (dict(plan=Plan("harmony-pp", 1, 8, 4, 4, (), ((0, 9),))), "plan is for minibatch 8"),
+    ],
+)
 def test_bad_settings_are_refused_up_front(bad, message):
-    kwargs = dict(model=make_model(), optimizer=ADAMW, loss_fn=loss_fn, minibatch_size=B,
-                  plan=Plan("harmony-pp", 1, B, 4, 4, (), ((0, 9),)))
+    kwargs = dict(
+        model=make_model(),
+        optimizer=ADAMW,
+        loss_fn=loss_fn,
+        minibatch_size=B,
+        plan=Plan("harmony-pp", 1, B, 4, 4, (), ((0, 9),)),
+    )
     kwargs.update(bad)
     with pytest.raises(HarmonyError, match=message):
         Engine(**kwargs)
 
 
 def test_a_minibatch_of_the_wrong_size_is_refused():
-    engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=Plan("harmony-pp", 1, B, 4, 4, (), ((0, 9),)))
+    engine = Engine(
+        make_model(),
+        ADAMW,
+        loss_fn,
+        minibatch_size=B,
+        plan=Plan("harmony-pp", 1, B, 4, 4, (), ((0, 9),)),
+    )
     with pytest.raises(HarmonyError, match="expected a minibatch of 12"):
         engine.step(torch.randn(5, 16), torch.zeros(5, dtype=torch.long))
 
 
 def test_inputs_the_model_cannot_take_get_a_clear_error_before_anything_runs():
-    engine = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=Plan("harmony-pp", 1, B, 4, 4, (), ((0, 9),)))
-    with pytest.raises(HarmonyError, match=r"cannot run on the given inputs \(\(12, 7\) torch.float32\)"):
+    engine = Engine(
+        make_model(),
+        ADAMW,
+        loss_fn,
+        minibatch_size=B,
+        plan=Plan("harmony-pp", 1, B, 4, 4, (), ((0, 9),)),
+    )
+    with pytest.raises(
+        HarmonyError, match=r"cannot run on the given inputs \(\(12, 7\) torch.float32\)"
+    ):
         engine.step(torch.randn(B, 7), torch.zeros(B, dtype=torch.long))
     x, y = batches(1)[0]  # the same engine then takes a good minibatch
     engine.step(x, y)
@@ -218,9 +277,13 @@ def test_auto_plan_trains_a_gpt2_larger_than_the_device():
     (x,), y = harmony.zoo.example_input("gpt2-tiny", 16)
     lm_loss = lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
     device = EmulatedDevice(memory="1.5MB", h2d="100MB/s", d2h="100MB/s")
-    footprint = sum(p.numel() for p in model.parameters()) * 4 * 4  # weights, grads, Adam's two states
+    footprint = (
+        sum(p.numel() for p in model.parameters()) * 4 * 4
+    )  # weights, grads, Adam's two states
     assert footprint > device.capacity
-    engine = Engine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), lm_loss, device=device, minibatch_size=16)
+    engine = Engine(
+        model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), lm_loss, device=device, minibatch_size=16
+    )
     losses = [engine.step(x, y) for _ in range(4)]
     assert losses[-1] < losses[0]
     assert engine.plan.policy == "harmony-pp" and engine.profile is not None
@@ -229,8 +292,16 @@ def test_auto_plan_trains_a_gpt2_larger_than_the_device():
 
 def test_hugging_face_gpt2_with_tied_embeddings_trains_like_the_reference():
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=100,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
 
     def build():
         torch.manual_seed(0)
@@ -249,9 +320,17 @@ def test_hugging_face_gpt2_with_tied_embeddings_trains_like_the_reference():
 
     model = build()
     n = len(harmony.decompose(model))
-    plan = Plan("harmony-pp", 1, 8, 4, 4, ((0, 2),), ((0, 2), (2, n)))  # embedding and head in different packs
-    engine = Engine(model, SGD_MOMENTUM, lm_loss, device=EmulatedDevice(memory="8MB", h2d="1GB/s", d2h="1GB/s"),
-                    minibatch_size=8, plan=plan)
+    plan = Plan(
+        "harmony-pp", 1, 8, 4, 4, ((0, 2),), ((0, 2), (2, n))
+    )  # embedding and head in different packs
+    engine = Engine(
+        model,
+        SGD_MOMENTUM,
+        lm_loss,
+        device=EmulatedDevice(memory="8MB", h2d="1GB/s", d2h="1GB/s"),
+        minibatch_size=8,
+        plan=plan,
+    )
     for x, y in data:
         engine.step(x, y)
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):

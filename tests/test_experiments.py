@@ -9,11 +9,10 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-from harmony.workbench import reproduce as rp
-from harmony.errors import HarmonyError
-
 from test_notebooks import NOTEBOOKS, ROOT, parameter_names
+
+from harmony.errors import HarmonyError
+from harmony.workbench import reproduce as rp
 
 EXPERIMENTS = rp.load_experiments(ROOT / "experiments")
 
@@ -21,7 +20,9 @@ EXPERIMENTS = rp.load_experiments(ROOT / "experiments")
 def test_every_notebook_has_an_experiment_and_back():
     notebooks = {p.resolve() for p in NOTEBOOKS}
     used = {e.notebook for e in EXPERIMENTS.values()}
-    assert notebooks - used == set(), f"notebooks without an experiment: {sorted(p.name for p in notebooks - used)}"
+    assert notebooks - used == set(), (
+        f"notebooks without an experiment: {sorted(p.name for p in notebooks - used)}"
+    )
     missing = {e.name: str(e.notebook) for e in EXPERIMENTS.values() if not e.notebook.exists()}
     assert not missing, f"experiments whose notebook does not exist: {missing}"
 
@@ -32,14 +33,19 @@ def test_yaml_parameters_exist_in_the_notebook(name):
     params = parameter_names(exp.notebook)
     for mode in ("quick", "full"):
         unknown = set(exp.params(mode == "full")) - params
-        assert not unknown, f"{name}.yaml {mode}: {sorted(unknown)} are not parameters of {exp.notebook.name}"
+        assert not unknown, (
+            f"{name}.yaml {mode}: {sorted(unknown)} are not parameters of {exp.notebook.name}"
+        )
     assert exp.claim and exp.paper and exp.summary
     assert exp.quick.get("quick") is True and exp.full.get("quick") is False
 
 
 def test_select_by_name_or_prefix():
     assert [e.name for e in rp.select(EXPERIMENTS, ["10"])] == ["10_swap_volume"]
-    assert [e.name for e in rp.select(EXPERIMENTS, ["15_exact_match", "00"])] == ["15_exact_match", "00_quickstart"]
+    assert [e.name for e in rp.select(EXPERIMENTS, ["15_exact_match", "00"])] == [
+        "15_exact_match",
+        "00_quickstart",
+    ]
     assert len(rp.select(EXPERIMENTS, None)) == len(EXPERIMENTS)
     with pytest.raises(HarmonyError, match="not one of"):
         rp.select(EXPERIMENTS, ["99_nothing"])
@@ -60,10 +66,16 @@ out.mkdir(parents=True, exist_ok=True)
 
 
 def _notebook(path: Path, body: str) -> None:
-    params = new_code_cell("quick: bool = True  # smoke\nvalue: int = 1  # a number\nout_dir: str = 'out'  # where to")
+    params = new_code_cell(
+        "quick: bool = True  # smoke\nvalue: int = 1  # a number\nout_dir: str = 'out'  # where to"
+    )
     params.metadata["tags"] = ["parameters"]
     nb = new_notebook(cells=[new_markdown_cell("# tiny"), params, new_code_cell(body)])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nbformat.write(nb, path)
 
 
@@ -73,17 +85,26 @@ def _project(tmp_path: Path, **bodies: str) -> Path:
     for name, body in bodies.items():
         _notebook(tmp_path / "notebooks" / f"{name}.ipynb", body)
         (tmp_path / "experiments" / f"{name}.yaml").write_text(
-            f"notebook: notebooks/{name}.ipynb\nclaim: the paper says 42\npaper: '42'\nsummary: answer.value\n"
-            "quick: {quick: true, value: 21}\nfull: {quick: false, value: 50}\n")
+            f"notebook: notebooks/{name}.ipynb\nclaim: the paper says 42\npaper: '42'\nsummary: "
+            "answer.value\nquick: {quick: true, value: 21}\nfull: {quick: false, value: 50}\n"
+        )
     return tmp_path / "experiments"
 
 
 def _run(experiments: Path, out: Path, **kwargs):
-    return rp.reproduce(kwargs.pop("names", None), kwargs.pop("full", False), out, experiments_dir=experiments,
-                        progress=False, **kwargs)
+    return rp.reproduce(
+        kwargs.pop("names", None),
+        kwargs.pop("full", False),
+        out,
+        experiments_dir=experiments,
+        progress=False,
+        **kwargs,
+    )
 
 
-def test_runner_runs_copies_skips_unchanged_and_reruns_when_forced_or_changed(tmp_path, monkeypatch, capsys):
+def test_runner_runs_copies_skips_unchanged_and_reruns_when_forced_or_changed(
+    tmp_path, monkeypatch, capsys
+):
     pytest.importorskip("papermill")
     experiments = _project(tmp_path, a_tiny=GOOD)
     out = tmp_path / "figures"
@@ -92,13 +113,21 @@ def test_runner_runs_copies_skips_unchanged_and_reruns_when_forced_or_changed(tm
     assert (o.status, o.ours, report.exit_code) == ("ok", "42", 0)
     run_dir = experiments / "runs" / "a_tiny"
     assert (run_dir / "a_tiny.ipynb").exists() and (run_dir / "results.json").exists()
-    assert sorted(p.name for p in out.iterdir()) == ["a_tiny.csv", "a_tiny.png", "a_tiny.svg", "a_tiny_extra.csv",
-                                                    "summary.json", "summary.md"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "a_tiny.csv",
+        "a_tiny.png",
+        "a_tiny.svg",
+        "a_tiny_extra.csv",
+        "summary.json",
+        "summary.md",
+    ]
     assert (out / "a_tiny.csv").read_text() == "value\n21\n"
     table = capsys.readouterr().out
     assert "a_tiny" in table and "42" in table and "ok" in table
 
-    assert _run(experiments, out).outcomes[0].status == "skipped"  # same notebook, parameters, code
+    assert (
+        _run(experiments, out).outcomes[0].status == "skipped"
+    )  # same notebook, parameters, code
     assert _run(experiments, out, force=True).outcomes[0].status == "ok"
     assert _run(experiments, out, full=True).outcomes[0].ours == "100"  # other parameters
     monkeypatch.setattr(rp, "_package_hash", lambda: "changed harmony source")
@@ -109,8 +138,11 @@ def test_runner_runs_copies_skips_unchanged_and_reruns_when_forced_or_changed(tm
 
 def test_a_failing_notebook_is_reported_and_the_others_still_run(tmp_path):
     pytest.importorskip("papermill")
-    experiments = _project(tmp_path, a_broken="print('before')\nraise RuntimeError('boom in the notebook')",
-                           b_fine=GOOD)
+    experiments = _project(
+        tmp_path,
+        a_broken="print('before')\nraise RuntimeError('boom in the notebook')",
+        b_fine=GOOD,
+    )
     out = tmp_path / "figures"
     report = _run(experiments, out)
     status = {o.name: o.status for o in report.outcomes}

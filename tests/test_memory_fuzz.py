@@ -15,16 +15,31 @@ from harmony.testing import random_model
 B = 8
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(seed=st.integers(0, 2**31 - 1), gpus=st.sampled_from([1, 1, 2]), memory_kb=st.integers(40, 2000))
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    gpus=st.sampled_from([1, 1, 2]),
+    memory_kb=st.integers(40, 2000),
+)
 def test_planner_chosen_plans_never_run_out_of_memory(seed, gpus, memory_kb):
     model, inputs, target, loss = random_model(seed, B)
-    device = (EmulatedDevice(memory=f"{memory_kb}KB", h2d="2GB/s", d2h="2GB/s") if gpus == 1 else
-              EmulatedServer(gpus=gpus, memory=f"{memory_kb}KB", h2d="2GB/s", d2h="2GB/s"))
-    engine = Engine(model, lambda ps: torch.optim.SGD(ps, lr=0.01), loss, device=device, minibatch_size=B)
+    device = (
+        EmulatedDevice(memory=f"{memory_kb}KB", h2d="2GB/s", d2h="2GB/s")
+        if gpus == 1
+        else EmulatedServer(gpus=gpus, memory=f"{memory_kb}KB", h2d="2GB/s", d2h="2GB/s")
+    )
+    engine = Engine(
+        model, lambda ps: torch.optim.SGD(ps, lr=0.01), loss, device=device, minibatch_size=B
+    )
     try:
         engine.step(inputs, target)
-    except OutOfMemoryError as err:  # the planner found nothing that fits: said before any task ran
+    except (
+        OutOfMemoryError
+    ) as err:  # the planner found nothing that fits: said before any task ran
         assert engine.plan is None, f"a chosen plan ran out of memory: {err}"
         event("no plan fits")
         return

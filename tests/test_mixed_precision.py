@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harmony import EmulatedDevice, Engine, HarmonyError, Plan, reference_step, simulate, swap_volume
+from harmony import (
+    EmulatedDevice,
+    Engine,
+    HarmonyError,
+    Plan,
+    reference_step,
+    simulate,
+    swap_volume,
+)
 from harmony.workbench.training import build_model, lm_loss, synthetic_batch
 
 NAME, B, STEPS = "gpt2-tiny", 8, 3
@@ -29,7 +37,9 @@ def flat(model) -> torch.Tensor:
 
 def engine_run(precision: str):
     model = build_model(NAME, 0)
-    engine = Engine(model, SGD, lm_loss, device=DEVICE, minibatch_size=B, plan=plan(), precision=precision)
+    engine = Engine(
+        model, SGD, lm_loss, device=DEVICE, minibatch_size=B, plan=plan(), precision=precision
+    )
     for step in range(STEPS):
         engine.step(*synthetic_batch(NAME, B, step))
     return engine
@@ -52,8 +62,11 @@ def test_training_is_close_to_a_plain_autocast_loop(precision, dtype):
     # within 2% of the update's size (the float32 loop is ~0.1-0.6% away from the autocast one)
     assert (ours - theirs).norm() / update < 0.02
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())
-    assert all(s["momentum_buffer"] is None or s["momentum_buffer"].dtype == torch.float32
-               for opt in engine.optimizers.values() for s in opt.state.values())
+    assert all(
+        s["momentum_buffer"] is None or s["momentum_buffer"].dtype == torch.float32
+        for opt in engine.optimizers.values()
+        for s in opt.state.values()
+    )
 
 
 def test_links_carry_half_the_bytes_and_the_closed_form_knows_it():
@@ -70,7 +83,9 @@ def test_links_carry_half_the_bytes_and_the_closed_form_knows_it():
 
 def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale():
     model = build_model(NAME, 0)
-    engine = Engine(model, SGD, lm_loss, device=DEVICE, minibatch_size=B, plan=plan(), precision="fp16")
+    engine = Engine(
+        model, SGD, lm_loss, device=DEVICE, minibatch_size=B, plan=plan(), precision="fp16"
+    )
     engine.step(*synthetic_batch(NAME, B, 0))
     assert engine.loss_scale == 2.0**16
     before = flat(model)
@@ -100,9 +115,15 @@ def test_unknown_precision_is_refused():
 
 def batchnorm_model() -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                               torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                               torch.nn.Linear(32, 5))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.BatchNorm1d(32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.BatchNorm1d(32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 5),
+    )
 
 
 def batchnorm_runs(norm_dtype_kept: bool = True):
@@ -110,8 +131,15 @@ def batchnorm_runs(norm_dtype_kept: bool = True):
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(B, 16, generator=g) * 3 + 1, torch.randint(0, 5, (B,), generator=g))]
     loss = torch.nn.functional.cross_entropy
-    engine = Engine(batchnorm_model(), SGD, loss, device=DEVICE, minibatch_size=B, precision="bf16",
-                    plan=Plan("harmony-pp", 1, B, 2, 2, ((0, 3),), ((0, 3), (3, 7))))
+    engine = Engine(
+        batchnorm_model(),
+        SGD,
+        loss,
+        device=DEVICE,
+        minibatch_size=B,
+        precision="bf16",
+        plan=Plan("harmony-pp", 1, B, 2, 2, ((0, 3),), ((0, 3), (3, 7))),
+    )
     if not norm_dtype_kept:
         engine.norm_tensors = [set() for _ in engine.layers]  # every float tensor in bf16
     reference = batchnorm_model()
@@ -125,10 +153,15 @@ def batchnorm_runs(norm_dtype_kept: bool = True):
 def test_batchnorm_keeps_float32_statistics_under_mixed_precision():
     engine, reference = batchnorm_runs()
     for (name, ours), theirs in zip(engine.model.named_buffers(), reference.buffers()):
-        assert torch.equal(ours, theirs), name  # running statistics as autocast keeps them, not rounded to bf16
+        assert torch.equal(ours, theirs), (
+            name
+        )  # running statistics as autocast keeps them, not rounded to bf16
     bf16 = batchnorm_runs(norm_dtype_kept=False)[0]
-    worst = max(((a - b).abs() / b.abs().clamp_min(1e-3)).max() for a, b in
-                zip(bf16.model.buffers(), reference.buffers()) if a.is_floating_point())
+    worst = max(
+        ((a - b).abs() / b.abs().clamp_min(1e-3)).max()
+        for a, b in zip(bf16.model.buffers(), reference.buffers())
+        if a.is_floating_point()
+    )
     assert worst > 1e-3  # statistics that travel in bf16 are rounded: the test can tell
     # the closed form counts BatchNorm's tensors in float32 and its batch counter
     closed = swap_volume(engine.spec, engine.plan)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import ADAMW, SGD_MOMENTUM, B, batches, loss_fn, make_model, reference, train
 
 import harmony
 from harmony import EmulatedServer, HarmonyError, Plan, reference_step
 from harmony.policies.common import microbatches, replica_shares
-from test_engine import ADAMW, SGD_MOMENTUM, B, batches, loss_fn, make_model, reference, train
 
 FWD, BWD = ((0, 3), (3, 6)), ((0, 3), (3, 6), (6, 9))
 
@@ -18,8 +18,14 @@ def server(n: int, **kw) -> EmulatedServer:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("fwd, bwd", [(FWD, BWD), (((0, 2), (2, 5)), ((0, 1), (1, 4), (4, 5), (5, 9))),
-                                      (((0, 1), (1, 5)), ((0, 1), (1, 5), (5, 9)))])  # BatchNorm off gpu0
+@pytest.mark.parametrize(
+    "fwd, bwd",
+    [
+        (FWD, BWD),
+        (((0, 2), (2, 5)), ((0, 1), (1, 4), (4, 5), (5, 9))),
+        (((0, 1), (1, 5)), ((0, 1), (1, 5), (5, 9))),
+    ],
+)  # BatchNorm off gpu0
 def test_pipeline_over_gpus_is_bitwise_identical_to_one_device(n, fwd, bwd):
     data = batches(4)
     expected, ref_losses = reference(ADAMW, data, microbatch=4)  # with dropout and BatchNorm
@@ -40,10 +46,18 @@ def test_data_parallel_is_allclose_to_the_plain_loop_on_the_same_microbatches(n,
     split = [m for share in replica_shares(B, n) for m in microbatches(share, 2)]
     model = make_model(0.0, batchnorm=False)
     opt = optimizer(list(model.parameters()))
-    ref_losses = [reference_step(list(model), loss_fn, opt, (x,), y, None, step, microbatches=split)
-                  for step, (x, y) in enumerate(data)]
-    engine, losses = train(Plan("harmony-dp", n, B, 2, 2, FWD, BWD), optimizer, data, server(n),
-                           dropout=0.0, batchnorm=False)
+    ref_losses = [
+        reference_step(list(model), loss_fn, opt, (x,), y, None, step, microbatches=split)
+        for step, (x, y) in enumerate(data)
+    ]
+    engine, losses = train(
+        Plan("harmony-dp", n, B, 2, 2, FWD, BWD),
+        optimizer,
+        data,
+        server(n),
+        dropout=0.0,
+        batchnorm=False,
+    )
     for a, b in zip(engine.model.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert losses == pytest.approx(ref_losses, abs=1e-6)
@@ -54,8 +68,14 @@ def test_data_parallel_is_allclose_to_the_plain_loop_on_the_same_microbatches(n,
 
 @pytest.mark.parametrize("policy", ["harmony-pp", "harmony-dp"])
 def test_measured_bytes_equal_the_closed_form_volume(policy):
-    engine, _ = train(Plan(policy, 2, B, 2, 2, FWD, BWD), ADAMW, batches(1), server(2), dropout=0.0,
-                      batchnorm=False)
+    engine, _ = train(
+        Plan(policy, 2, B, 2, 2, FWD, BWD),
+        ADAMW,
+        batches(1),
+        server(2),
+        dropout=0.0,
+        batchnorm=False,
+    )
     measured = engine.trace.summary.bytes_by_kind
     for kind, volume in harmony.swap_volume(engine.spec, engine.plan).items():
         assert measured.get(kind, 0.0) == pytest.approx(volume, rel=1e-9), kind
@@ -69,8 +89,14 @@ def test_a_shared_uplink_is_really_shared():
     weights = sum(p.numel() * 4 for p in big.parameters())
 
     def w_in_time(uplink):
-        engine, _ = train(plan, ADAMW, batches(1), EmulatedServer(gpus=2, memory="4MB", h2d="500KB/s", d2h="1GB/s",
-                                                                     uplink=uplink), dropout=0.0, batchnorm=False)
+        engine, _ = train(
+            plan,
+            ADAMW,
+            batches(1),
+            EmulatedServer(gpus=2, memory="4MB", h2d="500KB/s", d2h="1GB/s", uplink=uplink),
+            dropout=0.0,
+            batchnorm=False,
+        )
         tl = engine.trace.timeline
         w = tl[tl.kind == "W_IN"]
         return w.end_s.max() - w.start_s.min()

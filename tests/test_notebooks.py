@@ -31,7 +31,9 @@ SLOW: set[str] = set()
 
 
 def parameters_cell(nb) -> nbformat.NotebookNode | None:
-    return next((c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
+    return next(
+        (c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])), None
+    )
 
 
 def parameter_names(path: Path) -> set[str]:
@@ -57,36 +59,62 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_committed_without_outputs(path):
     nb = nbformat.read(path, as_version=4)
-    dirty = [i for i, c in enumerate(nb.cells)
-             if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
-    assert not dirty, f"{path.name}: cells {dirty} have outputs or execution counts; clear them before committing"
-    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", f"{path.name}: kernel must be python3"
+    dirty = [
+        i
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)
+    ]
+    assert not dirty, (
+        f"{path.name}: cells {dirty} have outputs or execution counts; clear them before "
+        "committing"
+    )
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", (
+        f"{path.name}: kernel must be python3"
+    )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_has_a_parameters_cell_with_out_dir(path):
     nb = nbformat.read(path, as_version=4)
     cell = parameters_cell(nb)
-    assert cell is not None and cell.cell_type == "code", f"{path.name}: no code cell tagged 'parameters'"
+    assert cell is not None and cell.cell_type == "code", (
+        f"{path.name}: no code cell tagged 'parameters'"
+    )
     assert {"quick", "out_dir"} <= parameter_names(path)
-    assert nb.cells[0].cell_type == "markdown", f"{path.name}: the first cell should say what the paper claims"
+    assert nb.cells[0].cell_type == "markdown", (
+        f"{path.name}: the first cell should say what the paper claims"
+    )
 
 
 def _experiment(path: Path) -> dict:
     import yaml
 
     experiment = ROOT / "experiments" / f"{path.stem}.yaml"
-    return yaml.safe_load(experiment.read_text()) if experiment.exists() else {"quick": {"quick": True}}
+    return (
+        yaml.safe_load(experiment.read_text())
+        if experiment.exists()
+        else {"quick": {"quick": True}}
+    )
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p
-                                  for p in NOTEBOOKS], ids=_ids(NOTEBOOKS))
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in NOTEBOOKS],
+    ids=_ids(NOTEBOOKS),
+)
 def test_runs_with_smoke_parameters(path, tmp_path):
     pm = pytest.importorskip("papermill")
     experiment = _experiment(path)
     params = {**experiment["quick"], **SMOKE.get(path.stem, {}), "out_dir": str(tmp_path / "out")}
-    pm.execute_notebook(str(path), str(tmp_path / path.name), parameters=params, kernel_name="python3",
-                        cwd=str(ROOT), progress_bar=False, log_output=False)
+    pm.execute_notebook(
+        str(path),
+        str(tmp_path / path.name),
+        parameters=params,
+        kernel_name="python3",
+        cwd=str(ROOT),
+        progress_bar=False,
+        log_output=False,
+    )
     out = Path(params["out_dir"])
     results = json.loads((out / "results.json").read_text())
     assert results, "results.json is empty"
@@ -94,10 +122,20 @@ def test_runs_with_smoke_parameters(path, tmp_path):
         value = results
         for key in experiment["summary"].split("."):
             value = value.get(key) if isinstance(value, dict) else None
-        assert value is not None, f"results.json has no {experiment['summary']!r} (the experiment's summary)"
-    assert list(out.glob("*.svg")) and list(out.glob("*.png")), f"no figures in {sorted(out.iterdir())}"
+        assert value is not None, (
+            f"results.json has no {experiment['summary']!r} (the experiment's summary)"
+        )
+    assert list(out.glob("*.svg")) and list(out.glob("*.png")), (
+        f"no figures in {sorted(out.iterdir())}"
+    )
     if path.stem in SMOKE:  # ours: the conventional main figure and data
-        assert (out / "figure.svg").exists() and (out / "figure.png").exists() and (out / "data.csv").exists()
+        assert (
+            (out / "figure.svg").exists()
+            and (out / "figure.png").exists()
+            and (out / "data.csv").exists()
+        )
         executed = nbformat.read(tmp_path / path.name, as_version=4)
-        printed = "".join(o.get("text", "") for o in executed.cells[-1].outputs if o.output_type == "stream")
+        printed = "".join(
+            o.get("text", "") for o in executed.cells[-1].outputs if o.output_type == "stream"
+        )
         assert printed.strip(), "the last cell should print what this run measured"

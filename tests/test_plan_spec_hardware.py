@@ -4,24 +4,51 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
-
-import harmony
-from harmony import Curve, HarmonyError, Hardware, LayerCost, ModelSpec, Plan, parse_bytes, parse_rate, preset
-from harmony.costs import reference
-
 from conftest import tiny_spec
 
-PLAN = Plan("harmony-pp", 2, 16, 4, 2, ((0, 3), (3, 5)), ((0, 2), (2, 5), (5, 8)),
-            {"offload_activations": True, "prefetch_packs": 3})
+import harmony
+from harmony import (
+    Curve,
+    Hardware,
+    HarmonyError,
+    LayerCost,
+    ModelSpec,
+    Plan,
+    parse_bytes,
+    parse_rate,
+    preset,
+)
+from harmony.costs import reference
+from harmony.plan import DEFAULT_OPTIONS
+
+PLAN = Plan(
+    "harmony-pp",
+    2,
+    16,
+    4,
+    2,
+    ((0, 3), (3, 5)),
+    ((0, 2), (2, 5), (5, 8)),
+    {"offload_activations": True, "prefetch_packs": 3},
+)
 
 
 def _plan(**kw) -> Plan:
-    d = dict(policy="harmony-pp", n_gpus=1, minibatch=8, fwd_microbatch=4, bwd_microbatch=2,
-             fwd_packs=((0, 2), (2, 3)), bwd_packs=((0, 1), (1, 3), (3, 4)), options={})
+    d = dict(
+        policy="harmony-pp",
+        n_gpus=1,
+        minibatch=8,
+        fwd_microbatch=4,
+        bwd_microbatch=2,
+        fwd_packs=((0, 2), (2, 3)),
+        bwd_packs=((0, 1), (1, 3), (3, 4)),
+        options={},
+    )
     d.update(kw)
     return Plan(**d)
 
@@ -39,13 +66,22 @@ def test_plan_json_round_trip_text_and_file(tmp_path):
 
 
 def test_plan_is_a_hashable_value():
-    same = Plan("harmony-pp", 2, 16, 4, 2, [[0, 3], [3, 5]], [[0, 2], [2, 5], [5, 8]],
-                {"prefetch_packs": 3, "offload_activations": True})
+    same = Plan(
+        "harmony-pp",
+        2,
+        16,
+        4,
+        2,
+        [[0, 3], [3, 5]],
+        [[0, 2], [2, 5], [5, 8]],
+        {"prefetch_packs": 3, "offload_activations": True},
+    )
     assert same == PLAN and hash(same) == hash(PLAN)
     assert len({PLAN, same}) == 1
     assert dataclasses.replace(PLAN, minibatch=32) != PLAN
-    assert Plan("harmony-pp", 1, 4, 4, 4, (), ((0, 2),)) != Plan("harmony-pp", 1, 4, 4, 4, (), ((0, 2),),
-                                                                 {"prefetch_packs": 1})
+    assert Plan("harmony-pp", 1, 4, 4, 4, (), ((0, 2),)) != Plan(
+        "harmony-pp", 1, 4, 4, 4, (), ((0, 2),), {"prefetch_packs": 1}
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         PLAN.minibatch = 3  # type: ignore[misc]
 
@@ -64,36 +100,69 @@ def test_plan_options_and_defaults():
 def test_valid_plan_validates():
     plan = _plan()
     assert plan.validate(4) is plan
-    assert Plan("virtual-memory", 1, 1, 1, 1, (), ((0, 1),)).validate(1)
+    assert Plan("harmony-no-grouping", 1, 1, 1, 1, (), ((0, 1),)).validate(1)
 
 
 def test_plan_with_a_pack_that_is_not_a_pair_is_rejected_when_built():
-    with pytest.raises(HarmonyError, match=r"bwd_packs must be a list of \[start, stop\] integer layer ranges"):
+    with pytest.raises(
+        HarmonyError, match=r"bwd_packs must be a list of \[start, stop\] integer layer ranges"
+    ):
         _plan(bwd_packs=((0, 1, 2), (2, 4)))
 
 
-@pytest.mark.parametrize("kw, num_layers, message", [
-    (dict(bwd_packs=((0, 2), (1, 3), (3, 4))), 4, r"bwd_packs: pack \(1, 3\) overlaps the previous pack"),
-    (dict(bwd_packs=((0, 1), (2, 3), (3, 4))), 4, r"bwd_packs: pack \(2, 3\) leaves layers 1..1 uncovered"),
-    (dict(bwd_packs=((0, 1), (1, 3))), 4, r"bwd_packs must cover layers 0..3.*end at layer 2"),
-    (dict(bwd_packs=((0, 1), (1, 3), (3, 6))), 4, r"bwd_packs must cover layers 0..3.*end at layer 5"),
-    (dict(bwd_packs=((0, 1), (1, 1), (1, 4))), 4, r"pack \(1, 1\) is empty or reversed"),
-    (dict(bwd_packs=((0, 2), (2, 1), (1, 4))), 4, r"pack \(2, 1\) is empty or reversed"),
-    (dict(bwd_packs=()), 4, r"bwd_packs is empty"),
-    (dict(fwd_packs=((0, 2),)), 4, r"fwd_packs must cover layers 0..2 \(forward packs stop where the fused"),
-    (dict(fwd_packs=((0, 2), (2, 4))), 4, r"fwd_packs must cover layers 0..2"),
-    (dict(fwd_packs=((0, 1), (2, 3))), 4, r"fwd_packs: pack \(2, 3\) leaves layers 1..1 uncovered"),
-    (dict(fwd_packs=(), bwd_packs=((0, 4),)), 4, None),  # fine: one fused pack, no forward packs
-    (dict(fwd_packs=((0, 4),), bwd_packs=((0, 4),)), 4, r"fwd_packs must cover layers 0..-1"),
-    (dict(fwd_microbatch=9), 4, r"fwd_microbatch=9 is larger than the minibatch \(8\)"),
-    (dict(bwd_microbatch=16), 4, r"bwd_microbatch=16 is larger than the minibatch \(8\)"),
-    (dict(minibatch=0), 4, r"minibatch must be a positive integer, got 0"),
-    (dict(n_gpus=0), 4, r"n_gpus must be a positive integer, got 0"),
-    (dict(fwd_microbatch=-1), 4, r"fwd_microbatch must be a positive integer, got -1"),
-    (dict(bwd_microbatch=2.5), 4, r"bwd_microbatch must be a positive integer, got 2.5"),
-    (dict(options={"prefetch_packs": 0}), 4, r"prefetch_packs must be an integer >= 1, got 0"),
-    (dict(options={"prefetch_packs": "2"}), 4, r"prefetch_packs must be an integer >= 1, got '2'"),
-])
+@pytest.mark.parametrize(
+    "kw, num_layers, message",
+    [
+        (
+            dict(bwd_packs=((0, 2), (1, 3), (3, 4))),
+            4,
+            r"bwd_packs: pack \(1, 3\) overlaps the previous pack",
+        ),
+        (
+            dict(bwd_packs=((0, 1), (2, 3), (3, 4))),
+            4,
+            r"bwd_packs: pack \(2, 3\) leaves layers 1..1 uncovered",
+        ),
+        (dict(bwd_packs=((0, 1), (1, 3))), 4, r"bwd_packs must cover layers 0..3.*end at layer 2"),
+        (
+            dict(bwd_packs=((0, 1), (1, 3), (3, 6))),
+            4,
+            r"bwd_packs must cover layers 0..3.*end at layer 5",
+        ),
+        (dict(bwd_packs=((0, 1), (1, 1), (1, 4))), 4, r"pack \(1, 1\) is empty or reversed"),
+        (dict(bwd_packs=((0, 2), (2, 1), (1, 4))), 4, r"pack \(2, 1\) is empty or reversed"),
+        (dict(bwd_packs=()), 4, r"bwd_packs is empty"),
+        (
+            dict(fwd_packs=((0, 2),)),
+            4,
+            r"fwd_packs must cover layers 0..2 \(forward packs stop where the fused",
+        ),
+        (dict(fwd_packs=((0, 2), (2, 4))), 4, r"fwd_packs must cover layers 0..2"),
+        (
+            dict(fwd_packs=((0, 1), (2, 3))),
+            4,
+            r"fwd_packs: pack \(2, 3\) leaves layers 1..1 uncovered",
+        ),
+        (
+            dict(fwd_packs=(), bwd_packs=((0, 4),)),
+            4,
+            None,
+        ),  # fine: one fused pack, no forward packs
+        (dict(fwd_packs=((0, 4),), bwd_packs=((0, 4),)), 4, r"fwd_packs must cover layers 0..-1"),
+        (dict(fwd_microbatch=9), 4, r"fwd_microbatch=9 is larger than the minibatch \(8\)"),
+        (dict(bwd_microbatch=16), 4, r"bwd_microbatch=16 is larger than the minibatch \(8\)"),
+        (dict(minibatch=0), 4, r"minibatch must be a positive integer, got 0"),
+        (dict(n_gpus=0), 4, r"n_gpus must be a positive integer, got 0"),
+        (dict(fwd_microbatch=-1), 4, r"fwd_microbatch must be a positive integer, got -1"),
+        (dict(bwd_microbatch=2.5), 4, r"bwd_microbatch must be a positive integer, got 2.5"),
+        (dict(options={"prefetch_packs": 0}), 4, r"prefetch_packs must be an integer >= 1, got 0"),
+        (
+            dict(options={"prefetch_packs": "2"}),
+            4,
+            r"prefetch_packs must be an integer >= 1, got '2'",
+        ),
+    ],
+)
 def test_plan_validation_errors(kw, num_layers, message):
     plan = _plan(**kw)
     if message is None:
@@ -105,8 +174,10 @@ def test_plan_validation_errors(kw, num_layers, message):
 
 
 def test_unknown_option_is_rejected_at_construction():
-    with pytest.raises(HarmonyError, match=r"unknown plan option\(s\) \['prefetch'\]; known options: "
-                                           r"\['offload_activations', 'prefetch_packs'\]"):
+    known = re.escape(str(sorted(DEFAULT_OPTIONS)))
+    with pytest.raises(
+        HarmonyError, match=r"unknown plan option\(s\) \['prefetch'\]; known options: " + known
+    ):
         _plan(options={"prefetch": 2})
 
 
@@ -197,18 +268,27 @@ def test_curve_with_repeated_size_is_rejected_or_usable():
     assert c(3) >= 0.0
 
 
-# ---- ModelSpec -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("optimizer, slots", [("sgd", 0), ("sgd-momentum", 1), ("adam", 2), ("adamw", 2)])
+# ---- ModelSpec ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "optimizer, slots", [("sgd", 0), ("sgd-momentum", 1), ("adam", 2), ("adamw", 2)]
+)
 def test_spec_bytes_per_optimizer(optimizer, slots):
     spec = tiny_spec(3, params=1000, optimizer=optimizer)
     assert spec.num_params == 3000
-    assert spec.weight_bytes() == 12_000 and spec.weight_bytes(1, 3) == 8_000 and spec.weight_bytes(1, 1) == 0
+    assert (
+        spec.weight_bytes() == 12_000
+        and spec.weight_bytes(1, 3) == 8_000
+        and spec.weight_bytes(1, 1) == 0
+    )
     assert spec.grad_bytes() == 12_000
     assert spec.optimizer_state_bytes() == 12_000 * slots
     assert spec.optimizer_state_bytes(0, 1) == 4_000 * slots
     # without a measured update time: (weights, gradient, every state tensor) read and written
-    plain = ModelSpec("p", tuple(dataclasses.replace(c, update_time_s=None) for c in spec.layers),
-                      optimizer=optimizer)
+    plain = ModelSpec(
+        "p",
+        tuple(dataclasses.replace(c, update_time_s=None) for c in spec.layers),
+        optimizer=optimizer,
+    )
     assert plain.update_time(0, 3, 1e6) == pytest.approx(3000 * 4 * (3 + 2 * slots) / 1e6)
     assert spec.update_time(0, 3, 1e6) == pytest.approx(3 * 0.01)  # measured wins
 
@@ -221,8 +301,14 @@ def test_spec_buffers_count_as_weights_not_gradients():
 
 
 def test_spec_dtypes():
-    layer = LayerCost("emb", param_numel=1000, input_numel_per_sample=10,
-                      input_fixed_bytes_per_sample=16, fwd_extra=Curve.linear(100.0), bwd_extra=Curve.linear(300.0))
+    layer = LayerCost(
+        "emb",
+        param_numel=1000,
+        input_numel_per_sample=10,
+        input_fixed_bytes_per_sample=16,
+        fwd_extra=Curve.linear(100.0),
+        bwd_extra=Curve.linear(300.0),
+    )
     spec = ModelSpec("d", (layer, layer), target_bytes_per_sample=8)
     assert spec.input_bytes(0, 2) == 2 * (10 * 4 + 16)
     assert spec.input_bytes(2, 2) == 0.0  # the loss output
@@ -250,15 +336,26 @@ def test_working_memory_counts_a_tensor_kept_by_two_layers_once():
     """bwd_extra includes the layer's own input and output when autograd keeps
     them: the pack's input is a buffer of its own, and the tensor between two
     layers of a pack is one tensor however many layers keep it."""
+
     def layer(saved_in: float, saved_out: float) -> LayerCost:
-        return LayerCost("l", param_numel=10, input_numel_per_sample=25, bwd_extra=Curve.linear(300.0),
-                         saved_input=Curve.linear(saved_in), saved_output=Curve.linear(saved_out))
+        return LayerCost(
+            "l",
+            param_numel=10,
+            input_numel_per_sample=25,
+            bwd_extra=Curve.linear(300.0),
+            saved_input=Curve.linear(saved_in),
+            saved_output=Curve.linear(saved_out),
+        )
 
     keeps_output, keeps_input = layer(0.0, 100.0), layer(100.0, 0.0)
     spec = ModelSpec("k", (keeps_output, keeps_input, keeps_input))
     assert spec.bwd_work_bytes(0, 1, 2) == pytest.approx(600.0)
-    assert spec.bwd_work_bytes(1, 2, 2) == pytest.approx(600.0 - 200.0)  # its input is the pack's buffer
-    assert spec.bwd_work_bytes(0, 2, 2) == pytest.approx(1200.0 - 200.0)  # one tensor between the two
+    assert spec.bwd_work_bytes(1, 2, 2) == pytest.approx(
+        600.0 - 200.0
+    )  # its input is the pack's buffer
+    assert spec.bwd_work_bytes(0, 2, 2) == pytest.approx(
+        1200.0 - 200.0
+    )  # one tensor between the two
     assert spec.bwd_work_bytes(0, 3, 2) == pytest.approx(1800.0 - 200.0)  # layer 1 keeps no output
     half = spec.with_dtypes(act_dtype="bfloat16")
     assert half.bwd_work_bytes(0, 2, 2) == pytest.approx(500.0)
@@ -276,13 +373,17 @@ def test_spec_times_from_curves_or_flops():
 
 def test_spec_errors():
     layer = LayerCost("l", 1)
-    with pytest.raises(HarmonyError, match=r"unknown dtype 'float8'; use one of \['bfloat16', 'float16'"):
+    with pytest.raises(
+        HarmonyError, match=r"unknown dtype 'float8'; use one of \['bfloat16', 'float16'"
+    ):
         ModelSpec("x", (layer,), param_dtype="float8")
     with pytest.raises(HarmonyError, match="unknown dtype 'int4'"):
         ModelSpec("x", (layer,), act_dtype="int4")
     with pytest.raises(HarmonyError, match="unknown dtype 'fp8'"):
         ModelSpec("x", (layer,)).with_dtypes(act_dtype="fp8")
-    with pytest.raises(HarmonyError, match=r"unknown optimizer 'lion'; use one of \['adam', 'adamw'"):
+    with pytest.raises(
+        HarmonyError, match=r"unknown optimizer 'lion'; use one of \['adam', 'adamw'"
+    ):
         ModelSpec("x", (layer,), optimizer="lion")
     with pytest.raises(HarmonyError, match="unknown optimizer 'lion'"):
         ModelSpec("x", (layer,)).with_optimizer("lion")
@@ -296,7 +397,7 @@ def test_spec_summary():
     assert s["optimizer_state_bytes"] == 24_000_000 and s["optimizer"] == "adamw"
 
 
-# ---- reference profiles ----------------------------------------------------------------------------
+# ---- reference profiles -------------------------------------------------------------------------
 REF_DIR = Path(reference.__file__).parent / "data" / "reference" / "harmony-1080ti"
 
 
@@ -313,7 +414,10 @@ def test_gpt2_xl_reference_profile():
         curve = spec.layers[layer].fwd_time if phase == "FWD" else spec.layers[layer].bwd_time
         assert curve(u) == row.time_s.iloc[0]  # exactly, at a profiled size
     # token ids are integers: their bytes do not scale with the activation dtype
-    assert spec.layers[0].input_numel_per_sample == 0 and spec.layers[0].input_fixed_bytes_per_sample == 8192
+    assert (
+        spec.layers[0].input_numel_per_sample == 0
+        and spec.layers[0].input_fixed_bytes_per_sample == 8192
+    )
     assert spec.layers[1].input_numel_per_sample == 1024 * 1600
     assert harmony.model_spec("gpt2-xl") is spec
 
@@ -334,7 +438,9 @@ def test_reference_weight_totals(name, gb):
 
 
 def test_unknown_reference_profile():
-    with pytest.raises(HarmonyError, match="no reference profile for 'gpt5'; profiled models: bert-large"):
+    with pytest.raises(
+        HarmonyError, match="no reference profile for 'gpt5'; profiled models: bert-large"
+    ):
         reference.load("gpt5")
     with pytest.raises(HarmonyError, match="unknown model 'gpt5'; known models: "):
         harmony.model_spec("gpt5")
@@ -342,8 +448,10 @@ def test_unknown_reference_profile():
         harmony.model_spec("gpt2-xl", source="internet")
 
 
-# ---- Hardware --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["paper-4x1080ti", "paper-8x1080ti", "h100-pcie5", "8x4090-pcie4"])
+# ---- Hardware -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name", ["paper-4x1080ti", "paper-8x1080ti", "h100-pcie5", "8x4090-pcie4"]
+)
 def test_presets_exist(name):
     hw = preset(name)
     assert hw.name == name and hw is harmony.PRESETS[name]
@@ -372,21 +480,34 @@ def test_unknown_preset_lists_names():
         assert name in msg
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("256MB", 256_000_000), ("1.5GiB", 1_610_612_736), (1024, 1024), ("4096", 4096),
-    (" 2 KiB ", 2048), ("1e3kb", 1_000_000), ("3tb", 3 * 10**12), (0, 0), ("10b", 10),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("256MB", 256_000_000),
+        ("1.5GiB", 1_610_612_736),
+        (1024, 1024),
+        ("4096", 4096),
+        (" 2 KiB ", 2048),
+        ("1e3kb", 1_000_000),
+        ("3tb", 3 * 10**12),
+        (0, 0),
+        ("10b", 10),
+    ],
+)
 def test_parse_bytes(value, expected):
     assert parse_bytes(value) == expected
 
 
-@pytest.mark.parametrize("value, message", [
-    ("12XB", r"cannot read size '12XB'.*units: b, kb"),
-    (-1, r"size must be non-negative, got -1"),
-    ("-5MB", r"cannot read size '-5MB'"),
-    ("MB", r"cannot read size 'MB'"),
-    (True, r"cannot read size True"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("12XB", r"cannot read size '12XB'.*units: b, kb"),
+        (-1, r"size must be non-negative, got -1"),
+        ("-5MB", r"cannot read size '-5MB'"),
+        ("MB", r"cannot read size 'MB'"),
+        (True, r"cannot read size True"),
+    ],
+)
 def test_parse_bytes_errors(value, message):
     with pytest.raises(HarmonyError, match=message):
         parse_bytes(value)
@@ -411,16 +532,19 @@ def test_parse_rate():
         parse_rate("fast", "link")
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(h2d=-1.0), r"hardware 'paper-4x1080ti': h2d must be a positive number, got -1.0"),
-    (dict(uplink=0.0), r"uplink must be a positive number"),
-    (dict(d2h=float("nan")), r"d2h must be a positive number, got nan"),
-    (dict(n_gpus=0), r"n_gpus must be >= 1, got 0"),
-    (dict(gpus_per_switch=0), r"gpus_per_switch must be >= 1"),
-    (dict(cpu_update_workers=0), r"cpu_update_workers must be >= 1"),
-    (dict(gpu_memory=0), r"gpu_memory must be a positive number"),
-    (dict(p2p=0.0), r"p2p must be positive or None, got 0.0"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(h2d=-1.0), r"hardware 'paper-4x1080ti': h2d must be a positive number, got -1.0"),
+        (dict(uplink=0.0), r"uplink must be a positive number"),
+        (dict(d2h=float("nan")), r"d2h must be a positive number, got nan"),
+        (dict(n_gpus=0), r"n_gpus must be >= 1, got 0"),
+        (dict(gpus_per_switch=0), r"gpus_per_switch must be >= 1"),
+        (dict(cpu_update_workers=0), r"cpu_update_workers must be >= 1"),
+        (dict(gpu_memory=0), r"gpu_memory must be a positive number"),
+        (dict(p2p=0.0), r"p2p must be positive or None, got 0.0"),
+    ],
+)
 def test_invalid_hardware(change, message):
     with pytest.raises(HarmonyError, match=message):
         dataclasses.replace(preset("paper-4x1080ti"), **change)

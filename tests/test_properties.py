@@ -6,6 +6,15 @@ import math
 from collections import defaultdict
 
 import pytest
+from conftest import (
+    POLICY_NAMES,
+    hardwares,
+    model_specs,
+    plans,
+    scenarios,
+    simple_hardware,
+    tiny_spec,
+)
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -14,9 +23,6 @@ from harmony import DeadlockError, OutOfMemoryError, Plan, build_graph, simulate
 from harmony.graph import COMPUTE_KINDS, FWDBWD, TRANSFER_KINDS, W_IN, Task, TaskGraph
 from harmony.planner.search import SEARCHABLE
 from harmony.simulate import fair_rates, play
-
-from conftest import (POLICY_NAMES, hardwares, model_specs, plans, scenarios, simple_hardware,
-                      tiny_spec)
 
 PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = 1e-9
@@ -46,7 +52,9 @@ def test_every_graph_checks_and_plays_consistently(case):
         assert math.isfinite(start[t.id]) and math.isfinite(end[t.id]), t
         assert end[t.id] >= start[t.id], t
         for d in t.deps:
-            assert start[t.id] >= end[d] - eps, f"task {t.id} started before its dependency {d} ended"
+            assert start[t.id] >= end[d] - eps, (
+                f"task {t.id} started before its dependency {d} ended"
+            )
     # every lane runs one task at a time; compute lanes run in their order
     in_order = graph.in_order_lanes()
     for lane, ids in graph.lanes().items():
@@ -108,7 +116,12 @@ def test_simulated_bytes_match_closed_form_swap_volume(case):
     closed = swap_volume(spec, plan)
     for kind in set(simulated) | set(closed):
         got, want = simulated.get(kind, 0.0), closed.get(kind, 0.0)
-        assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6), (kind, got, want, plan.describe())
+        assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6), (
+            kind,
+            got,
+            want,
+            plan.describe(),
+        )
 
 
 # ---- 5: input-batch grouping --------------------------------------------------------------
@@ -124,7 +137,9 @@ def test_harmony_pp_weight_traffic_independent_of_microbatches(data):
     w_one = harmony.simulate(spec, hw, one).summary.bytes_by_kind.get(W_IN, 0.0)
     assert math.isclose(w, w_one, rel_tol=1e-12)
     # one pass of the forward packs and one of the backward packs (fused pack included)
-    assert math.isclose(w, spec.weight_bytes(0, plan.bwd_packs[-1][0]) + spec.weight_bytes(), rel_tol=1e-12)
+    assert math.isclose(
+        w, spec.weight_bytes(0, plan.bwd_packs[-1][0]) + spec.weight_bytes(), rel_tol=1e-12
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -132,9 +147,9 @@ def test_harmony_pp_weight_traffic_independent_of_microbatches(data):
 def test_virtual_memory_weight_traffic_grows_with_microbatches(data):
     spec = data.draw(model_specs())
     hw = data.draw(hardwares())
-    plan = data.draw(plans("virtual-memory", len(spec), hw.n_gpus))
+    plan = data.draw(plans("harmony-no-grouping", len(spec), hw.n_gpus))
     B, u = plan.minibatch, plan.fwd_microbatch
-    single = Plan("virtual-memory", 1, B, B, B, plan.fwd_packs, plan.bwd_packs, plan.options)
+    single = Plan("harmony-no-grouping", 1, B, B, B, plan.fwd_packs, plan.bwd_packs, plan.options)
     trace = harmony.simulate(spec, hw, plan)
     w = trace.summary.bytes_by_kind.get(W_IN, 0.0)
     w_single = harmony.simulate(spec, hw, single).summary.bytes_by_kind.get(W_IN, 0.0)
@@ -163,7 +178,9 @@ def test_memory_peak_covers_every_buffer_and_ledger_returns_to_zero(case):
         assert peak[dev] <= total[dev] * (1 + TOL), dev
     for dev, steps in trace.memory.items():
         scale = max(1.0, total[dev])
-        assert abs(steps[-1][1]) <= 1e-9 * scale, f"{dev} still holds {steps[-1][1]} bytes at the end"
+        assert abs(steps[-1][1]) <= 1e-9 * scale, (
+            f"{dev} still holds {steps[-1][1]} bytes at the end"
+        )
         assert min(b for _, b in steps) >= -1e-9 * scale, f"{dev} went negative"
         assert math.isclose(max(b for _, b in steps), peak[dev], rel_tol=1e-12)
         times = [t for t, _ in steps]
@@ -206,13 +223,19 @@ def test_search_returns_only_plans_that_fit(case):
         assert math.isclose(s.iteration_s, row.iteration_s, rel_tol=1e-12)
 
 
-# ---- 8: bandwidth sharing ------------------------------------------------------------------------
+# ---- 8: bandwidth sharing -----------------------------------------------------------------------
 def _graph(tasks: list[Task], links: dict[str, float]) -> TaskGraph:
-    return TaskGraph(tasks=tasks, buffers=[], links=links, memory_capacity={}, samples=1, cpu_workers=1)
+    return TaskGraph(
+        tasks=tasks, buffers=[], links=links, memory_capacity={}, samples=1, cpu_workers=1
+    )
 
 
-def _transfer(i: int, lane: str, nbytes: float, links: tuple[str, ...], deps=(), seq=None, **kw) -> Task:
-    return Task(i, "P2P", lane, "gpu0", seq or (0, i), list(deps), nbytes=nbytes, links=links, **kw)
+def _transfer(
+    i: int, lane: str, nbytes: float, links: tuple[str, ...], deps=(), seq=None, **kw
+) -> Task:
+    return Task(
+        i, "P2P", lane, "gpu0", seq or (0, i), list(deps), nbytes=nbytes, links=links, **kw
+    )
 
 
 def test_two_transfers_sharing_one_link_take_total_bytes_over_bandwidth():
@@ -227,8 +250,13 @@ def test_two_transfers_sharing_one_link_take_total_bytes_over_bandwidth():
 
 
 def test_transfer_on_a_route_is_limited_by_its_narrowest_link_and_rate_cap():
-    g = _graph([_transfer(0, "a", 40.0, ("fast", "slow")),
-                _transfer(1, "b", 40.0, ("fast",), max_rate=4.0)], {"fast": 100.0, "slow": 8.0})
+    g = _graph(
+        [
+            _transfer(0, "a", 40.0, ("fast", "slow")),
+            _transfer(1, "b", 40.0, ("fast",), max_rate=4.0),
+        ],
+        {"fast": 100.0, "slow": 8.0},
+    )
     _, end, _, _ = play(g)
     assert math.isclose(end[0], 5.0)
     assert math.isclose(end[1], 10.0)
@@ -236,7 +264,9 @@ def test_transfer_on_a_route_is_limited_by_its_narrowest_link_and_rate_cap():
 
 def test_fair_rates_hand_example():
     inf = math.inf
-    rates = fair_rates({1: (("A",), inf), 2: (("A", "B"), inf), 3: (("B",), inf)}, {"A": 10.0, "B": 4.0})
+    rates = fair_rates(
+        {1: (("A",), inf), 2: (("A", "B"), inf), 3: (("B",), inf)}, {"A": 10.0, "B": 4.0}
+    )
     assert rates == pytest.approx({1: 8.0, 2: 2.0, 3: 2.0})
     # a cap frees bandwidth for the others
     rates = fair_rates({1: (("A",), 1.0), 2: (("A",), inf), 3: (("A",), inf)}, {"A": 9.0})
@@ -250,7 +280,9 @@ def sharing_problems(draw):
     capacity = {n: draw(st.floats(0.5, 100.0)) for n in names}
     active = {}
     for tid in range(draw(st.integers(1, 7))):
-        links = tuple(draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names), unique=True)))
+        links = tuple(
+            draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names), unique=True))
+        )
         cap = draw(st.one_of(st.just(math.inf), st.floats(0.1, 50.0)))
         active[tid] = (links, cap)
     return active, capacity
@@ -283,7 +315,7 @@ def test_fair_rates_are_max_min_fair(problem):
         ), (tid, rates, capacity)
 
 
-# ---- 9: deadlock is reported, not hung -------------------------------------------------------------
+# ---- 9: deadlock is reported, not hung ----------------------------------------------------------
 def test_lane_order_inconsistent_with_dependencies_raises_deadlock():
     # lane X: [a]; lane Y: [b, c]. a waits on c, c waits behind b on lane Y, b waits on a.
     a = Task(0, "FWD", "X", "gpu0", (1, 0), [2], duration=1.0, what="task-a")
@@ -314,7 +346,7 @@ def test_stuck_graph_after_partial_progress_reports_only_stuck_heads():
     assert "waits on tasks [3]" in msg  # the finished dependency 0 is not listed
 
 
-# ---- plans as values ------------------------------------------------------------------------------
+# ---- plans as values ----------------------------------------------------------------------------
 @settings(max_examples=100, deadline=None)
 @given(st.sampled_from(POLICY_NAMES).flatmap(lambda p: plans(p, 12, 4)))
 def test_plan_json_round_trip(plan):

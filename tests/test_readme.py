@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 #: commands not run here, and why
 NOT_RUN = {
-    "make figures": "the main job (minutes); CI runs `make test`, and the notebook tests run every notebook",
+    "make figures": (
+        "the main job (minutes); CI runs `make test`, and the notebook tests run every notebook"
+    ),
     "make test": "this very suite",
 }
 #: a long run made short: (pattern, replacement)
@@ -53,7 +55,9 @@ def small(command: str) -> str:
 
 def run(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    return subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_the_readme_has_what_this_test_runs():
@@ -77,7 +81,9 @@ def test_shell_commands_run(tmp_path):
         if command in NOT_RUN or command.startswith(".venv/bin/python bench/"):
             continue
         done = run(small(command), tmp_path, timeout=600)
-        assert done.returncode == 0, f"`{small(command)}` exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+        assert done.returncode == 0, (
+            f"`{small(command)}` exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+        )
 
 
 BENCHES = [c for c in shell_commands() if c.startswith(".venv/bin/python bench/")]
@@ -86,5 +92,9 @@ BENCHES = [c for c in shell_commands() if c.startswith(".venv/bin/python bench/"
 @pytest.mark.slow
 @pytest.mark.parametrize("command", BENCHES, ids=[c.split("/")[-1] for c in BENCHES])
 def test_benchmarks_run(command):
-    done = run(command.replace(".venv/bin/python", shlex.quote(sys.executable), 1), ROOT, timeout=3600)
-    assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    done = run(
+        command.replace(".venv/bin/python", shlex.quote(sys.executable), 1), ROOT, timeout=3600
+    )
+    assert done.returncode == 0, (
+        f"`{command}` exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )

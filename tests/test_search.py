@@ -6,15 +6,20 @@ import itertools
 import re
 
 import pytest
+from conftest import simple_hardware, tiny_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import harmony
 from harmony import HarmonyError, OutOfMemoryError
 from harmony.costs.reference import max_profiled
-from harmony.planner.packing import balanced_packs, bwd_pack_bytes, fwd_pack_bytes, greedy_packs, microbatch_sizes
-
-from conftest import simple_hardware, tiny_spec
+from harmony.planner.packing import (
+    balanced_packs,
+    bwd_pack_bytes,
+    fwd_pack_bytes,
+    greedy_packs,
+    microbatch_sizes,
+)
 
 
 # ---- GPT-2 XL on the paper's server -------------------------------------------------------------
@@ -31,7 +36,7 @@ def test_gpt2_xl_search_ranks_fitting_plans(gpt2_xl_search):
     assert list(df["rank"]) == list(range(1, len(df) + 1))
     assert df.iteration_s.is_monotonic_increasing
     assert (df.peak_memory_gb * 1e9 <= hw.gpu_memory).all()
-    assert set(df.policy) == {"harmony-pp", "harmony-dp", "virtual-memory"}
+    assert set(df.policy) == {"harmony-pp", "harmony-dp", "harmony-no-grouping"}
     assert len(set(df.plan)) == len(df)  # no plan simulated twice
     assert df.attrs["simulated"] == len(df) + df.attrs["rejected_memory"]
     assert df.attrs["model"] == "gpt2-xl" and df.attrs["minibatch"] == 64
@@ -41,12 +46,18 @@ def test_gpt2_xl_search_ranks_fitting_plans(gpt2_xl_search):
         assert plan.minibatch == 64 and plan.n_gpus == 4
         plan.validate(len(spec))
     # input-batch grouping: Harmony moves far fewer bytes than per-microbatch swapping
-    best = {policy: g.iloc[0] for policy, g in df.groupby("policy")}  # df is sorted: first = fastest
-    vm = best["virtual-memory"].swap_gb
+    best = {
+        policy: g.iloc[0] for policy, g in df.groupby("policy")
+    }  # df is sorted: first = fastest
+    vm = best["harmony-no-grouping"].swap_gb
     assert best["harmony-pp"].swap_gb * 5 < vm
     assert best["harmony-dp"].swap_gb < vm
-    # leanest vs leanest: the baseline's leanest plan swaps per microbatch of 8 (8 microbatches): ~7x
-    assert df.swap_gb[df.policy == "harmony-pp"].min() * 5 < df.swap_gb[df.policy == "virtual-memory"].min()
+    # leanest vs leanest: the baseline's leanest plan swaps per microbatch of 8 (8 microbatches):
+    # ~7x
+    assert (
+        df.swap_gb[df.policy == "harmony-pp"].min() * 5
+        < df.swap_gb[df.policy == "harmony-no-grouping"].min()
+    )
 
 
 def test_gpt2_xl_best_plan_resimulates_to_its_row(gpt2_xl_search):
@@ -59,12 +70,17 @@ def test_gpt2_xl_best_plan_resimulates_to_its_row(gpt2_xl_search):
     assert s.iteration_s >= s.lower_bound_s
 
 
-# ---- infeasible and bad requests --------------------------------------------------------------------
+# ---- infeasible and bad requests ----------------------------------------------------------------
 def _with_huge_layer(params: int):
     spec = tiny_spec(4)
     layers = list(spec.layers)
-    layers[2] = harmony.LayerCost("giant", param_numel=params, input_numel_per_sample=10,
-                                  fwd_time=harmony.Curve.linear(1e-3), bwd_time=harmony.Curve.linear(3e-3))
+    layers[2] = harmony.LayerCost(
+        "giant",
+        param_numel=params,
+        input_numel_per_sample=10,
+        fwd_time=harmony.Curve.linear(1e-3),
+        bwd_time=harmony.Curve.linear(3e-3),
+    )
     return harmony.ModelSpec("huge", tuple(layers))
 
 
@@ -81,16 +97,24 @@ def test_layer_larger_than_gpu_raises_out_of_memory():
     assert isinstance(err.value, HarmonyError)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(minibatch_size=0), r"minibatch size must be a positive integer, got 0"),
-    (dict(minibatch_size=-4), r"minibatch size must be a positive integer, got -4"),
-    (dict(minibatch_size=2.5), r"minibatch size must be a positive integer, got 2.5"),
-    (dict(policies=["harmony-pp", "zero-infinity"]),
-     r"unknown policy 'zero-infinity'; known policies: harmony-pp, harmony-dp, virtual-memory"),
-    (dict(policies=["hydra"]), r"for hydra use harmony.planner.plan_for"),
-    (dict(n_gpus=3), r"n_gpus=3 is outside 1..2 for hardware 'simple-2'"),
-    (dict(n_gpus=[1, 0]), r"n_gpus=0 is outside 1..2"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(minibatch_size=0), r"minibatch size must be a positive integer, got 0"),
+        (dict(minibatch_size=-4), r"minibatch size must be a positive integer, got -4"),
+        (dict(minibatch_size=2.5), r"minibatch size must be a positive integer, got 2.5"),
+        (
+            dict(policies=["harmony-pp", "zero-infinity"]),
+            (
+                r"unknown policy 'zero-infinity'; known policies: "
+                r"harmony-pp, harmony-dp, harmony-no-grouping"
+            ),
+        ),
+        (dict(policies=["hydra"]), r"for hydra use harmony.planner.plan_for"),
+        (dict(n_gpus=3), r"n_gpus=3 is outside 1..2 for hardware 'simple-2'"),
+        (dict(n_gpus=[1, 0]), r"n_gpus=0 is outside 1..2"),
+    ],
+)
 def test_search_bad_inputs(kwargs, message):
     args = dict(minibatch_size=8, workers=1)
     args.update(kwargs)
@@ -115,22 +139,33 @@ def test_search_accepts_numpy_integer_minibatch():
     assert len(df) > 0
 
 
-# ---- small searches ----------------------------------------------------------------------------------
+# ---- small searches -----------------------------------------------------------------------------
 def test_search_over_gpu_counts_and_policies():
     spec = tiny_spec(6)
     hw = simple_hardware(2, memory=60_000_000)
-    df = harmony.search(spec, hw, 8, policies=["harmony-pp", "virtual-memory"], n_gpus=[1, 2], workers=1)
-    assert set(df.policy) == {"harmony-pp", "virtual-memory"}
+    df = harmony.search(
+        spec, hw, 8, policies=["harmony-pp", "harmony-no-grouping"], n_gpus=[1, 2], workers=1
+    )
+    assert set(df.policy) == {"harmony-pp", "harmony-no-grouping"}
     assert set(df.n_gpus) == {1, 2}
     assert df.iteration_s.is_monotonic_increasing
     for row in df.itertuples():
         assert row.plan.n_gpus == row.n_gpus and row.plan.policy == row.policy
         s = harmony.simulate(spec, hw, row.plan).summary
         assert s.fits and s.iteration_s == pytest.approx(row.iteration_s)
-        if row.policy == "virtual-memory":
+        if row.policy == "harmony-no-grouping":
             assert row.plan.fwd_microbatch == row.plan.bwd_microbatch
-    assert {"plan", "iteration_s", "samples_per_s", "peak_memory_gb", "swap_gb", "p2p_gb",
-            "lower_bound_s", "limited_by", "stage"} <= set(df.columns)
+    assert {
+        "plan",
+        "iteration_s",
+        "samples_per_s",
+        "peak_memory_gb",
+        "swap_gb",
+        "p2p_gb",
+        "lower_bound_s",
+        "limited_by",
+        "stage",
+    } <= set(df.columns)
 
 
 def test_search_rejects_plans_over_capacity_by_simulation():
@@ -143,7 +178,7 @@ def test_search_rejects_plans_over_capacity_by_simulation():
     assert (df.peak_memory_gb * 1e9 <= hw.gpu_memory).all()
 
 
-# ---- helpers -----------------------------------------------------------------------------------------
+# ---- helpers ------------------------------------------------------------------------------------
 def test_microbatch_sizes():
     assert microbatch_sizes(12, None) == [1, 2, 4, 8, 12]
     assert microbatch_sizes(64, 9) == [1, 2, 4, 8, 9]
@@ -161,19 +196,24 @@ def _best_max_sum(costs, k):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=9), st.integers(1, 6), st.integers(0, 5))
+@given(
+    st.lists(st.floats(0.0, 10.0), min_size=1, max_size=9), st.integers(1, 6), st.integers(0, 5)
+)
 def test_balanced_packs_minimise_the_largest_pack(costs, k, offset):
     packs = balanced_packs(costs, k, offset)
     assert 1 <= len(packs) <= k
     assert packs[0][0] == offset and packs[-1][1] == offset + len(costs)
     assert all(b > a for a, b in packs) and all(p[1] == q[0] for p, q in zip(packs, packs[1:]))
-    worst = max(sum(costs[a - offset:b - offset]) for a, b in packs)
+    worst = max(sum(costs[a - offset : b - offset]) for a, b in packs)
     assert worst <= _best_max_sum(costs, k) * (1 + 1e-9) + 1e-9
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(2, 10).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, 8), st.floats(0.05, 1.0),
-                                                       st.booleans())))
+@given(
+    st.integers(2, 10).flatmap(
+        lambda n: st.tuples(st.just(n), st.integers(1, 8), st.floats(0.05, 1.0), st.booleans())
+    )
+)
 def test_greedy_packs_respect_the_budget_and_cover(args):
     n, u, frac, backward = args
     spec = tiny_spec(n)
@@ -202,5 +242,7 @@ def test_equal_microbatches_only_when_the_model_needs_them():
     spec, hw = harmony.model_spec("bert-large"), harmony.preset("paper-4x1080ti")
     free = harmony.search(spec, hw, 32, policies=["harmony-pp"], n_gpus=1, workers=1)
     assert (free.fwd_microbatch != free.bwd_microbatch).any()
-    tied = harmony.search(spec, hw, 32, policies=["harmony-pp"], n_gpus=1, workers=1, equal_microbatches=True)
+    tied = harmony.search(
+        spec, hw, 32, policies=["harmony-pp"], n_gpus=1, workers=1, equal_microbatches=True
+    )
     assert (tied.fwd_microbatch == tied.bwd_microbatch).all() and len(tied) > 0

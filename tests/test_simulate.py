@@ -6,12 +6,11 @@ import json
 import math
 
 import pytest
+from conftest import simple_hardware, tiny_spec
 
 import harmony
 from harmony import Plan
 from harmony.trace import TIMELINE_COLUMNS
-
-from conftest import simple_hardware, tiny_spec
 
 MS = 1e-3
 
@@ -45,8 +44,12 @@ def test_single_fused_pack_on_one_gpu_matches_hand_calculation():
     compute = 2 * 3 * MS * 4
     g_out = 8e6 / 1e9
     update = 2 * 10 * MS
-    assert trace.iteration_s == pytest.approx(w_in + x_in + y_in + compute + g_out + update, rel=1e-12)
-    assert trace.summary.bytes_by_kind == pytest.approx({"W_IN": 8e6, "DATA_IN": 4e6 + 32, "G_OUT": 8e6})
+    assert trace.iteration_s == pytest.approx(
+        w_in + x_in + y_in + compute + g_out + update, rel=1e-12
+    )
+    assert trace.summary.bytes_by_kind == pytest.approx(
+        {"W_IN": 8e6, "DATA_IN": 4e6 + 32, "G_OUT": 8e6}
+    )
     assert trace.summary.swap_bytes == pytest.approx(20e6 + 32)
     fused = _one(trace, kind="FWDBWD")
     assert fused.start_s == pytest.approx(w_in + x_in + y_in)
@@ -69,12 +72,14 @@ def test_two_packs_without_prefetch_match_hand_calculation():
     t = 4 * MS  # every 4 MB transfer
     # h2d: W(0) [0,4], inputs [4,8]; FWD [8,12]; W(1) waits for FWD to end: [12,16];
     # FWDBWD [16,28]; stashed layer-0 input (the minibatch itself) [16,20] meanwhile;
-    # W(0) again only after FWDBWD: [28,32]; BWD [32,44]; G_OUT(0) [44,48]; UPD(0) [48,58].
+    # W(0) again only after FWDBWD: [28,32]; REC [32,36] (the forward time), BWD [36,44];
+    # G_OUT(0) [44,48]; UPD(0) [48,58].
     # G_OUT(1) [28,32] and UPD(1) [32,42] overlap the backward of pack 0.
     expect = {
         ("FWD", 0): (2 * t, 3 * t),
         ("FWDBWD", 1): (4 * t, 7 * t),
-        ("BWD", 0): (8 * t, 11 * t),
+        ("REC", 0): (8 * t, 9 * t),
+        ("BWD", 0): (9 * t, 11 * t),
     }
     for (kind, pack), (s, e) in expect.items():
         row = _one(trace, kind=kind, pack=pack)
@@ -88,7 +93,8 @@ def test_two_packs_without_prefetch_match_hand_calculation():
     stash = _one(trace, kind="STASH_IN")
     assert (stash.start_s, stash.end_s) == pytest.approx((16 * MS, 20 * MS))
     assert trace.summary.bytes_by_kind == pytest.approx(
-        {"W_IN": 12e6, "DATA_IN": 4e6, "STASH_IN": 4e6, "G_OUT": 8e6})
+        {"W_IN": 12e6, "DATA_IN": 4e6, "STASH_IN": 4e6, "G_OUT": 8e6}
+    )
     # peak during the fused pack: its weights + gradient (8 MB), the activation into layer 1
     # (4 MB), the prefetched stash (4 MB), the gradient into layer 1 (4 MB), 2 MB working
     assert trace.summary.peak_memory["gpu0"] == pytest.approx(22e6)
@@ -99,7 +105,9 @@ def test_two_packs_without_prefetch_match_hand_calculation():
 def test_prefetch_overlaps_next_weights_with_compute(prefetch):
     spec = tiny_spec(2, target=0.0)
     hw = simple_hardware(1)
-    plan = Plan("harmony-pp", 1, 4, 4, 4, ((0, 1),), ((0, 1), (1, 2)), {"prefetch_packs": prefetch})
+    plan = Plan(
+        "harmony-pp", 1, 4, 4, 4, ((0, 1),), ((0, 1), (1, 2)), {"prefetch_packs": prefetch}
+    )
     trace = harmony.simulate(spec, hw, plan)
     fwd = _one(trace, kind="FWD", pack=0)
     w_next = _one(trace, kind="W_IN", pack=1)
@@ -137,7 +145,8 @@ def test_prefetch_window_bounds_resident_weight_groups(prefetch):
 
 def test_double_buffering_is_faster_and_holds_more_memory():
     (t1, m1), (t2, m2), (t3, m3) = [
-        (tr.iteration_s, tr.summary.peak_memory["gpu0"]) for tr in map(_prefetch_chain, (1, 2, 3))]
+        (tr.iteration_s, tr.summary.peak_memory["gpu0"]) for tr in map(_prefetch_chain, (1, 2, 3))
+    ]
     assert t1 > t2
     assert m1 < m2 <= m3
 
@@ -156,8 +165,11 @@ def test_single_layer_model_runs_under_every_policy(policy):
     for kind in set(got) | set(closed):
         assert got.get(kind, 0.0) == pytest.approx(closed.get(kind, 0.0)), kind
     assert len(_rows(trace, kind="FWDBWD")) == 2 and len(_rows(trace, kind="FWD")) == 0
-    # grouping policies run the two microbatches under one weight load; per-microbatch ones load twice
-    assert len(_rows(trace, kind="W_IN")) == (2 if harmony.policies.get_policy(policy).PER_MICROBATCH else 1)
+    # grouping policies run the two microbatches under one weight load; per-microbatch ones load
+    # twice
+    assert len(_rows(trace, kind="W_IN")) == (
+        2 if harmony.policies.get_policy(policy).PER_MICROBATCH else 1
+    )
 
 
 # ---- Trace ----------------------------------------------------------------------------------
@@ -170,11 +182,31 @@ def pp_trace():
 
 def test_timeline_columns(pp_trace):
     cols = list(pp_trace.timeline.columns)
-    assert cols[:9] == ["device", "lane", "kind", "model", "pack", "microbatch", "start_s", "end_s", "bytes"]
+    assert cols[:9] == [
+        "device",
+        "lane",
+        "kind",
+        "model",
+        "pack",
+        "microbatch",
+        "start_s",
+        "end_s",
+        "bytes",
+    ]
     assert cols[:9] == TIMELINE_COLUMNS
     tl = pp_trace.timeline
     assert set(tl.device) == {"gpu0", "gpu1", "cpu"}
-    assert set(tl.kind) >= {"FWD", "FWDBWD", "BWD", "UPD", "W_IN", "G_OUT", "P2P", "DATA_IN", "STASH_IN"}
+    assert set(tl.kind) >= {
+        "FWD",
+        "FWDBWD",
+        "BWD",
+        "UPD",
+        "W_IN",
+        "G_OUT",
+        "P2P",
+        "DATA_IN",
+        "STASH_IN",
+    }
     assert (tl[tl.kind.isin(["W_IN", "G_OUT", "P2P"])].bytes > 0).all()
     assert (tl[tl.kind.isin(["FWD", "BWD", "UPD"])].bytes == 0).all()
 
@@ -195,12 +227,24 @@ def test_chrome_trace_is_valid_json(pp_trace, tmp_path):
 def test_summary_keys_and_values(pp_trace):
     s = pp_trace.summary
     as_json = json.loads(json.dumps(s.to_dict()))
-    for key in ("iteration_s", "samples_per_s", "bytes_by_kind", "swap_bytes", "peak_memory", "fits",
-                "lower_bound_s", "lower_bound_by", "time_over_lower_bound", "executor"):
+    for key in (
+        "iteration_s",
+        "samples_per_s",
+        "bytes_by_kind",
+        "swap_bytes",
+        "peak_memory",
+        "fits",
+        "lower_bound_s",
+        "lower_bound_by",
+        "time_over_lower_bound",
+        "executor",
+    ):
         assert as_json[key] == getattr(s, key), key
     assert s.samples_per_s == pytest.approx(6 / s.iteration_s)
     host_kinds = ("W_IN", "G_OUT", "STASH_OUT", "STASH_IN", "ACT_OUT", "ACT_IN", "DATA_IN")
-    assert s.swap_bytes == pytest.approx(sum(v for k, v in s.bytes_by_kind.items() if k in host_kinds))
+    assert s.swap_bytes == pytest.approx(
+        sum(v for k, v in s.bytes_by_kind.items() if k in host_kinds)
+    )
     assert set(s.peak_memory) == {"gpu0", "gpu1"}
     assert s.policy == "harmony-pp" and s.model == "tiny"
     assert 0 < s.lower_bound_s <= s.iteration_s
@@ -319,8 +363,10 @@ def test_plan_not_matching_the_model_is_rejected():
 
 def test_virtual_memory_requires_equal_microbatches():
     spec = tiny_spec(2)
-    plan = Plan("virtual-memory", 1, 4, 2, 1, ((0, 1),), ((0, 1), (1, 2)))
-    with pytest.raises(harmony.HarmonyError, match="fwd_microbatch .2. must equal bwd_microbatch .1."):
+    plan = Plan("harmony-no-grouping", 1, 4, 2, 1, ((0, 1),), ((0, 1), (1, 2)))
+    with pytest.raises(
+        harmony.HarmonyError, match="fwd_microbatch .2. must equal bwd_microbatch .1."
+    ):
         harmony.simulate(spec, simple_hardware(1), plan)
     with pytest.raises(harmony.HarmonyError, match="must equal"):
         harmony.swap_volume(spec, plan)
@@ -330,7 +376,7 @@ def test_virtual_memory_swaps_weights_every_microbatch_and_harmony_does_not():
     spec = tiny_spec(4)
     hw = simple_hardware(1)
     packs_f, packs_b = ((0, 2),), ((0, 2), (2, 4))
-    vm = harmony.simulate(spec, hw, Plan("virtual-memory", 1, 8, 2, 2, packs_f, packs_b))
+    vm = harmony.simulate(spec, hw, Plan("harmony-no-grouping", 1, 8, 2, 2, packs_f, packs_b))
     pp = harmony.simulate(spec, hw, Plan("harmony-pp", 1, 8, 2, 2, packs_f, packs_b))
     w = spec.weight_bytes(0, 2) + spec.weight_bytes()
     assert pp.summary.bytes_by_kind["W_IN"] == pytest.approx(w)

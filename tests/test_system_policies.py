@@ -8,27 +8,36 @@ import math
 
 import pytest
 import torch
+from conftest import hardwares, model_specs, scenarios, simple_hardware, tiny_spec
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from test_engine import ADAMW, SGD_MOMENTUM, B, batches, loss_fn, make_model, reference, train
 
 import harmony
-from harmony import EmulatedDevice, EmulatedServer, HarmonyError, LayerCost, ModelSpec, OutOfMemoryError, Plan
-from harmony.graph import BWD, FWD, P2P, REDUCE, UPD, W_IN
-from harmony.planner.packing import bwd_pack_bytes, fwd_pack_bytes
+from harmony import (
+    EmulatedDevice,
+    EmulatedServer,
+    HarmonyError,
+    LayerCost,
+    ModelSpec,
+    OutOfMemoryError,
+    Plan,
+)
+from harmony.graph import BWD, FWD, P2P, REC, REDUCE, UPD, W_IN
 from harmony.planner import karma, systems
+from harmony.planner.packing import bwd_pack_bytes, fwd_pack_bytes
 from harmony.policies import gpipe_swap, hydra
 from harmony.policies.common import microbatches, replica_shares
 from harmony.simulate import play
-
-from conftest import hardwares, model_specs, scenarios, simple_hardware, tiny_spec
-from test_engine import ADAMW, SGD_MOMENTUM, B, batches, loss_fn, make_model, reference, train
 
 NEW = ("karma", "hydra", "zero-offload", "gpipe-swap")
 CHOOSERS = {
     "karma": lambda spec, hw, mb, n: systems.choose_karma(spec, hw, mb, max(1, mb // (2 * n)), n),
     "hydra": lambda spec, hw, mb, n: systems.choose_hydra(spec, hw, mb),
     "zero-offload": lambda spec, hw, mb, n: systems.choose_zero_offload(spec, hw, mb, n_gpus=n),
-    "gpipe-swap": lambda spec, hw, mb, n: systems.choose_gpipe_swap(spec, hw, mb, n_gpus=min(n, len(spec))),
+    "gpipe-swap": lambda spec, hw, mb, n: systems.choose_gpipe_swap(
+        spec, hw, mb, n_gpus=min(n, len(spec))
+    ),
 }
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -44,15 +53,18 @@ def test_graphs_play_without_deadlock_and_move_the_closed_form_bytes(case):
     assert all(math.isfinite(x) for x in start + end)
     simulated, closed = graph.bytes_by_kind(), harmony.swap_volume(spec, plan)
     for kind in set(simulated) | set(closed):
-        assert math.isclose(simulated.get(kind, 0.0), closed.get(kind, 0.0), rel_tol=1e-9, abs_tol=1e-6), \
-            (kind, plan.describe())
+        assert math.isclose(
+            simulated.get(kind, 0.0), closed.get(kind, 0.0), rel_tol=1e-9, abs_tol=1e-6
+        ), (kind, plan.describe())
 
 
 @st.composite
 def chooser_cases(draw):
     spec = draw(model_specs(max_layers=8))
     need = max(bwd_pack_bytes(spec, i, i + 1, 1) for i in range(len(spec)))
-    hw = draw(hardwares(max_gpus=3, memory=st.floats(1.5, 30.0).map(lambda f: max(1, int(need * f)))))
+    hw = draw(
+        hardwares(max_gpus=3, memory=st.floats(1.5, 30.0).map(lambda f: max(1, int(need * f))))
+    )
     n = draw(st.integers(1, hw.n_gpus))
     return spec, hw, n * draw(st.integers(1, 4)), n, draw(st.sampled_from(NEW))
 
@@ -74,15 +86,25 @@ def test_each_plan_chooser_returns_a_plan_of_its_policy_that_fits(case):
 def test_policies_are_registered_everywhere():
     assert set(NEW) <= set(harmony.POLICIES)
     assert set(NEW) <= set(harmony.policies.POLICIES)
-    assert harmony.search(tiny_spec(4), simple_hardware(2, memory=40_000_000), 8, policies=["karma"],
-                          workers=1).policy.eq("karma").all()
+    hw = simple_hardware(2, memory=40_000_000)
+    assert harmony.plan_for("karma", tiny_spec(4), hw, 8).policy == "karma"
+    with pytest.raises(HarmonyError, match="for karma use harmony.planner.plan_for"):
+        harmony.search(tiny_spec(4), simple_hardware(2), 8, policies=["karma"])
 
 
 # ---- KARMA's performance model ------------------------------------------------------------
 def _chain(inputs: list[float], params: int = 250_000) -> ModelSpec:
     """Identical layers but for the size of their inputs."""
-    layer = lambda i: LayerCost(f"l{i}", param_numel=params, input_numel_per_sample=inputs[i],  # noqa: E731
-                                fwd_time=harmony.Curve.linear(1e-3), bwd_time=harmony.Curve.linear(3e-3))
+
+    def layer(i):
+        return LayerCost(
+            f"l{i}",
+            param_numel=params,
+            input_numel_per_sample=inputs[i],
+            fwd_time=harmony.Curve.linear(1e-3),
+            bwd_time=harmony.Curve.linear(3e-3),
+        )
+
     return ModelSpec("chain", tuple(layer(i) for i in range(len(inputs))))
 
 
@@ -111,11 +133,14 @@ def test_karma_model_packs_are_the_cheapest_packing_that_fits(spec, hw, u, fract
     budget = fraction * total
 
     def cost(packs):
-        if not all(bwd_pack_bytes(spec, a, b, u) <= budget for a, b in packs) or \
-                not all(fwd_pack_bytes(spec, a, b, u) <= budget for a, b in packs[:-1]):
+        if not all(bwd_pack_bytes(spec, a, b, u) <= budget for a, b in packs) or not all(
+            fwd_pack_bytes(spec, a, b, u) <= budget for a, b in packs[:-1]
+        ):
             return math.inf
-        return sum(karma.pack_seconds(spec, hw, u, hw.n_gpus, a, b, i == len(packs) - 1)
-                   for i, (a, b) in enumerate(packs))
+        return sum(
+            karma.pack_seconds(spec, hw, u, hw.n_gpus, a, b, i == len(packs) - 1)
+            for i, (a, b) in enumerate(packs)
+        )
 
     best = min(cost(p) for p in _packings(len(spec)))
     chosen = karma.model_packs(spec, hw, u, hw.n_gpus, budget)
@@ -125,15 +150,27 @@ def test_karma_model_packs_are_the_cheapest_packing_that_fits(spec, hw, u, fract
         assert math.isclose(cost(chosen), best, rel_tol=1e-9)
 
 
-def test_karma_choose_plan_fits_and_the_search_keeps_its_packing():
-    spec, hw = _chain([1e3, 5e5, 1e3, 5e5, 5e5, 5e5]), simple_hardware(2, link=1e8, memory=30_000_000)
+def test_karma_plans_its_own_model_packs_at_the_largest_microbatch_that_fits():
+    spec, hw = (
+        _chain([1e3, 5e5, 1e3, 5e5, 5e5, 5e5]),
+        simple_hardware(2, link=1e8, memory=30_000_000),
+    )
     plan = systems.choose_karma(spec, hw, 16, 4, n_gpus=2)
     assert (plan.fwd_microbatch, plan.bwd_microbatch, plan.n_gpus) == (4, 4, 2)
     assert plan.fwd_packs == plan.bwd_packs[:-1]
+    # KARMA's model, not a search, decides where to swap
+    assert plan.bwd_packs == karma.model_packs(spec, hw, 4, 2, 0.5 * hw.gpu_memory)
     assert harmony.simulate(spec, hw, plan).summary.fits
-    df = harmony.search(spec, hw, 16, policies=["karma"], n_gpus=2, workers=1)
-    packs = karma.model_packs(spec, hw, 4, 2, 0.5 * hw.gpu_memory)
-    assert any(p.bwd_packs == packs and p.bwd_microbatch == 4 for p in df.plan)
+
+    # without a microbatch: the largest that fits (of the 8 samples per GPU)
+    def fits(u: int) -> bool:
+        try:
+            return systems.choose_karma(spec, hw, 16, u, n_gpus=2) is not None
+        except OutOfMemoryError:
+            return False
+
+    largest = max(u for u in (1, 2, 4, 8) if fits(u))
+    assert systems.choose_karma(spec, hw, 16, n_gpus=2).bwd_microbatch == largest
 
 
 # ---- graph shapes ----------------------------------------------------------------------------
@@ -141,10 +178,14 @@ def test_hydra_spills_between_shards_on_one_gpu_and_carries_the_model_index():
     spec, hw = tiny_spec(6), simple_hardware(2)
     plan = Plan("hydra", 1, 8, 4, 4, ((0, 2), (2, 4)), ((0, 2), (2, 4), (4, 6)))
     graph = hydra.build(spec, hw, plan, model=3)
-    assert {t.model for t in graph.tasks} == {3} and {t.device for t in graph.tasks} <= {"gpu0", "cpu"}
+    assert {t.model for t in graph.tasks} == {3} and {t.device for t in graph.tasks} <= {
+        "gpu0",
+        "cpu",
+    }
     kinds = graph.bytes_by_kind()
     assert kinds["ACT_OUT"] == kinds["ACT_IN"] > 0 and kinds.get(P2P, 0.0) == 0
-    # double buffering: a shard's weights load once for all microbatches, while the previous one computes
+    # double buffering: a shard's weights load once for all microbatches, while the previous one
+    # computes
     assert kinds[W_IN] == spec.weight_bytes(0, 4) + spec.weight_bytes()
 
 
@@ -154,11 +195,16 @@ def test_gpipe_swap_runs_stages_in_gpipe_order():
     assert gpipe_swap.stages(plan) == [0, 0, 1]
     tl = harmony.simulate(spec, hw, plan).timeline
     gpu0 = tl[tl.lane == "gpu0.compute"].sort_values("start_s")
-    assert list(gpu0.kind) == [FWD] * 12 + [BWD] * 8  # 4 microbatches x 3 packs forward, then 2 backward
-    assert set(tl[tl.kind == FWD].device) == {"gpu0"}  # forward packs on the stage of their first layer
+    # 4 microbatches x 3 packs forward, then 2 backward (recompute, then backward)
+    assert list(gpu0.kind) == [FWD] * 12 + [REC, BWD] * 8
+    assert set(tl[tl.kind == FWD].device) == {
+        "gpu0"
+    }  # forward packs on the stage of their first layer
     # every pack's weights cross once per microbatch, forward and backward
     assert (tl.kind == W_IN).sum() == 4 * (3 + 3)
-    assert tl[tl.kind == P2P].bytes.sum() == 2 * spec.input_bytes(4, 8)  # one stage boundary, both ways
+    assert tl[tl.kind == P2P].bytes.sum() == 2 * spec.input_bytes(
+        4, 8
+    )  # one stage boundary, both ways
 
 
 def test_zero_offload_exchanges_gradients_after_every_microbatch_and_shards_the_update():
@@ -168,21 +214,36 @@ def test_zero_offload_exchanges_gradients_after_every_microbatch_and_shards_the_
     reduces = [t for t in graph.tasks if t.kind == REDUCE]
     assert len(reduces) == 2 * 2 * 2  # per pack, per microbatch step, per GPU
     updates = [t for t in graph.tasks if t.kind == UPD]
-    assert sorted(t.data[3:] for t in updates) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert sorted(t.data.shard for t in updates) == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert {t.lane for t in updates} == {"cpu0", "cpu1"}
 
 
-@pytest.mark.parametrize("plan, message", [
-    (Plan("hydra", 2, 8, 4, 4, (), ((0, 4),)), "hydra spills one model on one GPU"),
-    (Plan("zero-offload", 2, 5, 2, 2, (), ((0, 4),)), r"same number of microbatches.*\[2, 1\] microbatches"),
-    (Plan("zero-offload", 4, 2, 1, 1, (), ((0, 4),)), r"\[1, 1, 0, 0\] microbatches"),
-    (Plan("gpipe-swap", 2, 8, 2, 2, (), ((0, 4),)), "1 backward packs cannot fill 2 stages"),
-    (Plan("karma", 1, 8, 4, 2, (), ((0, 4),)), r"fwd_microbatch \(4\) must equal bwd_microbatch \(2\)"),
-    (Plan("gpipe-swap", 1, 8, 4, 2, (), ((0, 4),)), "gpipe-swap runs each microbatch forward then backward"),
-])
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        (Plan("hydra", 2, 8, 4, 4, (), ((0, 4),)), "hydra spills one model on one GPU"),
+        (
+            Plan("zero-offload", 2, 5, 2, 2, (), ((0, 4),)),
+            r"same number of microbatches.*\[2, 1\] microbatches",
+        ),
+        (Plan("zero-offload", 4, 2, 1, 1, (), ((0, 4),)), r"\[1, 1, 0, 0\] microbatches"),
+        (Plan("gpipe-swap", 2, 8, 2, 2, (), ((0, 4),)), "1 backward packs cannot fill 2 stages"),
+        (
+            Plan("karma", 1, 8, 4, 2, (), ((0, 4),)),
+            r"fwd_microbatch \(4\) must equal bwd_microbatch \(2\)",
+        ),
+        (
+            Plan("gpipe-swap", 1, 8, 4, 2, (), ((0, 4),)),
+            "gpipe-swap runs each microbatch forward then backward",
+        ),
+    ],
+)
 def test_bad_plans_are_refused_with_what_to_do(plan, message):
     spec, hw = tiny_spec(4), simple_hardware(4)
-    for call in (lambda: harmony.build_graph(spec, hw, plan), lambda: harmony.swap_volume(spec, plan)):
+    for call in (
+        lambda: harmony.build_graph(spec, hw, plan),
+        lambda: harmony.swap_volume(spec, plan),
+    ):
         with pytest.raises(HarmonyError, match=message):
             call()
 
@@ -203,16 +264,21 @@ def server(n: int) -> EmulatedServer:
     return EmulatedServer(gpus=n, memory="4MB", h2d="400MB/s", d2h="400MB/s", p2p="400MB/s")
 
 
-@pytest.mark.parametrize("policy, n, device, fwd, bwd", [
-    ("karma", 1, DEVICE, ((0, 4),), ((0, 4), (4, 9))),
-    ("hydra", 1, DEVICE, FWD3, BWD3),
-    ("zero-offload", 1, DEVICE, FWD3, BWD3),
-    # stage 0 holds two packs (BatchNorm in the first), stage 1 the fused one
-    ("gpipe-swap", 2, server(2), FWD3, BWD3),
-])
+@pytest.mark.parametrize(
+    "policy, n, device, fwd, bwd",
+    [
+        ("karma", 1, DEVICE, ((0, 4),), ((0, 4), (4, 9))),
+        ("hydra", 1, DEVICE, FWD3, BWD3),
+        ("zero-offload", 1, DEVICE, FWD3, BWD3),
+        # stage 0 holds two packs (BatchNorm in the first), stage 1 the fused one
+        ("gpipe-swap", 2, server(2), FWD3, BWD3),
+    ],
+)
 def test_exact_on_one_device_or_pipeline_bitwise_like_the_plain_loop(policy, n, device, fwd, bwd):
     data = batches(3)
-    expected, ref_losses = reference(SGD_MOMENTUM, data, microbatch=4)  # with dropout and BatchNorm
+    expected, ref_losses = reference(
+        SGD_MOMENTUM, data, microbatch=4
+    )  # with dropout and BatchNorm
     engine, losses = train(Plan(policy, n, B, 4, 4, fwd, bwd), SGD_MOMENTUM, data, device)
     assert all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), expected.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(engine.model.buffers(), expected.buffers()))
@@ -226,10 +292,13 @@ def test_data_parallel_is_allclose_to_the_plain_loop_on_the_same_microbatches(po
     split = [m for share in replica_shares(B, n) for m in microbatches(share, 2)]
     model = make_model(0.0, batchnorm=False)
     opt = ADAMW(list(model.parameters()))
-    ref_losses = [harmony.reference_step(list(model), loss_fn, opt, (x,), y, None, step, microbatches=split)
-                  for step, (x, y) in enumerate(data)]
-    engine, losses = train(Plan(policy, n, B, 2, 2, FWD3, BWD3), ADAMW, data, server(n), dropout=0.0,
-                           batchnorm=False)
+    ref_losses = [
+        harmony.reference_step(list(model), loss_fn, opt, (x,), y, None, step, microbatches=split)
+        for step, (x, y) in enumerate(data)
+    ]
+    engine, losses = train(
+        Plan(policy, n, B, 2, 2, FWD3, BWD3), ADAMW, data, server(n), dropout=0.0, batchnorm=False
+    )
     for a, b in zip(engine.model.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert losses == pytest.approx(ref_losses, abs=1e-6)
@@ -237,10 +306,14 @@ def test_data_parallel_is_allclose_to_the_plain_loop_on_the_same_microbatches(po
     assert len(engine.optimizers) == len(BWD3) * shards
 
 
-@pytest.mark.parametrize("policy, n", [("karma", 2), ("hydra", 1), ("zero-offload", 2), ("gpipe-swap", 2)])
+@pytest.mark.parametrize(
+    "policy, n", [("karma", 2), ("hydra", 1), ("zero-offload", 2), ("gpipe-swap", 2)]
+)
 def test_measured_bytes_equal_the_closed_form_within_capacity(policy, n):
     plan = Plan(policy, n, B, 2, 2, FWD3, BWD3, {"offload_activations": policy == "gpipe-swap"})
-    engine, _ = train(plan, ADAMW, batches(1), server(n) if n > 1 else DEVICE, dropout=0.0, batchnorm=False)
+    engine, _ = train(
+        plan, ADAMW, batches(1), server(n) if n > 1 else DEVICE, dropout=0.0, batchnorm=False
+    )
     s = engine.trace.summary
     for kind, volume in harmony.swap_volume(engine.spec, engine.plan).items():
         assert s.bytes_by_kind.get(kind, 0.0) == pytest.approx(volume, rel=1e-9), kind
@@ -250,8 +323,14 @@ def test_measured_bytes_equal_the_closed_form_within_capacity(policy, n):
 def test_an_engine_given_a_bad_plan_says_so_before_anything_runs():
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
-    engine = harmony.Engine(model, ADAMW, loss_fn, device=server(5), minibatch_size=B,
-                            plan=Plan("zero-offload", 5, B, 2, 2, FWD3, BWD3))  # 3, 3, 2, 2, 2 samples
+    engine = harmony.Engine(
+        model,
+        ADAMW,
+        loss_fn,
+        device=server(5),
+        minibatch_size=B,
+        plan=Plan("zero-offload", 5, B, 2, 2, FWD3, BWD3),
+    )  # 3, 3, 2, 2, 2 samples
     with pytest.raises(HarmonyError, match="same number of microbatches"):
         engine.step(*batches(1)[0])
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))

@@ -5,6 +5,7 @@ in batch."""
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,16 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("altair")
 
 import harmony  # noqa: E402
+from harmony.policies import get_policy, names  # noqa: E402
 from harmony.workbench.charts import MAX_ROWS  # noqa: E402
-from harmony.workbench.widgets import MAX_TASKS, PackExplorer, RunForReal, thin_memory  # noqa: E402
+from harmony.workbench.widgets import (  # noqa: E402
+    MAX_TASKS,
+    PackExplorer,
+    RunForReal,
+    baselines,
+    default_baseline,
+    thin_memory,
+)
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_explorer.ipynb"
 
@@ -23,34 +32,101 @@ def datasets(chart) -> list[list[dict]]:
     return list(chart.to_dict()["datasets"].values())
 
 
-def test_comparison_against_virtual_memory():
+def test_comparison_against_the_baseline():
     ex = PackExplorer()
-    ex.minibatch.value, ex.fwd_microbatch.value, ex.bwd_microbatch.value, ex.pack_size.value = 32, 8, 4, 2
+    ex.minibatch.value, ex.fwd_microbatch.value, ex.bwd_microbatch.value, ex.pack_size.value = (
+        32,
+        8,
+        4,
+        2,
+    )
     r = ex.compute()
     assert r.problem is None and r.trace.summary.fits
     assert r.plan.bwd_packs[0] == (0, 2) and r.plan.fwd_packs == r.plan.bwd_packs[:-1]
     df = r.comparison.set_index("policy")
-    assert set(df.index) == set(harmony.POLICIES)
+    assert list(df.index) == names()  # the chosen one first, then the others in policy order
     assert df.loc["harmony-pp", "chosen"] and df.chosen.sum() == 1
-    # the baseline runs each microbatch forward then backward: the backward size for both
-    assert (df.loc["virtual-memory", "fwd_microbatch"], df.loc["virtual-memory", "bwd_microbatch"]) == (4, 4)
-    assert df.loc["virtual-memory", "speedup_vs_vm"] == 1.0
-    assert df.loc["harmony-pp", "speedup_vs_vm"] == pytest.approx(
-        df.loc["virtual-memory", "iteration_s"] / df.loc["harmony-pp", "iteration_s"])
-    # 8 microbatches: virtual memory moves every pack's weights for every one of them
-    assert df.loc["harmony-pp", "swap_ratio_vs_vm"] > 1
-    assert df.loc["harmony-pp", "samples_per_s"] == pytest.approx(32 / df.loc["harmony-pp", "iteration_s"])
+    base = r.baseline
+    assert base == default_baseline() == ex.baseline.value
+    # the paper's baseline runs each microbatch forward then backward: the backward size for both
+    assert get_policy(base).PER_MICROBATCH
+    assert (df.loc[base, "fwd_microbatch"], df.loc[base, "bwd_microbatch"]) == (4, 4)
+    assert df.loc[base, "speedup_vs_baseline"] == 1.0
+    assert df.loc["harmony-pp", "speedup_vs_baseline"] == pytest.approx(
+        df.loc[base, "iteration_s"] / df.loc["harmony-pp", "iteration_s"]
+    )
+    # 8 microbatches: the baseline moves every pack's weights for every one of them
+    assert df.loc["harmony-pp", "swap_ratio_vs_baseline"] > 1
+    assert df.loc["harmony-pp", "samples_per_s"] == pytest.approx(
+        32 / df.loc["harmony-pp", "iteration_s"]
+    )
     json.dumps(r.to_dict())
 
 
+def test_policies_and_baselines_come_from_the_registry():
+    ex = PackExplorer()
+    assert list(ex.policy.options) == names()
+    assert list(ex.baseline.options) == baselines()
+    assert not set(baselines()) & set(names(role="harmony"))
+    assert default_baseline() == (names(role="ablation") or baselines())[0]
+
+
+def test_the_headline_says_how_much_faster_and_how_many_fewer_bytes():
+    r = PackExplorer().compute()
+    me = r.comparison.set_index("policy").loc["harmony-pp"]
+    head = r.headline
+    assert head.startswith(
+        f"harmony-pp: {me.iteration_s:.3g} s/iter, {me.swap_gb:.3g} GB swapped: "
+    )
+    assert re.search(
+        rf"[\d.]+x faster and [\d.]+x fewer bytes than {re.escape(r.baseline)}", head
+    ), head
+    assert f"{me.speedup_vs_baseline:.2g}x faster" in head
+    # the baseline itself as the plan: nothing to compare with, the numbers all the same
+    assert PackExplorer(policy=r.baseline).compute().headline.startswith(f"{r.baseline}: ")
+
+
+def test_the_table_is_formatted_for_reading():
+    ex = PackExplorer(minibatch=32, fwd_microbatch=64, bwd_microbatch=4)  # harmony-pp cannot run
+    html = ex.compute().table().to_html()
+    assert "nan" not in html.lower() and "None" not in html
+    for heading in (
+        "s / iter",
+        "swap GB / iter",
+        "peak GB / GPU",
+        "× faster",
+        "why it cannot run",
+    ):
+        assert heading in html
+    assert "fwd_microbatch=64 is larger than the minibatch (32)" in html
+    r = PackExplorer().compute()
+    me = r.comparison.set_index("policy").loc["harmony-pp"]
+    assert f">{me.iteration_s:.3g}<" in r.table().to_html()  # rounded
+
+
 def test_out_of_memory_names_the_gpu_and_the_gigabytes():
-    ex = PackExplorer(model="bert-large", hardware="paper-4x1080ti", n_gpus=1, minibatch=256,
-                      fwd_microbatch=256, bwd_microbatch=256, pack_size=14)
+    ex = PackExplorer(
+        model="bert-large",
+        hardware="paper-4x1080ti",
+        n_gpus=1,
+        minibatch=256,
+        fwd_microbatch=256,
+        bwd_microbatch=256,
+        pack_size=14,
+    )
     r = ex.compute()
     assert "gpu0" in r.problem and "GB" in r.problem and "10.74 GB" in r.problem
     assert r.trace is not None and not r.trace.summary.fits  # simulated all the same, to be seen
     texts = [row["text"] for rows in datasets(ex.chart()) for row in rows if "text" in row]
     assert any("gpu0" in t for t in texts)
+    assert "does not fit: gpu0 needs 407.43 GB more" in r.headline
+    shades = {
+        row["policy"]: row["shade"]
+        for rows in datasets(ex.chart())
+        for row in rows
+        if "shade" in row
+    }
+    assert shades["harmony-pp"] == "does not fit"  # grey, the reason in the label and the table
 
 
 def test_an_invalid_plan_gives_the_validation_message_and_the_baselines():
@@ -59,17 +135,30 @@ def test_an_invalid_plan_gives_the_validation_message_and_the_baselines():
     assert r.trace is None and "fwd_microbatch=64 is larger than the minibatch (32)" in r.problem
     df = r.comparison.set_index("policy")
     assert math.isnan(df.loc["harmony-pp", "iteration_s"])
-    assert df.loc["virtual-memory", "fits"]  # uses the backward microbatch, so it is valid
-    assert len(datasets(ex.chart())) == 2  # the problem and the bars
+    assert df.loc[r.baseline, "fits"]  # uses the backward microbatch, so it is valid
+    assert df.loc["harmony-pp", "status"].startswith("not run: invalid plan")
+    rows = [row for rows in datasets(ex.chart()) for row in rows]
+    assert any("fwd_microbatch=64" in row.get("text", "") for row in rows)  # the problem
+    assert {row["policy"] for row in rows if "label" in row} == set(names())  # the bars
+    assert r.headline.startswith("harmony-pp: not run")
 
 
 def test_unknown_spec_and_huge_graphs_are_reported_not_raised():
     ex = PackExplorer(model="gpt2-tiny", source="reference")
     r = ex.compute()
-    assert "no reference profile for 'gpt2-tiny'" in r.problem and r.plan is None and r.comparison.empty
+    assert (
+        "no reference profile for 'gpt2-tiny'" in r.problem
+        and r.plan is None
+        and r.comparison.empty
+    )
     ex.chart().to_dict()
     ex.source.value = "auto"
-    ex.minibatch.value, ex.fwd_microbatch.value, ex.bwd_microbatch.value, ex.pack_size.value = 4096, 1, 1, 1
+    ex.minibatch.value, ex.fwd_microbatch.value, ex.bwd_microbatch.value, ex.pack_size.value = (
+        4096,
+        1,
+        1,
+        1,
+    )
     r = ex.compute()
     assert r.trace is None and f"{MAX_TASKS:,}" in r.problem
 
@@ -84,10 +173,13 @@ def test_chart_shows_the_lanes_under_the_row_limit():
     lanes = {row["lane"] for d in rows for row in d if "lane" in row}
     assert lanes == set(r.trace.timeline.lane) and "gpu0.compute" in lanes
     assert {row["policy"] for d in rows for row in d if "policy" in row} == set(harmony.POLICIES)
+    assert spec["title"]["text"] == r.headline
 
 
 def test_thinned_memory_keeps_the_peaks():
-    r = PackExplorer(n_gpus=2, minibatch=32, fwd_microbatch=1, bwd_microbatch=1, pack_size=1).compute()
+    r = PackExplorer(
+        n_gpus=2, minibatch=32, fwd_microbatch=1, bwd_microbatch=1, pack_size=1
+    ).compute()
     thin = thin_memory(r.trace, 500)
     assert sum(len(s) for s in thin.memory.values()) <= 500
     for device, steps in r.trace.memory.items():
@@ -102,7 +194,7 @@ def test_controls_stay_consistent():
     assert ex.n_gpus.value == ex.n_gpus.max == 1
     ex.model.value = "gpt2-tiny"
     assert ex.pack_size.max < 28
-    ex.policy.value = "virtual-memory"
+    ex.policy.value = next(p for p in names() if get_policy(p).PER_MICROBATCH)
     assert ex.fwd_microbatch.disabled
     ex.fwd_microbatch.value, ex.bwd_microbatch.value = 8, 2
     plan = ex.compute().plan
@@ -114,7 +206,9 @@ def test_changing_a_control_redraws_the_output():
     assert not ex.output.outputs  # nothing is computed before the widget is shown
     ex.widget()
     first = ex.output.outputs
-    assert any(k.startswith(("text/html", "application/vnd.vegalite")) for k in first[0]["data"])
+    html = first[0]["data"]["text/html"]
+    assert "vegaEmbed" in html and "data:image/svg+xml" not in html  # live: no picture
+    assert "<table" in first[1]["data"]["text/html"]
     ex.pack_size.value = 4
     assert ex.output.outputs != first and ex.result.plan.bwd_packs[0] == (0, 4)
     assert len(ex.output.outputs) == 2  # chart and table, replaced, not appended
@@ -144,15 +238,24 @@ def test_run_for_real_reports_a_device_too_small():
     real.chart().to_dict()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("papermill") is None, reason="papermill is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("papermill") is None, reason="papermill is not installed"
+)
 def test_notebook_runs_in_batch(tmp_path):
     import papermill
 
     out = tmp_path / "out"
-    papermill.execute_notebook(str(NOTEBOOK), str(tmp_path / "run.ipynb"), kernel_name="python3",
-                               parameters={"minibatch": 8, "out_dir": str(out)}, progress_bar=False)
+    papermill.execute_notebook(
+        str(NOTEBOOK),
+        str(tmp_path / "run.ipynb"),
+        kernel_name="python3",
+        parameters={"minibatch": 8, "out_dir": str(out)},
+        progress_bar=False,
+    )
     results = json.loads((out / "results.json").read_text())
-    assert results["explorer"]["problem"] is None and len(results["explorer"]["comparison"]) == len(harmony.POLICIES)
+    assert results["explorer"]["problem"] is None and len(
+        results["explorer"]["comparison"]
+    ) == len(harmony.POLICIES)
     assert len(results["run_for_real"]["losses"]) == 2
     for name in ("explorer", "run_for_real"):
         for suffix in ("svg", "png"):

@@ -25,18 +25,21 @@ def _as_tuple(x):
 
 
 # ---- architectures vs the reference profiles ---------------------------------
-@pytest.mark.parametrize("name, params, vlayers", [
-    ("gpt2-medium", 406_286_336, 28),
-    ("gpt2-xl", 1_638_022_400, 52),
-    ("gpt2-10b", 10_484_899_840, 54),
-    ("gpt2-20b", 20_553_891_840, 104),
-    ("gpt2-30b", 30_622_883_840, 154),
-    ("gpt2-40b", 40_691_875_840, 204),
-    ("bert-large", 335_143_938, 28),
-    ("bert-96", 1_242_072_066, 100),
-    ("vgg416", 577_894_184, 417),
-    ("resnet1026", 801_800_232, 515),
-])
+@pytest.mark.parametrize(
+    "name, params, vlayers",
+    [
+        ("gpt2-medium", 406_286_336, 28),
+        ("gpt2-xl", 1_638_022_400, 52),
+        ("gpt2-10b", 10_484_899_840, 54),
+        ("gpt2-20b", 20_553_891_840, 104),
+        ("gpt2-30b", 30_622_883_840, 154),
+        ("gpt2-40b", 40_691_875_840, 204),
+        ("bert-large", 335_143_938, 28),
+        ("bert-96", 1_242_072_066, 100),
+        ("vgg416", 577_894_184, 417),
+        ("resnet1026", 801_800_232, 515),
+    ],
+)
 def test_parameter_counts_and_depth_match_reference(name, params, vlayers):
     layers = zoo.build(name)
     assert len(layers) == vlayers
@@ -45,12 +48,15 @@ def test_parameter_counts_and_depth_match_reference(name, params, vlayers):
     assert len(s) == vlayers and s.num_params == params
 
 
-@pytest.mark.parametrize("variant, name", [
-    ("gpt2_xl", "gpt2-xl"),
-    ("bert_large_seqlen512", "bert-large"),
-    ("vgg416", "vgg416"),
-    ("resnet1026", "resnet1026"),
-])
+@pytest.mark.parametrize(
+    "variant, name",
+    [
+        ("gpt2_xl", "gpt2-xl"),
+        ("bert_large_seqlen512", "bert-large"),
+        ("vgg416", "vgg416"),
+        ("resnet1026", "resnet1026"),
+    ],
+)
 def test_layers_match_reference_csv(variant, name):
     ref = pd.read_csv(REFERENCE / f"{variant}.layers.csv")
     s = zoo.spec(name)
@@ -65,22 +71,30 @@ def test_layers_match_reference_csv(variant, name):
 def test_buffers_match_reference():
     gpt = zoo.spec("gpt2-xl")
     ref = pd.read_csv(REFERENCE / "gpt2_xl.layers.csv")
-    assert [c.buffer_numel * 4 for c in gpt.layers] == ref.buffer_bytes.tolist()  # float causal masks
+    assert [
+        c.buffer_numel * 4 for c in gpt.layers
+    ] == ref.buffer_bytes.tolist()  # float causal masks
     # BatchNorm's int64 step counter is 8 bytes in the reference, one element here.
     resnet = zoo.spec("resnet1026")
     ref = pd.read_csv(REFERENCE / "resnet1026.layers.csv")
-    assert sum(c.buffer_numel for c in resnet.layers) * 4 == pytest.approx(ref.buffer_bytes.sum(), rel=0.01)
+    assert sum(c.buffer_numel for c in resnet.layers) * 4 == pytest.approx(
+        ref.buffer_bytes.sum(), rel=0.01
+    )
 
 
 # ---- the cost model ----------------------------------------------------------
-@pytest.mark.parametrize("name, overrides", [("gpt2-xl", {}), ("gpt2-tiny", {"hidden": 128, "seq_len": 16})])
+@pytest.mark.parametrize(
+    "name, overrides", [("gpt2-xl", {}), ("gpt2-tiny", {"hidden": 128, "seq_len": 16})]
+)
 def test_gpt2_block_flops(name, overrides):
     cfg = zoo.MODELS[name].config
     s_len = overrides.get("seq_len", cfg.seq_len)
     h = overrides.get("hidden", cfg.hidden)
     block = zoo.spec(name, **overrides).layers[1]
     assert block.name == "GPT2Layer"
-    assert block.fwd_flops_per_sample == pytest.approx(24 * s_len * h**2 + 4 * s_len**2 * h, rel=0.01)
+    assert block.fwd_flops_per_sample == pytest.approx(
+        24 * s_len * h**2 + 4 * s_len**2 * h, rel=0.01
+    )
     # recompute forward + backward (input and weight gradients): 3x the matmul FLOPs
     assert block.bwd_flops_per_sample == pytest.approx(3 * block.fwd_flops_per_sample, rel=0.01)
 
@@ -98,10 +112,14 @@ def test_working_memory_is_sized():
     s_len, h, heads, vocab = 1024, 1600, 25, 50257
     out, scores = s_len * h * 4, heads * s_len * s_len * 4
     assert block.fwd_extra(1) >= out + scores  # output + the attention scores
-    assert block.bwd_extra(1) > 2 * scores  # attention probabilities and their dropout mask, at least
+    assert (
+        block.bwd_extra(1) > 2 * scores
+    )  # attention probabilities and their dropout mask, at least
     assert block.bwd_extra(2) == 2 * block.bwd_extra(1)
     assert loss.bwd_extra(1) >= 2 * s_len * vocab * 4  # saved log-softmax + gradient of the logits
-    assert all(c.fwd_time is None and c.bwd_time is None and c.update_time_s is None for c in s.layers)
+    assert all(
+        c.fwd_time is None and c.bwd_time is None and c.update_time_s is None for c in s.layers
+    )
 
 
 def test_spec_fields():
@@ -112,7 +130,10 @@ def test_spec_fields():
     assert s.optimizer == "sgd"
     assert s.source == "zoo:gpt2-tiny (analytic, meta device)"
     assert s.target_bytes_per_sample == 32 * 8
-    assert s.layers[0].input_fixed_bytes_per_sample == 32 * 8 and s.layers[0].input_numel_per_sample == 0
+    assert (
+        s.layers[0].input_fixed_bytes_per_sample == 32 * 8
+        and s.layers[0].input_numel_per_sample == 0
+    )
 
 
 def test_spec_in_bfloat16_halves_activation_bytes():
@@ -200,4 +221,8 @@ def test_example_input_dtypes():
     (ids,), target = zoo.example_input("gpt2-tiny", batch=2)
     assert ids.dtype == target.dtype == torch.int64 and ids.shape == target.shape == (2, 32)
     (images,), labels = zoo.example_input("resnet-tiny", batch=2)
-    assert images.dtype == torch.float32 and images.shape == (2, 3, 64, 64) and labels.dtype == torch.int64
+    assert (
+        images.dtype == torch.float32
+        and images.shape == (2, 3, 64, 64)
+        and labels.dtype == torch.int64
+    )

@@ -27,8 +27,18 @@ class ConvBNBlock(nn.Module):
 
 
 def cnn() -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), ConvBNBlock(8), ConvBNBlock(8),
-                         nn.MaxPool2d(2), ConvBNBlock(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        ConvBNBlock(8),
+        ConvBNBlock(8),
+        nn.MaxPool2d(2),
+        ConvBNBlock(8),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
 
 
 class RMSNorm(nn.Module):
@@ -53,9 +63,15 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x):
         b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.norm1(x))
+            .view(b, t, 3, self.heads, d // self.heads)
+            .permute(2, 0, 3, 1, 4)
+        )
         half = d // self.heads // 2
-        angle = torch.outer(torch.arange(t, dtype=x.dtype), 1e4 ** -(torch.arange(half, dtype=x.dtype) / half))
+        angle = torch.outer(
+            torch.arange(t, dtype=x.dtype), 1e4 ** -(torch.arange(half, dtype=x.dtype) / half)
+        )
         cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
 
         def rotate(z):
@@ -78,7 +94,9 @@ class LlamaHead(nn.Module):
 
 
 def llama(d: int = 32, heads: int = 4, blocks: int = 3) -> nn.Sequential:
-    return nn.Sequential(nn.Embedding(VOCAB, d), *[LlamaBlock(d, heads) for _ in range(blocks)], LlamaHead(d))
+    return nn.Sequential(
+        nn.Embedding(VOCAB, d), *[LlamaBlock(d, heads) for _ in range(blocks)], LlamaHead(d)
+    )
 
 
 class BertEmbed(nn.Module):
@@ -101,7 +119,9 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attn = nn.MultiheadAttention(d, heads, dropout=p, batch_first=True)
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(p))
+        self.mlp = nn.Sequential(
+            nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(p)
+        )
 
     def forward(self, x, mask):
         x = self.norm1(x + self.attn(x, x, x, key_padding_mask=mask, need_weights=False)[0])
@@ -122,14 +142,27 @@ class MaskedLMHead(nn.Module):
         return self.proj(torch.tanh(self.transform(x)))
 
 
-def bert(tied: bool, d: int = 32, heads: int = 4, layers: int = 2, p: float = 0.1) -> nn.Sequential:
+def bert(
+    tied: bool, d: int = 32, heads: int = 4, layers: int = 2, p: float = 0.1
+) -> nn.Sequential:
     embed = BertEmbed(d, p)
-    return nn.Sequential(embed, *[BertLayer(d, heads, p) for _ in range(layers)], MaskedLMHead(embed, d, tied))
+    return nn.Sequential(
+        embed, *[BertLayer(d, heads, p) for _ in range(layers)], MaskedLMHead(embed, d, tied)
+    )
 
 
 def mlp(p: float = 0.2) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(p), nn.Linear(64, 64), nn.GELU(), nn.Dropout(p),
-                         nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 5))
+    return nn.Sequential(
+        nn.Linear(16, 64),
+        nn.ReLU(),
+        nn.Dropout(p),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Dropout(p),
+        nn.Linear(64, 64),
+        nn.Tanh(),
+        nn.Linear(64, 5),
+    )
 
 
 def token_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from . import reference, zoo
 from ..errors import HarmonyError
+from . import reference, zoo
 from .spec import ModelSpec
 
 SOURCES = ("auto", "reference", "zoo")
@@ -23,7 +23,9 @@ def model_spec(name: str, source: str = "auto") -> ModelSpec:
     if source in ("auto", "reference") and name in reference.VARIANTS:
         return reference.load(name)
     if source == "reference":
-        raise HarmonyError(f"no reference profile for {name!r}; profiled: {', '.join(reference.VARIANTS)}")
+        raise HarmonyError(
+            f"no reference profile for {name!r}; profiled: {', '.join(reference.VARIANTS)}"
+        )
     if name in zoo.MODELS:
         return zoo.spec(name)
     raise HarmonyError(f"unknown model {name!r}; known models: {', '.join(known_models())}")

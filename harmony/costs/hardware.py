@@ -17,6 +17,8 @@ from ..errors import HarmonyError
 
 GiB = 1024**3
 GB = 10**9
+#: what :attr:`Hardware.task_overhead_s` is charged to
+OVERHEAD_PER = ("task", "pack")
 
 
 @dataclass(frozen=True)
@@ -34,33 +36,65 @@ class Hardware:
     cpu_update_workers: int  # optimizer steps that can run in parallel on the host
     host_memory: int  # bytes of host RAM
     notes: str = ""
-    #: seconds of fixed cost per GPU compute task (launch, Python, synchronisation) on
-    #: top of its compute; the Harmony authors' simulator uses 40 ms (time_del), and
-    #: the engine's profiler measures it for the device at hand
+    #: seconds of fixed cost (launch, Python, synchronisation, freeing) on top of the
+    #: compute, charged as ``overhead_per`` says; the Harmony authors' simulator uses
+    #: 40 ms (time_del), and the engine's profiler measures it for the device at hand
     task_overhead_s: float = 0.0
+    #: what ``task_overhead_s`` is charged to: ``"task"``, every GPU compute task (each
+    #: microbatch's FWD, REC, BWD, FWDBWD: what the engine pays, and what its profiler
+    #: measures), or ``"pack"``, once per pack task (a pack's weight group: its run over
+    #: a group of microbatches while its weights are resident), as the Harmony authors'
+    #: simulator charges time_del (there at the task's end, here on its first compute
+    #: task: the same total)
+    overhead_per: str = "task"
 
     def __post_init__(self) -> None:
         for fld in ("n_gpus", "gpus_per_switch", "cpu_update_workers"):
             v = getattr(self, fld)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise HarmonyError(f"hardware {self.name!r}: {fld} must be >= 1, got {getattr(self, fld)}")
+                raise HarmonyError(
+                    f"hardware {self.name!r}: {fld} must be >= 1, got {getattr(self, fld)}"
+                )
+
         def number(v) -> bool:
             return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
-        for fld in ("gpu_memory", "gpu_flops", "h2d", "d2h", "uplink", "cpu_update_bandwidth", "host_memory"):
+        for fld in (
+            "gpu_memory",
+            "gpu_flops",
+            "h2d",
+            "d2h",
+            "uplink",
+            "cpu_update_bandwidth",
+            "host_memory",
+        ):
             v = getattr(self, fld)
             if not number(v) or not v > 0:
-                raise HarmonyError(f"hardware {self.name!r}: {fld} must be a positive number, got {v!r}")
+                raise HarmonyError(
+                    f"hardware {self.name!r}: {fld} must be a positive number, got {v!r}"
+                )
         if not number(self.task_overhead_s) or not self.task_overhead_s >= 0:
-            raise HarmonyError(f"hardware {self.name!r}: task_overhead_s must be >= 0, got {self.task_overhead_s!r}")
+            raise HarmonyError(
+                f"hardware {self.name!r}: task_overhead_s must be >= 0, got "
+                f"{self.task_overhead_s!r}"
+            )
+        if self.overhead_per not in OVERHEAD_PER:
+            raise HarmonyError(
+                f"hardware {self.name!r}: overhead_per must be one of "
+                f"{', '.join(OVERHEAD_PER)}, got {self.overhead_per!r}"
+            )
         if self.p2p is not None and (not number(self.p2p) or not self.p2p > 0):
-            raise HarmonyError(f"hardware {self.name!r}: p2p must be positive or None, got {self.p2p!r}")
+            raise HarmonyError(
+                f"hardware {self.name!r}: p2p must be positive or None, got {self.p2p!r}"
+            )
 
     def switch_of(self, gpu: int) -> int:
         return gpu // self.gpus_per_switch
 
     def with_gpus(self, n: int) -> "Hardware":
-        return replace(self, n_gpus=n, name=f"{self.name}[{n} gpus]" if n != self.n_gpus else self.name)
+        return replace(
+            self, n_gpus=n, name=f"{self.name}[{n} gpus]" if n != self.n_gpus else self.name
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,36 +110,81 @@ PRESETS: dict[str, Hardware] = {
     # 11.34 TFLOP/s fp32 is NVIDIA's boost-clock peak; layers of the zoo reach
     # about half of it (the reference profiles carry measured times instead).
     "paper-4x1080ti": Hardware(
-        name="paper-4x1080ti", n_gpus=4, gpu_memory=10 * GiB, gpu_flops=0.5 * 11.34e12,
-        h2d=11.5 * GiB, d2h=11.5 * GiB, uplink=11.5 * GiB, gpus_per_switch=4, p2p=8.2 * GiB,
+        name="paper-4x1080ti",
+        n_gpus=4,
+        gpu_memory=10 * GiB,
+        gpu_flops=0.5 * 11.34e12,
+        h2d=11.5 * GiB,
+        d2h=11.5 * GiB,
+        uplink=11.5 * GiB,
+        gpus_per_switch=4,
+        p2p=8.2 * GiB,
         # ~10 GB/s: the reference profiles' CPU AdamW takes 2.21 s for GPT-2 XL's
         # 6.55 GB of weights (x 7 tensors streamed, rounded down for caching).
-        cpu_update_bandwidth=10 * GB, cpu_update_workers=4, host_memory=750 * GB,
+        cpu_update_bandwidth=10 * GB,
+        cpu_update_workers=4,
+        host_memory=750 * GB,
         notes="Harmony paper server; link and memory constants from the authors' scheduler",
+        # the scheduler's time_del: 40 ms once per task of its simulator, a pack over
+        # its group of microbatches (its DEL event)
+        task_overhead_s=0.04,
+        overhead_per="pack",
     ),
     # The paper's 8-GPU configuration: two such switches, each with its own uplink.
     "paper-8x1080ti": Hardware(
-        name="paper-8x1080ti", n_gpus=8, gpu_memory=10 * GiB, gpu_flops=0.5 * 11.34e12,
-        h2d=11.5 * GiB, d2h=11.5 * GiB, uplink=11.5 * GiB, gpus_per_switch=4, p2p=8.2 * GiB,
-        cpu_update_bandwidth=10 * GB, cpu_update_workers=8, host_memory=750 * GB,
-        notes="two 4-GPU PCIe 3.0 switches, one uplink each (assumption: the paper does not draw the topology)",
+        name="paper-8x1080ti",
+        n_gpus=8,
+        gpu_memory=10 * GiB,
+        gpu_flops=0.5 * 11.34e12,
+        h2d=11.5 * GiB,
+        d2h=11.5 * GiB,
+        uplink=11.5 * GiB,
+        gpus_per_switch=4,
+        p2p=8.2 * GiB,
+        cpu_update_bandwidth=10 * GB,
+        cpu_update_workers=8,
+        host_memory=750 * GB,
+        notes=(
+            "two 4-GPU PCIe 3.0 switches, one uplink each "
+            "(assumption: the paper does not draw the topology)"
+        ),
+        task_overhead_s=0.04,
+        overhead_per="pack",
     ),
     # One H100 80 GB PCIe on PCIe 5.0 x16: 64 GB/s theoretical, ~50 GB/s measured by
     # bandwidthTest-style copies from pinned memory; 51 TFLOP/s fp32 (NVIDIA
     # datasheet, PCIe card), of which ~60% is achievable on large GEMMs.
     "h100-pcie5": Hardware(
-        name="h100-pcie5", n_gpus=1, gpu_memory=80 * GB, gpu_flops=0.6 * 51e12,
-        h2d=50 * GB, d2h=50 * GB, uplink=50 * GB, gpus_per_switch=1, p2p=None,
-        cpu_update_bandwidth=40 * GB, cpu_update_workers=8, host_memory=512 * GB,
+        name="h100-pcie5",
+        n_gpus=1,
+        gpu_memory=80 * GB,
+        gpu_flops=0.6 * 51e12,
+        h2d=50 * GB,
+        d2h=50 * GB,
+        uplink=50 * GB,
+        gpus_per_switch=1,
+        p2p=None,
+        cpu_update_bandwidth=40 * GB,
+        cpu_update_workers=8,
+        host_memory=512 * GB,
         notes="modern single-GPU box; datasheet peaks, derated as commented",
     ),
     # 8 x RTX 4090 (24 GB) on PCIe 4.0 x16 (~25 GB/s measured per direction),
     # 82.6 TFLOP/s fp32 peak. GeForce cards have peer-to-peer disabled, so
     # GPU->GPU goes through the host. Assumed two switches of 4 GPUs.
     "8x4090-pcie4": Hardware(
-        name="8x4090-pcie4", n_gpus=8, gpu_memory=24 * GB, gpu_flops=0.5 * 82.6e12,
-        h2d=25 * GB, d2h=25 * GB, uplink=25 * GB, gpus_per_switch=4, p2p=None,
-        cpu_update_bandwidth=40 * GB, cpu_update_workers=16, host_memory=1024 * GB,
+        name="8x4090-pcie4",
+        n_gpus=8,
+        gpu_memory=24 * GB,
+        gpu_flops=0.5 * 82.6e12,
+        h2d=25 * GB,
+        d2h=25 * GB,
+        uplink=25 * GB,
+        gpus_per_switch=4,
+        p2p=None,
+        cpu_update_bandwidth=40 * GB,
+        cpu_update_workers=16,
+        host_memory=1024 * GB,
         notes="commodity 8-GPU server; no P2P on GeForce; topology assumed",
     ),
 }
@@ -121,9 +200,16 @@ def preset(name: str) -> Hardware:
 
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 
 
@@ -143,8 +229,13 @@ def _parse_amount(value: str | int | float, what: str) -> float:
                 f"e.g. '256MB', '1.5GiB', '4096' (units: {', '.join(u for u in _UNITS if u)})"
             )
         unit = m.group(2)
-        if len(unit) == 2 and unit[0].isupper() and unit[1] == "b":  # "Gb": gigabits, not gigabytes
-            raise HarmonyError(f"{what} {value!r} reads as bits ('{unit}'); write bytes, e.g. '{unit[:-1].upper()}B'")
+        if (
+            len(unit) == 2 and unit[0].isupper() and unit[1] == "b"
+        ):  # "Gb": gigabits, not gigabytes
+            raise HarmonyError(
+                f"{what} {value!r} reads as bits ('{unit}'); write bytes, e.g. "
+                f"'{unit[:-1].upper()}B'"
+            )
         number = float(m.group(1))
     amount = number * _UNITS[unit.lower()]
     if not math.isfinite(amount):

@@ -74,11 +74,17 @@ def load(name: str) -> ModelSpec:
     layers_csv = REFERENCE_DIR / f"{variant}.layers.csv"
     times_csv = REFERENCE_DIR / f"{variant}.times.csv"
     if not times_csv.exists():
-        raise HarmonyError(f"reference variant {variant!r} has no measured times (layers file only)")
+        raise HarmonyError(
+            f"reference variant {variant!r} has no measured times (layers file only)"
+        )
     meta = pd.read_csv(layers_csv)
     times = pd.read_csv(times_csv)
     curves = {
-        (int(layer), phase): (g["ubatch_size"].to_numpy(), g["time_s"].to_numpy(), g["peak_memory_bytes"].to_numpy())
+        (int(layer), phase): (
+            g["ubatch_size"].to_numpy(),
+            g["time_s"].to_numpy(),
+            g["peak_memory_bytes"].to_numpy(),
+        )
         for (layer, phase), g in times.sort_values("ubatch_size").groupby(["layer", "phase"])
     }
     layers = []
@@ -86,24 +92,36 @@ def load(name: str) -> ModelSpec:
         floats, fixed = _split_input(row.input_desc)
         x_per_sample = floats * 4 + fixed
         if abs(x_per_sample - row.input_bytes_per_sample) > 0.5:
-            raise HarmonyError(f"{variant} layer {row.layer}: input_desc disagrees with input_bytes_per_sample")
+            raise HarmonyError(
+                f"{variant} layer {row.layer}: input_desc disagrees with input_bytes_per_sample"
+            )
         w = float(row.param_bytes) + float(row.buffer_bytes)
         us_f, t_f, m_f = curves[(row.layer, "FWD")]
         us_b, t_b, m_b = curves[(row.layer, "BWD")]
-        target = 0.0 if pd.isna(row.target_bytes_per_sample) else float(row.target_bytes_per_sample)
-        layers.append(LayerCost(
-            name=f"{row.layer}:{row.name}",
-            param_numel=int(row.param_count),
-            buffer_numel=int(row.buffer_bytes) // 4,
-            input_numel_per_sample=floats,
-            input_fixed_bytes_per_sample=fixed,
-            fwd_time=Curve.table(us_f, t_f),
-            bwd_time=Curve.table(us_b, t_b),
-            # what the peak holds beyond weights (+ gradients), the input (+ labels)
-            fwd_extra=Curve.table(us_f, [max(0.0, m - w - u * (x_per_sample + target)) for u, m in zip(us_f, m_f)]),
-            bwd_extra=Curve.table(us_b, [max(0.0, m - 2 * w - u * (x_per_sample + target)) for u, m in zip(us_b, m_b)]),
-            update_time_s=float(row.update_time_s),
-        ))
+        target = (
+            0.0 if pd.isna(row.target_bytes_per_sample) else float(row.target_bytes_per_sample)
+        )
+        layers.append(
+            LayerCost(
+                name=f"{row.layer}:{row.name}",
+                param_numel=int(row.param_count),
+                buffer_numel=int(row.buffer_bytes) // 4,
+                input_numel_per_sample=floats,
+                input_fixed_bytes_per_sample=fixed,
+                fwd_time=Curve.table(us_f, t_f),
+                bwd_time=Curve.table(us_b, t_b),
+                # what the peak holds beyond weights (+ gradients), the input (+ labels)
+                fwd_extra=Curve.table(
+                    us_f,
+                    [max(0.0, m - w - u * (x_per_sample + target)) for u, m in zip(us_f, m_f)],
+                ),
+                bwd_extra=Curve.table(
+                    us_b,
+                    [max(0.0, m - 2 * w - u * (x_per_sample + target)) for u, m in zip(us_b, m_b)],
+                ),
+                update_time_s=float(row.update_time_s),
+            )
+        )
     target = meta["target_bytes_per_sample"].dropna()
     family = next(k for k in _OPTIMIZER if variant.startswith(k))
     return ModelSpec(
@@ -117,6 +135,14 @@ def load(name: str) -> ModelSpec:
 
 def max_profiled(spec: ModelSpec) -> tuple[int | None, int | None]:
     """Largest microbatch sizes measured forward and backward (None: analytic)."""
-    f = [c.fwd_time.max_measured_u for c in spec.layers if c.fwd_time is not None and c.fwd_time.measured]
-    b = [c.bwd_time.max_measured_u for c in spec.layers if c.bwd_time is not None and c.bwd_time.measured]
+    f = [
+        c.fwd_time.max_measured_u
+        for c in spec.layers
+        if c.fwd_time is not None and c.fwd_time.measured
+    ]
+    b = [
+        c.bwd_time.max_measured_u
+        for c in spec.layers
+        if c.bwd_time is not None and c.bwd_time.measured
+    ]
     return (min(f) if f else None, min(b) if b else None)

@@ -35,13 +35,16 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 OPTIMIZER_STATE_SLOTS = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
 
 
+#: a run's precision -> the dtype weights, gradients and activations cross the links in
+#: (mixed precision keeps float32 master weights and optimizer state on the host)
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def dtype_bytes(dtype: str) -> int:
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
-        raise HarmonyError(
-            f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}"
-        ) from None
+        raise HarmonyError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
 
 
 @dataclass(frozen=True)
@@ -59,12 +62,22 @@ class Curve:
     fixed: float = 0.0
 
     def __post_init__(self) -> None:
-        for name, v in (("per_sample", self.per_sample), ("fixed", self.fixed), *(("value", v) for v in self.values)):
+        for name, v in (
+            ("per_sample", self.per_sample),
+            ("fixed", self.fixed),
+            *(("value", v) for v in self.values),
+        ):
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise HarmonyError(f"a cost curve's {name} must be a finite number >= 0, got {v!r}")
-        if len(self.us) != len(self.values) or any(not isinstance(u, int) or u < 1 for u in self.us):
-            raise HarmonyError(f"a measured curve needs one value per microbatch size >= 1, got sizes {self.us} "
-                               f"and {len(self.values)} values")
+                raise HarmonyError(
+                    f"a cost curve's {name} must be a finite number >= 0, got {v!r}"
+                )
+        if len(self.us) != len(self.values) or any(
+            not isinstance(u, int) or u < 1 for u in self.us
+        ):
+            raise HarmonyError(
+                f"a measured curve needs one value per microbatch size >= 1, got sizes {self.us} "
+                f"and {len(self.values)} values"
+            )
 
     @classmethod
     def linear(cls, per_sample: float, fixed: float = 0.0) -> "Curve":
@@ -78,7 +91,9 @@ class Curve:
         sizes = [u for u, _ in pairs]
         if len(set(sizes)) != len(sizes):
             dup = sorted({u for u in sizes if sizes.count(u) > 1})
-            raise HarmonyError(f"a measured curve has several values for microbatch size(s) {dup}: give one each")
+            raise HarmonyError(
+                f"a measured curve has several values for microbatch size(s) {dup}: give one each"
+            )
         return cls(us=tuple(int(u) for u, _ in pairs), values=tuple(float(v) for _, v in pairs))
 
     @property
@@ -106,8 +121,12 @@ class Curve:
         return max(0.0, v0 + (v1 - v0) * (u - u0) / (u1 - u0))
 
     def scaled(self, factor: float) -> "Curve":
-        return Curve(self.us, tuple(v * factor for v in self.values),
-                     self.per_sample * factor, self.fixed * factor)
+        return Curve(
+            self.us,
+            tuple(v * factor for v in self.values),
+            self.per_sample * factor,
+            self.fixed * factor,
+        )
 
 
 @dataclass(frozen=True)
@@ -148,35 +167,70 @@ class LayerCost:
     bwd_time: Curve | None = None
     fwd_extra: Curve = field(default_factory=Curve)  # bytes at the spec's activation dtype
     bwd_extra: Curve = field(default_factory=Curve)
-    saved_input: Curve = field(default_factory=Curve)  # part of bwd_extra: the input, kept by autograd
-    saved_output: Curve = field(default_factory=Curve)  # part of bwd_extra: the output, kept by autograd
+    saved_input: Curve = field(
+        default_factory=Curve
+    )  # part of bwd_extra: the input, kept by autograd
+    saved_output: Curve = field(
+        default_factory=Curve
+    )  # part of bwd_extra: the output, kept by autograd
     #: measured CPU optimizer step for this layer (s); None: derive from bytes
     update_time_s: float | None = None
 
     def __post_init__(self) -> None:
         def bad(what: str, v) -> HarmonyError:
-            return HarmonyError(f"layer {self.name!r}: {what} must be a finite number >= 0, got {v!r}")
+            return HarmonyError(
+                f"layer {self.name!r}: {what} must be a finite number >= 0, got {v!r}"
+            )
 
-        for name in ("param_numel", "buffer_numel", "norm_param_numel", "norm_buffer_numel", "fixed_buffer_bytes"):
+        for name in (
+            "param_numel",
+            "buffer_numel",
+            "norm_param_numel",
+            "norm_buffer_numel",
+            "fixed_buffer_bytes",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise HarmonyError(f"layer {self.name!r}: {name} must be an integer >= 0, got {v!r}")
-        for part, whole in (("norm_param_numel", "param_numel"), ("norm_buffer_numel", "buffer_numel")):
+                raise HarmonyError(
+                    f"layer {self.name!r}: {name} must be an integer >= 0, got {v!r}"
+                )
+        for part, whole in (
+            ("norm_param_numel", "param_numel"),
+            ("norm_buffer_numel", "buffer_numel"),
+        ):
             if getattr(self, part) > getattr(self, whole):
-                raise HarmonyError(f"layer {self.name!r}: {part} ({getattr(self, part)}) is more than {whole} "
-                                   f"({getattr(self, whole)})")
-        for name in ("input_numel_per_sample", "input_fixed_bytes_per_sample", "fwd_flops_per_sample",
-                     "bwd_flops_per_sample"):
+                raise HarmonyError(
+                    f"layer {self.name!r}: {part} ({getattr(self, part)}) is more than {whole} "
+                    f"({getattr(self, whole)})"
+                )
+        for name in (
+            "input_numel_per_sample",
+            "input_fixed_bytes_per_sample",
+            "fwd_flops_per_sample",
+            "bwd_flops_per_sample",
+        ):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise bad(name, v)
-        if self.update_time_s is not None and (not isinstance(self.update_time_s, (int, float))
-                                               or not math.isfinite(self.update_time_s) or self.update_time_s < 0):
+        if self.update_time_s is not None and (
+            not isinstance(self.update_time_s, (int, float))
+            or not math.isfinite(self.update_time_s)
+            or self.update_time_s < 0
+        ):
             raise bad("update_time_s", self.update_time_s)
-        for name in ("fwd_time", "bwd_time", "fwd_extra", "bwd_extra", "saved_input", "saved_output"):
+        for name in (
+            "fwd_time",
+            "bwd_time",
+            "fwd_extra",
+            "bwd_extra",
+            "saved_input",
+            "saved_output",
+        ):
             v = getattr(self, name)
             if not isinstance(v, Curve) and not (v is None and name.endswith("time")):
-                raise HarmonyError(f"layer {self.name!r}: {name} must be a harmony.Curve, got {type(v).__name__}")
+                raise HarmonyError(
+                    f"layer {self.name!r}: {name} must be a harmony.Curve, got {type(v).__name__}"
+                )
 
 
 @dataclass(frozen=True)
@@ -230,21 +284,33 @@ class ModelSpec:
             dtype_bytes(self.master_dtype)
         object.__setattr__(self, "ties", tuple(self.ties))
         if not isinstance(self.min_microbatch, int) or self.min_microbatch < 1:
-            raise HarmonyError(f"model spec {self.name!r}: min_microbatch must be an integer >= 1, "
-                               f"got {self.min_microbatch!r}")
+            raise HarmonyError(
+                f"model spec {self.name!r}: min_microbatch must be an integer >= 1, "
+                f"got {self.min_microbatch!r}"
+            )
         for t in self.ties:
-            if (not isinstance(t, Tie) or len(t.layers) < 2 or list(t.layers) != sorted(set(t.layers))
-                    or t.layers[0] < 0 or t.layers[-1] >= len(self.layers)
-                    or any(t.numel > self.layers[i].param_numel for i in t.layers)):
-                raise HarmonyError(f"model spec {self.name!r}: a tie must name two or more distinct layers in "
-                                   f"order, each holding its elements; got {t!r}")
+            if (
+                not isinstance(t, Tie)
+                or len(t.layers) < 2
+                or list(t.layers) != sorted(set(t.layers))
+                or t.layers[0] < 0
+                or t.layers[-1] >= len(self.layers)
+                or any(t.numel > self.layers[i].param_numel for i in t.layers)
+            ):
+                raise HarmonyError(
+                    f"model spec {self.name!r}: a tie must name two or more distinct layers in "
+                    f"order, each holding its elements; got {t!r}"
+                )
 
     # ---- sizes -------------------------------------------------------------
     @property
     def has_times(self) -> bool:
         """Whether every layer's times are known (measured, or FLOPs to derive them from)."""
-        return all((c.fwd_time is not None or c.fwd_flops_per_sample > 0) and
-                   (c.bwd_time is not None or c.bwd_flops_per_sample > 0) for c in self.layers)
+        return all(
+            (c.fwd_time is not None or c.fwd_flops_per_sample > 0)
+            and (c.bwd_time is not None or c.bwd_flops_per_sample > 0)
+            for c in self.layers
+        )
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -252,7 +318,10 @@ class ModelSpec:
     @cached_property
     def _weight_prefix(self) -> list[tuple[int, int]]:
         """Running sums of (weight bytes, gradient bytes) on the link, layer by layer."""
-        low, master = dtype_bytes(self.param_dtype), dtype_bytes(self.master_dtype or self.param_dtype)
+        low, master = (
+            dtype_bytes(self.param_dtype),
+            dtype_bytes(self.master_dtype or self.param_dtype),
+        )
         out = [(0, 0)]
         for c in self.layers:
             grads = (c.param_numel - c.norm_param_numel) * low + c.norm_param_numel * master
@@ -263,8 +332,9 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        return sum(layer.param_numel for layer in self.layers) - sum(t.numel * (len(t.layers) - 1)
-                                                                    for t in self.ties)
+        return sum(layer.param_numel for layer in self.layers) - sum(
+            t.numel * (len(t.layers) - 1) for t in self.ties
+        )
 
     def _shared(self, start: int, stop: int) -> int:
         """Elements of tied parameters counted more than once among layers [start, stop)."""
@@ -288,8 +358,9 @@ class ModelSpec:
         """Gradient bytes of the parameters that layers [start, stop) share with
         layers outside it: their gradient is summed with the other layers' per
         microbatch, as autograd sums it, so it leaves the device per microbatch."""
-        return sum(t.numel for t in self.ties if 0 < t.in_range(start, stop) < len(t.layers)) * \
-            dtype_bytes(self.param_dtype)
+        return sum(
+            t.numel for t in self.ties if 0 < t.in_range(start, stop) < len(t.layers)
+        ) * dtype_bytes(self.param_dtype)
 
     def optimizer_state_bytes(self, start: int = 0, stop: int | None = None) -> int:
         """Host bytes of optimizer state (fp32 master copies are separate)."""
@@ -305,7 +376,9 @@ class ModelSpec:
         if layer >= len(self.layers):
             return 0.0
         c = self.layers[layer]
-        return u * (c.input_numel_per_sample * dtype_bytes(self.act_dtype) + c.input_fixed_bytes_per_sample)
+        return u * (
+            c.input_numel_per_sample * dtype_bytes(self.act_dtype) + c.input_fixed_bytes_per_sample
+        )
 
     def input_grad_bytes(self, layer: int, u: float) -> float:
         """Bytes of the gradient of the input of ``layer`` (its floating-point part:
@@ -380,18 +453,54 @@ class ModelSpec:
         return max(0.0, total)
 
     # ---- derived specs -----------------------------------------------------
-    def with_dtypes(self, param_dtype: str | None = None, act_dtype: str | None = None) -> "ModelSpec":
+    def with_dtypes(
+        self, param_dtype: str | None = None, act_dtype: str | None = None
+    ) -> "ModelSpec":
         """The same model moving weights / activations in other dtypes
         (working-memory curves scale with the activation dtype)."""
         param_dtype = param_dtype or self.param_dtype
         act_dtype = act_dtype or self.act_dtype
         r = dtype_bytes(act_dtype) / dtype_bytes(self.act_dtype)
         layers = tuple(
-            replace(c, fwd_extra=c.fwd_extra.scaled(r), bwd_extra=c.bwd_extra.scaled(r),
-                    saved_input=c.saved_input.scaled(r), saved_output=c.saved_output.scaled(r))
+            replace(
+                c,
+                fwd_extra=c.fwd_extra.scaled(r),
+                bwd_extra=c.bwd_extra.scaled(r),
+                saved_input=c.saved_input.scaled(r),
+                saved_output=c.saved_output.scaled(r),
+            )
             for c in self.layers
         )
         return replace(self, layers=layers, param_dtype=param_dtype, act_dtype=act_dtype)
+
+    @property
+    def precision(self) -> str:
+        """``"fp32"``, or the mixed precision (``"bf16"`` / ``"fp16"``) the spec moves in."""
+        names = {v: k for k, v in PRECISION_DTYPES.items()}
+        return names.get(self.param_dtype, self.param_dtype)
+
+    def in_precision(self, precision: str) -> "ModelSpec":
+        """The same model trained in ``precision``: under mixed precision weights,
+        gradients and activations cross the links in the low dtype while the
+        host keeps float32 master weights and optimizer state (and BatchNorm
+        crosses in float32). Times and FLOPs stay those of the spec: a profile
+        measured in float32 (the 1080 Ti references) does not say how much
+        faster the GPU computes in bf16, so the plan's compute is conservative."""
+        if precision not in PRECISION_DTYPES:
+            raise HarmonyError(
+                f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}"
+            )
+        if precision == self.precision:
+            return self
+        if self.precision != "fp32":
+            raise HarmonyError(
+                f"model spec {self.name!r} is in {self.precision}; only a float32 spec can be "
+                f"turned into another precision (profile the model in {precision} instead)"
+            )
+        low = PRECISION_DTYPES[precision]
+        return replace(
+            self.with_dtypes(low, low), master_dtype=self.master_dtype or self.param_dtype
+        )
 
     def with_optimizer(self, optimizer: str) -> "ModelSpec":
         return replace(self, optimizer=optimizer)

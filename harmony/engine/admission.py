@@ -15,7 +15,9 @@ The order comes from a real play of the graph, in which every task's
 dependencies, its lane's earlier tasks and the events before its own ended
 first; so an executor whose lanes take the first *admissible* ready task can
 always make progress (the task that started earliest in the play among those
-not yet started is admissible once its predecessors are done).
+not yet started is admissible once its predecessors are done). A copy that
+waited in the play for room on a full device (see :mod:`harmony.simulate`)
+waits here the same way: its allocation comes after the frees that made room.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from ..errors import HarmonyError
 from ..costs.hardware import format_bytes
+from ..errors import HarmonyError
 
 
 class BufferPool:
@@ -78,16 +78,24 @@ class BufferPool:
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``b`` starts in memory where the 1-D tensor ``a`` ends."""
-    return (a.dim() == 1 and a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype and a.device == b.device
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and b.storage_offset() == a.storage_offset() + a.numel())
+    return (
+        a.dim() == 1
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.storage_offset() == a.storage_offset() + a.numel()
+    )
 
 
 def _extend(a: torch.Tensor, n: int) -> torch.Tensor:
     return a.as_strided((a.numel() + n,), (1,), a.storage_offset())
 
 
-def copy_runs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def copy_runs(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(destination, source)`` copies of equal sizes, merged into fewer, larger
     ones where consecutive destinations and consecutive sources are adjacent
     in memory. Destinations are contiguous; a source that is not is copied on
@@ -118,7 +126,9 @@ class HostLayout:
         self.pin = pin
         self._flats: dict[int, torch.Tensor] = {}  # storage pointer -> a flat buffer of parameters
         self._grads: dict[int, torch.Tensor] = {}  # storage pointer of a flat -> its gradient flat
-        self._loose_grads: dict[int, torch.Tensor] = {}  # id(parameter) -> gradient (not in a flat)
+        self._loose_grads: dict[
+            int, torch.Tensor
+        ] = {}  # id(parameter) -> gradient (not in a flat)
         self._lock = threading.Lock()
         self.allocations = 0  # gradient buffers made
         self.allocated_bytes = 0
@@ -130,24 +140,32 @@ class HostLayout:
                     if id(t) not in seen and t.device.type == "cpu":
                         seen.add(id(t))
                         groups[(is_param, t.dtype)].append(t)
-        need = max((sum(t.numel() * t.element_size() for t in ts) for ts in groups.values()), default=0)
+        need = max(
+            (sum(t.numel() * t.element_size() for t in ts) for ts in groups.values()), default=0
+        )
         available = available_host_bytes() if available is None else available
         if available is not None and need > available:
-            why = (f"host memory: laying out the weights in flat buffers needs {format_bytes(need)} free at once "
-                   f"but {format_bytes(available)} are available")
+            why = (
+                f"host memory: laying out the weights in flat buffers needs {format_bytes(need)} "
+                f"free at once but {format_bytes(available)} are available"
+            )
             if pin:
-                raise HarmonyError(f"{why}; page-locked weights need it on CUDA: free host memory first")
+                raise HarmonyError(
+                    f"{why}; page-locked weights need it on CUDA: free host memory first"
+                )
             warnings.warn(f"{why}: weights are copied tensor by tensor", stacklevel=3)
             return
         with torch.no_grad():
             for (is_param, _), tensors in groups.items():
-                flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=pin)
+                flat = torch.empty(
+                    sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=pin
+                )
                 if is_param:
                     self._flats[flat.untyped_storage().data_ptr()] = flat
                 offset = 0
                 for t in tensors:
                     n = t.numel()
-                    view = flat[offset:offset + n].view(t.shape)
+                    view = flat[offset : offset + n].view(t.shape)
                     view.copy_(t)
                     t.data = view
                     offset += n
@@ -160,14 +178,18 @@ class HostLayout:
             flat = self._grads.get(key)
             if flat is None and key in self._flats:
                 like = self._flats[key]
-                flat = self._grads[key] = torch.empty(like.numel(), dtype=like.dtype, pin_memory=self.pin)
+                flat = self._grads[key] = torch.empty(
+                    like.numel(), dtype=like.dtype, pin_memory=self.pin
+                )
                 self.allocations += 1
                 self.allocated_bytes += flat.numel() * flat.element_size()
             if flat is not None:
-                return flat[p.storage_offset():p.storage_offset() + p.numel()].view(p.shape)
+                return flat[p.storage_offset() : p.storage_offset() + p.numel()].view(p.shape)
             loose = self._loose_grads.get(id(p))
             if loose is None:
-                loose = self._loose_grads[id(p)] = torch.empty(p.shape, dtype=p.dtype, pin_memory=self.pin)
+                loose = self._loose_grads[id(p)] = torch.empty(
+                    p.shape, dtype=p.dtype, pin_memory=self.pin
+                )
                 self.allocations += 1
                 self.allocated_bytes += loose.numel() * loose.element_size()
             return loose

@@ -18,8 +18,8 @@ from functools import cache
 
 import torch
 
-from ..errors import HarmonyError
 from ..costs.hardware import GB, Hardware
+from ..errors import HarmonyError
 from .devices import EmulatedDevice, EmulatedServer
 
 
@@ -30,18 +30,40 @@ def calibrate(device) -> Hardware:
         hw = device.hardware(gpu_flops=_cpu_flops())
         return replace(hw, task_overhead_s=task_overhead("emulated", device.device()))
     if isinstance(device, EmulatedDevice):
-        return replace(device.hardware(gpu_flops=_cpu_flops()), task_overhead_s=task_overhead("emulated", device))
+        return replace(
+            device.hardware(gpu_flops=_cpu_flops()),
+            task_overhead_s=task_overhead("emulated", device),
+        )
     if isinstance(device, str) and device == "cpu":
         # the cpu backend moves nothing: links and memory are no limit
-        return Hardware(name="cpu", n_gpus=1, gpu_memory=10**15, gpu_flops=_cpu_flops(), h2d=100 * GB,
-                        d2h=100 * GB, uplink=100 * GB, gpus_per_switch=1, p2p=100 * GB,
-                        cpu_update_bandwidth=10 * GB, cpu_update_workers=1, host_memory=10**15,
-                        task_overhead_s=task_overhead("cpu", "cpu"))
-    devices = [device] if isinstance(device, str) else list(device) if isinstance(device, (list, tuple)) else None
+        return Hardware(
+            name="cpu",
+            n_gpus=1,
+            gpu_memory=10**15,
+            gpu_flops=_cpu_flops(),
+            h2d=100 * GB,
+            d2h=100 * GB,
+            uplink=100 * GB,
+            gpus_per_switch=1,
+            p2p=100 * GB,
+            cpu_update_bandwidth=10 * GB,
+            cpu_update_workers=1,
+            host_memory=10**15,
+            task_overhead_s=task_overhead("cpu", "cpu"),
+        )
+    devices = (
+        [device]
+        if isinstance(device, str)
+        else list(device)
+        if isinstance(device, (list, tuple))
+        else None
+    )
     if devices and all(isinstance(d, str) and d.startswith("cuda") for d in devices):
         return _cuda(tuple(devices))
-    raise HarmonyError(f"cannot calibrate device {device!r}: use 'cpu', 'cuda:N', a list of 'cuda:N', "
-                       "harmony.EmulatedDevice(...) or harmony.EmulatedServer(...)")
+    raise HarmonyError(
+        f"cannot calibrate device {device!r}: use 'cpu', 'cuda:N', a list of 'cuda:N', "
+        "harmony.EmulatedDevice(...) or harmony.EmulatedServer(...)"
+    )
 
 
 @cache
@@ -73,7 +95,18 @@ def _cuda(devices: tuple[str, ...]) -> Hardware:
     h2d, d2h = measure_link(dev)
     props = torch.cuda.get_device_properties(dev)
     n = len(devices)
-    return Hardware(name=f"{n}x {props.name}", n_gpus=n, gpu_memory=int(0.9 * props.total_memory),
-                    gpu_flops=1e13, h2d=h2d, d2h=d2h, uplink=n * max(h2d, d2h), gpus_per_switch=n,
-                    p2p=h2d, cpu_update_bandwidth=10 * GB, cpu_update_workers=n, host_memory=10**12,
-                    task_overhead_s=task_overhead(f"cuda:{dev.index or 0}", devices[0]))
+    return Hardware(
+        name=f"{n}x {props.name}",
+        n_gpus=n,
+        gpu_memory=int(0.9 * props.total_memory),
+        gpu_flops=1e13,
+        h2d=h2d,
+        d2h=d2h,
+        uplink=n * max(h2d, d2h),
+        gpus_per_switch=n,
+        p2p=h2d,
+        cpu_update_bandwidth=10 * GB,
+        cpu_update_workers=n,
+        host_memory=10**12,
+        task_overhead_s=task_overhead(f"cuda:{dev.index or 0}", devices[0]),
+    )

@@ -39,14 +39,17 @@ def write_checkpoint(path: str | Path, state: dict) -> Path:
     """Write ``state`` to ``path`` atomically, with a checksum."""
     path = Path(path)
     if path.is_dir():
-        raise CheckpointError(f"{path} is a directory; give a file name such as {path / 'engine.ckpt'}")
+        raise CheckpointError(
+            f"{path} is a directory; give a file name such as {path / 'engine.ckpt'}"
+        )
     if not path.parent.is_dir():
         raise CheckpointError(f"cannot write {path}: directory {path.parent} does not exist")
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
-    header = json.dumps({"format": FORMAT, "bytes": len(payload),
-                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    header = json.dumps(
+        {"format": FORMAT, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    ).encode()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -84,27 +87,39 @@ def read_checkpoint(path: str | Path) -> dict:
     except OSError as err:
         raise CheckpointError(f"cannot read checkpoint {path}: {err.strerror}") from None
     if not data.startswith(MAGIC):
-        raise CheckpointError(f"{path} is not a harmony checkpoint (it does not start with the checkpoint header)")
+        raise CheckpointError(
+            f"{path} is not a harmony checkpoint (it does not start with the checkpoint header)"
+        )
     header_end = data.find(b"\n", len(MAGIC))
     if header_end < 0:
         raise CheckpointError(f"checkpoint {path} is truncated: it ends inside its header")
     try:
-        header = json.loads(data[len(MAGIC):header_end])
+        header = json.loads(data[len(MAGIC) : header_end])
         size, digest, version = int(header["bytes"]), str(header["sha256"]), int(header["format"])
     except (ValueError, KeyError, TypeError):
-        raise CheckpointError(f"checkpoint {path} is corrupted: its header is unreadable") from None
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted: its header is unreadable"
+        ) from None
     if version != FORMAT:
-        raise CheckpointError(f"checkpoint {path} has format {version}; this harmony reads format {FORMAT}")
-    payload = data[header_end + 1:]
+        raise CheckpointError(
+            f"checkpoint {path} has format {version}; this harmony reads format {FORMAT}"
+        )
+    payload = data[header_end + 1 :]
     if len(payload) != size:
-        raise CheckpointError(f"checkpoint {path} is truncated: {len(payload)} of {size} bytes; "
-                              "use an earlier checkpoint of the run")
+        raise CheckpointError(
+            f"checkpoint {path} is truncated: {len(payload)} of {size} bytes; "
+            "use an earlier checkpoint of the run"
+        )
     if hashlib.sha256(payload).hexdigest() != digest:
-        raise CheckpointError(f"checkpoint {path} is corrupted: its checksum does not match its contents; "
-                              "use an earlier checkpoint of the run")
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted: its checksum does not match its contents; "
+            "use an earlier checkpoint of the run"
+        )
     try:
         return torch.load(io.BytesIO(payload), weights_only=True)
-    except Exception as err:  # a payload that checks but does not load was written by something else
+    except (
+        Exception
+    ) as err:  # a payload that checks but does not load was written by something else
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from None
 
 
@@ -117,13 +132,17 @@ class CheckpointDir:
             raise CheckpointError(f"keep must be a positive number of checkpoints, got {keep!r}")
         self.directory, self.keep = Path(directory), keep
         if self.directory.exists() and not self.directory.is_dir():
-            raise CheckpointError(f"checkpoint directory {self.directory} is a file; give a directory")
+            raise CheckpointError(
+                f"checkpoint directory {self.directory} is a file; give a directory"
+            )
 
     def paths(self) -> list[Path]:
         """Checkpoints of the run, oldest first."""
         if not self.directory.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _NAME.match(p.name))]
+        found = [
+            (int(m.group(1)), p) for p in self.directory.iterdir() if (m := _NAME.match(p.name))
+        ]
         return [p for _, p in sorted(found)]
 
     def save(self, state: dict, step: int) -> Path:
@@ -132,7 +151,7 @@ class CheckpointDir:
         for stale in self.directory.glob(".step-*.ckpt.tmp-*"):  # left by a writer that was killed
             stale.unlink(missing_ok=True)
         path = write_checkpoint(self.directory / f"step-{step:08d}.ckpt", state)
-        for old in self.paths()[:-self.keep]:
+        for old in self.paths()[: -self.keep]:
             old.unlink(missing_ok=True)
         return path
 

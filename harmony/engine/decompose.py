@@ -71,7 +71,10 @@ from ..errors import HarmonyError
 
 __all__ = ["Chain", "decompose"]
 
-_HOW_TO = "pass an nn.Sequential or a list of modules (blocks) that follow the chain's calling convention"
+_HOW_TO = (
+    "pass an nn.Sequential or a list of modules (blocks) "
+    "that follow the chain's calling convention"
+)
 
 
 @dataclass(frozen=True)
@@ -120,16 +123,24 @@ def decompose(model, *, example_inputs=None) -> Chain:
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     if isinstance(model, (list, tuple)):
-        layers, names = _from_list(list(model), [f"{i}:{type(m).__name__}" for i, m in enumerate(model)],
-                                   what="the list")
-        canonical = {id(p): f"{i}.{n}" for i, m in reversed(list(enumerate(layers)))
-                     for n, p in reversed(list(m.named_parameters()))}
+        layers, names = _from_list(
+            list(model), [f"{i}:{type(m).__name__}" for i, m in enumerate(model)], what="the list"
+        )
+        canonical = {
+            id(p): f"{i}.{n}"
+            for i, m in reversed(list(enumerate(layers)))
+            for n, p in reversed(list(m.named_parameters()))
+        }
         return _finish(layers, names, canonical, None)
     if not isinstance(model, nn.Module):
-        raise HarmonyError(f"cannot split a {type(model).__name__} into layers: {_HOW_TO}, "
-                           "or an nn.Module whose forward torch.fx can trace")
+        raise HarmonyError(
+            f"cannot split a {type(model).__name__} into layers: {_HOW_TO}, "
+            "or an nn.Module whose forward torch.fx can trace"
+        )
     if isinstance(model, nn.ModuleList):
-        layers, names = _from_list(list(model), [n for n, _ in model.named_children()], what="the nn.ModuleList")
+        layers, names = _from_list(
+            list(model), [n for n, _ in model.named_children()], what="the nn.ModuleList"
+        )
     elif isinstance(model, nn.Sequential):
         layers, names = _from_sequential(model, example_inputs)
     elif type(model).__module__.startswith("transformers."):
@@ -150,16 +161,22 @@ def _from_list(items: list, names: list[str], what: str) -> tuple[list[nn.Module
         raise HarmonyError(f"{what} is empty: a chain needs at least one layer")
     for i, m in enumerate(items):
         if not isinstance(m, nn.Module):
-            raise HarmonyError(f"element {i} of {what} is a {type(m).__name__}, not an nn.Module: "
-                               "every layer of a chain must be a module that owns its parameters")
+            raise HarmonyError(
+                f"element {i} of {what} is a {type(m).__name__}, not an nn.Module: "
+                "every layer of a chain must be a module that owns its parameters"
+            )
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-            raise HarmonyError(f"element {i} of {what} is an nn.{type(m).__name__}, which cannot be called: "
-                               "put its modules into the list one by one")
+            raise HarmonyError(
+                f"element {i} of {what} is an nn.{type(m).__name__}, which cannot be called: "
+                "put its modules into the list one by one"
+            )
     last = items[-1]
     if isinstance(last, nn.modules.loss._Loss) or type(last).__name__ == "CrossEntropyLoss":
-        raise HarmonyError(f"the last element of {what} is a loss ({type(last).__name__}); the chain excludes "
-                           "the loss: pass the layers without it (e.g. zoo.build(name)[:-1]) and give the loss "
-                           "function to the engine separately")
+        raise HarmonyError(
+            f"the last element of {what} is a loss ({type(last).__name__}); the chain excludes "
+            "the loss: pass the layers without it (e.g. zoo.build(name)[:-1]) and give the loss "
+            "function to the engine separately"
+        )
     return list(items), list(names)
 
 
@@ -188,8 +205,7 @@ def _in_place(module: nn.Module) -> bool:
     return getattr(module, "inplace", False) is True
 
 
-def _join_in_place(layers: list[nn.Module], names: list[str]
-                   ) -> tuple[list[nn.Module], list[str]]:
+def _join_in_place(layers: list[nn.Module], names: list[str]) -> tuple[list[nn.Module], list[str]]:
     """Each in-place module joins the layer before it, as an ``nn.Sequential`` of both."""
     groups: list[tuple[list[nn.Module], list[str]]] = []
     for layer, name in zip(layers, names):
@@ -198,8 +214,10 @@ def _join_in_place(layers: list[nn.Module], names: list[str]
             groups[-1][1].append(name)
         else:
             groups.append(([layer], [name]))
-    return ([g[0] if len(g) == 1 else nn.Sequential(*g) for g, _ in groups],
-            ["+".join(n) for _, n in groups])
+    return (
+        [g[0] if len(g) == 1 else nn.Sequential(*g) for g, _ in groups],
+        ["+".join(n) for _, n in groups],
+    )
 
 
 class TupleArgument(nn.Module):
@@ -217,8 +235,10 @@ class TupleArgument(nn.Module):
 def _take_tuples_whole(layers, names, example_inputs) -> list[nn.Module]:
     """Run the Sequential's semantics on the example and wrap each layer that receives a tuple."""
     if len(example_inputs) != 1:
-        raise HarmonyError(f"an nn.Sequential takes one input, but example_inputs has {len(example_inputs)}; "
-                           "pass the single input tensor")
+        raise HarmonyError(
+            f"an nn.Sequential takes one input, but example_inputs has {len(example_inputs)}; "
+            "pass the single input tensor"
+        )
     out, x = list(layers), example_inputs[0]
     with _evaluating(layers), torch.no_grad():
         for i, layer in enumerate(layers):
@@ -227,8 +247,10 @@ def _take_tuples_whole(layers, names, example_inputs) -> list[nn.Module]:
             try:
                 x = layer(x)
             except Exception as e:  # noqa: BLE001 - reported with the layer's name
-                raise HarmonyError(f"running example_inputs through layer {names[i]} ({type(layer).__name__}) "
-                                   f"failed: {type(e).__name__}: {e}; pass inputs the model accepts") from e
+                raise HarmonyError(
+                    f"running example_inputs through layer {names[i]} ({type(layer).__name__}) "
+                    f"failed: {type(e).__name__}: {e}; pass inputs the model accepts"
+                ) from e
     return out
 
 
@@ -252,7 +274,9 @@ class _UnitTracer(fx.Tracer):
         self.units = units
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.units or super().is_leaf_module(m, module_qualified_name)
+        return module_qualified_name in self.units or super().is_leaf_module(
+            m, module_qualified_name
+        )
 
 
 def _pack(*values):
@@ -266,7 +290,8 @@ def _restore(args: tuple):
 
 
 class _Kinds(fx.Interpreter):
-    """Runs the traced graph and notes, per node, the tuple length of its value (-1: not a tuple)."""
+    """Runs the traced graph and notes, per node, the tuple length of its value (-1: not a
+    tuple)."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
@@ -286,9 +311,11 @@ def _from_fx(model: nn.Module, example_inputs) -> tuple[list[nn.Module], list[st
         graph = tracer.trace(model)
     except Exception as e:  # noqa: BLE001 - any tracing failure gets the same advice
         raise HarmonyError(
-            f"cannot split {kind} into layers: torch.fx could not trace its forward ({type(e).__name__}: {e}). "
-            f"Data-dependent control flow or Python code on tensor values in {kind}.forward cannot be traced; "
-            f"{_HOW_TO}, or move that code into a child module (children are not traced into)") from None
+            f"cannot split {kind} into layers: torch.fx could not trace its forward "
+            f"({type(e).__name__}: {e}). Data-dependent control flow or Python code on tensor "
+            f"values in {kind}.forward cannot be traced; {_HOW_TO}, or move that code into a "
+            "child module (children are not traced into)"
+        ) from None
     gm = fx.GraphModule(tracer.root, graph, kind)
     kinds: dict[fx.Node, int] | None = None
     if example_inputs is not None:
@@ -297,8 +324,10 @@ def _from_fx(model: nn.Module, example_inputs) -> tuple[list[nn.Module], list[st
             with _evaluating([model]), torch.no_grad():
                 interpreter.run(*example_inputs)
         except Exception as e:  # noqa: BLE001
-            raise HarmonyError(f"running example_inputs through {kind} failed ({type(e).__name__}: {e}); "
-                               "pass inputs the model accepts, on its device") from e
+            raise HarmonyError(
+                f"running example_inputs through {kind} failed ({type(e).__name__}: {e}); "
+                "pass inputs the model accepts, on its device"
+            ) from e
         kinds = interpreter.kinds
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -322,9 +351,14 @@ def _from_fx(model: nn.Module, example_inputs) -> tuple[list[nn.Module], list[st
         source = placeholders if k == 0 else single[start]
         result = output if stop == len(nodes) else single[stop]
         segment = nodes[start:stop]
-        names.append("+".join(n.target for n in segment if n.op == "call_module" and n.target in units) or kind)
-        layers.append(_bare_unit(gm, segment, source, result, kinds, units)
-                      or _segment_module(gm, segment, source, result, kinds, f"{kind}_{k}", model.training))
+        names.append(
+            "+".join(n.target for n in segment if n.op == "call_module" and n.target in units)
+            or kind
+        )
+        layers.append(
+            _bare_unit(gm, segment, source, result, kinds, units)
+            or _segment_module(gm, segment, source, result, kinds, f"{kind}_{k}", model.training)
+        )
     return layers, names
 
 
@@ -357,7 +391,12 @@ def _single_live_value(placeholders, nodes, position) -> list[fx.Node | None]:
 def _bare_unit(gm, segment, source, result, kinds, units) -> nn.Module | None:
     """The unit itself when the segment is nothing but that unit called on the segment's input."""
     work = [n for n in segment if n.op != "get_attr"]
-    if len(work) != 1 or work[0].op != "call_module" or work[0].target not in units or work[0].kwargs:
+    if (
+        len(work) != 1
+        or work[0].op != "call_module"
+        or work[0].target not in units
+        or work[0].kwargs
+    ):
         return None
     call = work[0]
     if isinstance(source, list):  # the first layer: the model's inputs, all passed positionally
@@ -375,7 +414,8 @@ def _bare_unit(gm, segment, source, result, kinds, units) -> nn.Module | None:
 
 def _segment_module(gm, segment, source, result, kinds, class_name, training) -> fx.GraphModule:
     """A GraphModule computing ``segment``: from the model's inputs (first layer) or from
-    ``source`` passed with the calling convention, to ``result`` (the model's output for the last)."""
+    ``source`` passed with the calling convention, to ``result`` (the model's output for the
+    last)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
 
@@ -400,7 +440,9 @@ def _segment_module(gm, segment, source, result, kinds, class_name, training) ->
         return env[node]
 
     for node in segment:
-        if node.op != "get_attr":  # read where used, so that no layer holds weights it does not use
+        if (
+            node.op != "get_attr"
+        ):  # read where used, so that no layer holds weights it does not use
             env[node] = g.node_copy(node, lookup)
     if result.op == "output":
         g.output(fx.node.map_arg(result.args[0], lookup))
@@ -442,8 +484,11 @@ def _finish(layers: list[nn.Module], names: list[str], canonical: dict[int, str]
     if model is not None:
         orphans = [n for n, p in model.named_parameters() if id(p) not in owner]
         if orphans:
-            shown = ", ".join(orphans[:5]) + (f" and {len(orphans) - 5} more" if len(orphans) > 5 else "")
+            shown = ", ".join(orphans[:5]) + (
+                f" and {len(orphans) - 5} more" if len(orphans) > 5 else ""
+            )
             raise HarmonyError(
-                f"parameters of {type(model).__name__} belong to no layer: {shown}. Its forward does not use "
-                f"them; remove them from the model, or {_HOW_TO} that holds them")
+                f"parameters of {type(model).__name__} belong to no layer: {shown}. Its forward "
+                f"does not use them; remove them from the model, or {_HOW_TO} that holds them"
+            )
     return Chain(layers=layers, names=names, tied=tied)

@@ -60,8 +60,11 @@ def _dropout_in(config) -> bool:
     """Whether any dropout probability in ``config`` is positive. Deliberately broad
     (a classifier's dropout counts too): marking a block that draws nothing costs the
     engine only a lock, missing one that draws would break exactness on several GPUs."""
-    return any(isinstance(v, float) and v > 0 for k, v in config.to_dict().items()
-               if "dropout" in k or "pdrop" in k)
+    return any(
+        isinstance(v, float) and v > 0
+        for k, v in config.to_dict().items()
+        if "dropout" in k or "pdrop" in k
+    )
 
 
 # ---- embeddings ---------------------------------------------------------------
@@ -174,8 +177,9 @@ class HFBlock(_Block):
     causal (``mask="causal"``) or sliding-window (``"sliding"``) mask from the
     padding mask, and, given the model's ``rotary`` module, its cos/sin."""
 
-    def __init__(self, block: nn.Module, config, mask: str = "causal",
-                 rotary: nn.Module | None = None):
+    def __init__(
+        self, block: nn.Module, config, mask: str = "causal", rotary: nn.Module | None = None
+    ):
         super().__init__(block, config, last=False)
         self.mask = mask
         object.__setattr__(self, "_rotary", rotary)  # the model's own (see the module docs)
@@ -183,8 +187,13 @@ class HFBlock(_Block):
     def _arguments(self, hidden_states, attention_mask) -> dict:
         positions = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
         make = create_sliding_window_causal_mask if self.mask == "sliding" else create_causal_mask
-        mask = make(config=self._config, inputs_embeds=hidden_states,
-                    attention_mask=attention_mask, past_key_values=None, position_ids=positions)
+        mask = make(
+            config=self._config,
+            inputs_embeds=hidden_states,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=positions,
+        )
         arguments = {"attention_mask": mask, "position_ids": positions, "use_cache": False}
         if self._rotary is not None:
             arguments["position_embeddings"] = self._rotary(hidden_states, position_ids=positions)
@@ -200,8 +209,12 @@ class HFOPTBlock(HFBlock):
     the layer gets OPT's positions (counted over the non-padding tokens)."""
 
     def _arguments(self, hidden_states, attention_mask) -> dict:
-        mask = create_causal_mask(config=self._config, inputs_embeds=hidden_states,
-                                  attention_mask=attention_mask, past_key_values=None)
+        mask = create_causal_mask(
+            config=self._config,
+            inputs_embeds=hidden_states,
+            attention_mask=attention_mask,
+            past_key_values=None,
+        )
         position_ids, _ = _opt_positions(hidden_states, attention_mask)
         return {"attention_mask": mask, "position_ids": position_ids, "use_cache": False}
 
@@ -212,11 +225,16 @@ class HFEncoderBlock(_Block):
 
     def forward(self, hidden_states, attention_mask=None):
         if getattr(self._config, "is_decoder", False):
-            mask = create_causal_mask(config=self._config, inputs_embeds=hidden_states,
-                                      attention_mask=attention_mask, past_key_values=None)
+            mask = create_causal_mask(
+                config=self._config,
+                inputs_embeds=hidden_states,
+                attention_mask=attention_mask,
+                past_key_values=None,
+            )
         else:
-            mask = create_bidirectional_mask(config=self._config, inputs_embeds=hidden_states,
-                                             attention_mask=attention_mask)
+            mask = create_bidirectional_mask(
+                config=self._config, inputs_embeds=hidden_states, attention_mask=attention_mask
+            )
         return self._result(self.block(hidden_states, mask), attention_mask)
 
 
@@ -272,8 +290,10 @@ class _Split:
 
 
 _TEXT_INPUTS = ("input_ids", "attention_mask")
-_WAY_OUT = ("e.g. [embeddings, *blocks, head] with small wrappers that call each part as the "
-            "model's forward does")
+_WAY_OUT = (
+    "e.g. [embeddings, *blocks, head] with small wrappers that call each part as the "
+    "model's forward does"
+)
 
 
 class _Parts:
@@ -293,13 +313,15 @@ class _Parts:
             found = getattr(found, attr, None)
             if found is None:
                 shown = self.prefix + path if in_body else path
-                raise HarmonyError(f"cannot split {self.kind}: it has no {shown} ({what}) where "
-                                   f"its family keeps it; {_HOW_TO}, {_WAY_OUT}")
+                raise HarmonyError(
+                    f"cannot split {self.kind}: it has no {shown} ({what}) where "
+                    f"its family keeps it; {_HOW_TO}, {_WAY_OUT}"
+                )
         return found
 
     def blocks(self, path: str, make: Callable[[int, nn.Module], nn.Module]):
         """A layer per block the forward runs (the first num_hidden_layers), and their names."""
-        blocks = list(self.get(path, "the list of blocks"))[:self.config.num_hidden_layers]
+        blocks = list(self.get(path, "the list of blocks"))[: self.config.num_hidden_layers]
         if not blocks:
             raise HarmonyError(f"cannot split {self.kind}: {self.prefix}{path} holds no blocks")
         names = [f"{self.prefix}{path}.{i}" for i in range(len(blocks))]
@@ -314,13 +336,22 @@ def _gpt2(model, kind: str) -> _Split:
     lm = kind == "GPT2LMHeadModel"
     m = _Parts(model, "transformer" if lm else "")
     blocks, names = m.blocks("h", lambda i, b: HFBlock(b, m.config))
-    embeddings = HFGPT2Embeddings(m.get("wte", "the token embedding"),
-                                  m.get("wpe", "the positions"), m.get("drop", "the dropout"))
-    head = HFHead(ln_f=m.get("ln_f", "the final norm"),
-                  lm_head=m.get("lm_head", "the LM head", False) if lm else None)
-    return _Split([embeddings, *blocks, head],
-                  [m.name(["wte", "wpe", "drop"]), *names, m.name(["ln_f"], ("lm_head",) * lm)],
-                  _TEXT_INPUTS, ("logits",) if lm else ("last_hidden_state",), cache=True)
+    embeddings = HFGPT2Embeddings(
+        m.get("wte", "the token embedding"),
+        m.get("wpe", "the positions"),
+        m.get("drop", "the dropout"),
+    )
+    head = HFHead(
+        ln_f=m.get("ln_f", "the final norm"),
+        lm_head=m.get("lm_head", "the LM head", False) if lm else None,
+    )
+    return _Split(
+        [embeddings, *blocks, head],
+        [m.name(["wte", "wpe", "drop"]), *names, m.name(["ln_f"], ("lm_head",) * lm)],
+        _TEXT_INPUTS,
+        ("logits",) if lm else ("last_hidden_state",),
+        cache=True,
+    )
 
 
 def _rotary_decoder(model, kind: str) -> _Split:
@@ -339,17 +370,24 @@ def _rotary_decoder(model, kind: str) -> _Split:
 
     blocks, names = m.blocks("layers", lambda i, b: HFBlock(b, config, mask(i), rotary))
     if neox:
-        embeddings = HFTokenEmbeddings(m.get("embed_in", "the token embedding"),
-                                       m.get("emb_dropout", "the embedding dropout"))
+        embeddings = HFTokenEmbeddings(
+            m.get("embed_in", "the token embedding"), m.get("emb_dropout", "the embedding dropout")
+        )
         first, norm_name = ["embed_in", "emb_dropout"], "final_layer_norm"
     else:
         embeddings = HFTokenEmbeddings(m.get("embed_tokens", "the token embedding"))
         first, norm_name = ["embed_tokens"], "norm"
-    head = HFHead(norm=m.get(norm_name, "the final norm"),
-                  lm_head=m.get("lm_head", "the LM head", False) if lm else None)
-    return _Split([embeddings, *blocks, head],
-                  [m.name(first), *names, m.name([norm_name], ("lm_head",) * lm)], _TEXT_INPUTS,
-                  ("logits",) if lm else ("last_hidden_state",), cache=True)
+    head = HFHead(
+        norm=m.get(norm_name, "the final norm"),
+        lm_head=m.get("lm_head", "the LM head", False) if lm else None,
+    )
+    return _Split(
+        [embeddings, *blocks, head],
+        [m.name(first), *names, m.name([norm_name], ("lm_head",) * lm)],
+        _TEXT_INPUTS,
+        ("logits",) if lm else ("last_hidden_state",),
+        cache=True,
+    )
 
 
 def _opt(model, kind: str) -> _Split:
@@ -360,18 +398,29 @@ def _opt(model, kind: str) -> _Split:
         raise HarmonyError(
             f"cannot split {kind}: {m.prefix}forward skips blocks at random while training "
             f"(config.layerdrop={decoder.layerdrop}), which no chain of layers can do; "
-            "set config.layerdrop = 0, or pass a list of blocks")
+            "set config.layerdrop = 0, or pass a list of blocks"
+        )
     blocks, names = m.blocks("layers", lambda i, b: HFOPTBlock(b, m.config))
-    head = HFHead(final_layer_norm=decoder.final_layer_norm, project_out=decoder.project_out,
-                  lm_head=m.get("lm_head", "the LM head", False) if lm else None)
+    head = HFHead(
+        final_layer_norm=decoder.final_layer_norm,
+        project_out=decoder.project_out,
+        lm_head=m.get("lm_head", "the LM head", False) if lm else None,
+    )
 
     def present(*parts: str) -> list[str]:
         return [p for p in parts if getattr(decoder, p) is not None]
 
-    return _Split([HFOPTEmbeddings(decoder), *blocks, head],
-                  [m.name(present("embed_tokens", "embed_positions", "project_in")), *names,
-                   m.name(present("final_layer_norm", "project_out"), ("lm_head",) * lm)],
-                  _TEXT_INPUTS, ("logits",) if lm else ("last_hidden_state",), cache=True)
+    return _Split(
+        [HFOPTEmbeddings(decoder), *blocks, head],
+        [
+            m.name(present("embed_tokens", "embed_positions", "project_in")),
+            *names,
+            m.name(present("final_layer_norm", "project_out"), ("lm_head",) * lm),
+        ],
+        _TEXT_INPUTS,
+        ("logits",) if lm else ("last_hidden_state",),
+        cache=True,
+    )
 
 
 def _encoder(model, kind: str) -> _Split:
@@ -380,9 +429,11 @@ def _encoder(model, kind: str) -> _Split:
     bare = kind in ("BertModel", "RobertaModel")
     m = _Parts(model, "" if bare else family)
     if getattr(m.config, "add_cross_attention", False):
-        raise HarmonyError(f"cannot split {kind}: its blocks attend to encoder states "
-                           "(add_cross_attention), which a chain does not carry; "
-                           "pass a list of blocks")
+        raise HarmonyError(
+            f"cannot split {kind}: its blocks attend to encoder states "
+            "(add_cross_attention), which a chain does not carry; "
+            "pass a list of blocks"
+        )
     layers, names = m.blocks("encoder.layer", lambda i, b: HFEncoderBlock(b, m.config, False))
     outputs: tuple[str, ...] = ("logits",)
     if bare and m.body.pooler is None:
@@ -393,15 +444,24 @@ def _encoder(model, kind: str) -> _Split:
         names.append("pooler")
         outputs = ("last_hidden_state", "pooler_output")
     elif kind == "BertForSequenceClassification":
-        layers.append(HFHead(pooler=m.get("pooler", "the pooler"), dropout=model.dropout,
-                             classifier=model.classifier))
+        layers.append(
+            HFHead(
+                pooler=m.get("pooler", "the pooler"),
+                dropout=model.dropout,
+                classifier=model.classifier,
+            )
+        )
         names.append(m.name(["pooler"], ("dropout", "classifier")))
     else:  # the masked-LM head, or RoBERTa's classification head (on the whole sequence)
         head = ("cls" if family == "bert" else "lm_head") if "LM" in kind else "classifier"
         layers.append(HFHead(**{head: m.get(head, "the head", False)}))
         names.append(head)
-    return _Split([HFEncoderEmbeddings(m.get("embeddings", "the embeddings")), *layers],
-                  [m.name(["embeddings"]), *names], (*_TEXT_INPUTS, "token_type_ids"), outputs)
+    return _Split(
+        [HFEncoderEmbeddings(m.get("embeddings", "the embeddings")), *layers],
+        [m.name(["embeddings"]), *names],
+        (*_TEXT_INPUTS, "token_type_ids"),
+        outputs,
+    )
 
 
 def _vit(model, kind: str) -> _Split:
@@ -410,32 +470,49 @@ def _vit(model, kind: str) -> _Split:
     blocks, names = m.blocks("layers", lambda i, b: HFEncoderBlock(b, m.config, False))
     norm = m.get("layernorm", "the final norm")
     if not bare:
-        head = HFHead(layernorm=norm, first_token=FirstToken(),
-                      classifier=m.get("classifier", "the classifier", False))
+        head = HFHead(
+            layernorm=norm,
+            first_token=FirstToken(),
+            classifier=m.get("classifier", "the classifier", False),
+        )
         name, outputs = m.name(["layernorm"], ("classifier",)), ("logits",)
     elif m.body.pooler is not None:
         head, name = HFPooledHead(m.body.pooler, norm), "layernorm+pooler"
         outputs = ("last_hidden_state", "pooler_output")
     else:
         head, name, outputs = HFHead(layernorm=norm), "layernorm", ("last_hidden_state",)
-    return _Split([HFViTEmbeddings(m.get("embeddings", "the embeddings")), *blocks, head],
-                  [m.name(["embeddings"]), *names, name], ("pixel_values",), outputs)
+    return _Split(
+        [HFViTEmbeddings(m.get("embeddings", "the embeddings")), *blocks, head],
+        [m.name(["embeddings"]), *names, name],
+        ("pixel_values",),
+        outputs,
+    )
 
 
 _RECIPES: dict[str, Callable[[nn.Module, str], _Split]] = {
-    "GPT2Model": _gpt2, "GPT2LMHeadModel": _gpt2,
-    **{f"{family}{suffix}": _rotary_decoder for family in ("Llama", "Mistral", "Qwen2", "GPTNeoX")
-       for suffix in ("Model", "ForCausalLM")},
-    "OPTModel": _opt, "OPTForCausalLM": _opt,
-    **{f"{family}{suffix}": _encoder for family in ("Bert", "Roberta")
-       for suffix in ("Model", "ForMaskedLM", "ForSequenceClassification")},
+    "GPT2Model": _gpt2,
+    "GPT2LMHeadModel": _gpt2,
+    **{
+        f"{family}{suffix}": _rotary_decoder
+        for family in ("Llama", "Mistral", "Qwen2", "GPTNeoX")
+        for suffix in ("Model", "ForCausalLM")
+    },
+    "OPTModel": _opt,
+    "OPTForCausalLM": _opt,
+    **{
+        f"{family}{suffix}": _encoder
+        for family in ("Bert", "Roberta")
+        for suffix in ("Model", "ForMaskedLM", "ForSequenceClassification")
+    },
     "BertLMHeadModel": _encoder,
-    "ViTModel": _vit, "ViTForImageClassification": _vit,
+    "ViTModel": _vit,
+    "ViTForImageClassification": _vit,
 }
 
 
-def split(model: nn.Module, example_inputs: tuple | None = None
-          ) -> tuple[list[nn.Module], list[str]]:
+def split(
+    model: nn.Module, example_inputs: tuple | None = None
+) -> tuple[list[nn.Module], list[str]]:
     """The layers of a supported transformers ``model`` and their names. With
     ``example_inputs`` (what the chain takes: see the module documentation), the
     chain runs once beside the model's own forward, in eval mode without autograd,
@@ -445,11 +522,14 @@ def split(model: nn.Module, example_inputs: tuple | None = None
     if recipe is None:
         raise HarmonyError(
             f"{kind} from transformers cannot be split automatically (supported: "
-            f"{', '.join(_RECIPES)}); {_HOW_TO}, {_WAY_OUT}")
+            f"{', '.join(_RECIPES)}); {_HOW_TO}, {_WAY_OUT}"
+        )
     if not _FOLLOWED:
-        raise HarmonyError(f"cannot split {kind}: the split follows the calling conventions "
-                           "of transformers 5, not those of the installed "
-                           f"{transformers.__version__}; upgrade it, or pass a list of blocks")
+        raise HarmonyError(
+            f"cannot split {kind}: the split follows the calling conventions "
+            "of transformers 5, not those of the installed "
+            f"{transformers.__version__}; upgrade it, or pass a list of blocks"
+        )
     chain = recipe(model, kind)
     if example_inputs is not None and not any(p.is_meta for p in model.parameters()):
         _check(model, chain, example_inputs)
@@ -460,8 +540,10 @@ def _check(model: nn.Module, chain: _Split, example_inputs: tuple) -> None:
     """Run the chain and the model on the same inputs; raise where they part."""
     kind = type(model).__name__
     if len(example_inputs) > len(chain.inputs):
-        raise HarmonyError(f"example_inputs has {len(example_inputs)} tensors but the chain of "
-                           f"{kind} takes at most {len(chain.inputs)}: {', '.join(chain.inputs)}")
+        raise HarmonyError(
+            f"example_inputs has {len(example_inputs)} tensors but the chain of "
+            f"{kind} takes at most {len(chain.inputs)}: {', '.join(chain.inputs)}"
+        )
     with _evaluating([model]), torch.no_grad():
         x = example_inputs
         for layer, name in zip(chain.layers, chain.names):
@@ -471,7 +553,8 @@ def _check(model: nn.Module, chain: _Split, example_inputs: tuple) -> None:
                 raise HarmonyError(
                     f"cannot split {kind}: layer {name} ({type(layer).__name__}) failed on "
                     f"example_inputs ({type(e).__name__}: {e}); the installed transformers may "
-                    f"call its blocks differently. {_HOW_TO}") from e
+                    f"call its blocks differently. {_HOW_TO}"
+                ) from e
             x = x if isinstance(x, tuple) else (x,)
         extra = {"use_cache": False} if chain.cache else {}
         out = model(**dict(zip(chain.inputs, example_inputs)), **extra)
@@ -479,5 +562,7 @@ def _check(model: nn.Module, chain: _Split, example_inputs: tuple) -> None:
     try:  # the same operations on the same device: equal up to kernels' own nondeterminism
         torch.testing.assert_close(x, expected)
     except AssertionError as e:
-        raise HarmonyError(f"the chain of {kind} does not compute what its forward computes "
-                           f"({', '.join(chain.outputs)}): {e}. {_HOW_TO}") from None
+        raise HarmonyError(
+            f"the chain of {kind} does not compute what its forward computes "
+            f"({', '.join(chain.outputs)}): {e}. {_HOW_TO}"
+        ) from None

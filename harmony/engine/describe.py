@@ -19,13 +19,17 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..errors import HarmonyError
 from ..costs.spec import Curve, LayerCost, ModelSpec, Tie
+from ..errors import HarmonyError
 from .meters import SavedBytes, storage_key
 from .reference_loop import as_args
 
-_FLOAT_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.float64: "float64"}
+_FLOAT_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
 
 
 def split_bytes(tensors) -> tuple[float, float]:
@@ -41,8 +45,12 @@ def split_bytes(tensors) -> tuple[float, float]:
     return floats, fixed
 
 
-def layer_inputs(layers: Sequence[nn.Module], inputs: tuple, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> list[tuple]:
+def layer_inputs(
+    layers: Sequence[nn.Module],
+    inputs: tuple,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[tuple]:
     """The input of every layer (and, last, the chain's output) for ``inputs``;
     with ``dtype``, under ``torch.autocast`` on ``device`` (the layers' own)."""
     out = [inputs]
@@ -74,19 +82,28 @@ class evaluating:
 
 def norm_tensor_names(layer: nn.Module) -> set[str]:
     """Names of ``layer``'s BatchNorm parameters and buffers (float32 under autocast)."""
-    return {f"{prefix}.{name}" if prefix else name
-            for prefix, m in layer.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            for name, _ in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))}
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, m in layer.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        for name, _ in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))
+    }
 
 
 def microbatch_dependence(layers) -> str | None:
     """Why the layers' results depend on how a minibatch is cut into microbatches
     (so forward and backward must use one microbatch size), or None."""
     if any(getattr(layer, "draws_random", False) for layer in layers):  # functional dropout
-        return "dropout: recompute must draw the forward pass's masks, which are seeded per microbatch"
+        return (
+            "dropout: recompute must draw the forward pass's masks, "
+            "which are seeded per microbatch"
+        )
     for m in (m for layer in layers for m in layer.modules()):
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-            return "dropout: recompute must draw the forward pass's masks, which are seeded per microbatch"
+            return (
+                "dropout: recompute must draw the forward pass's masks, "
+                "which are seeded per microbatch"
+            )
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
             return "BatchNorm: its batch statistics depend on the microbatch"
     return None
@@ -98,9 +115,17 @@ def act_dtype(layers: Sequence[nn.Module]) -> str:
     return "float32"
 
 
-def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, name: str = "model",
-             optimizer: str = "adamw", loss_fn: Callable | None = None, device: torch.device | str = "cpu",
-             dtype: torch.dtype | None = None, sizes: Sequence[int] = ()) -> ModelSpec:
+def describe(
+    layers: Sequence[nn.Module],
+    inputs: tuple,
+    target: torch.Tensor,
+    name: str = "model",
+    optimizer: str = "adamw",
+    loss_fn: Callable | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    sizes: Sequence[int] = (),
+) -> ModelSpec:
     """Sizes per layer, and the device memory the engine holds running each layer,
     measured on ``inputs`` on ``device`` at each microbatch size a plan may use
     (powers of two up to the minibatch, the minibatch, and ``sizes``: what
@@ -129,9 +154,13 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
         check_loss(loss_fn, acts[-1], target)
     smallest = min_microbatch(layers, acts, device, dtype)
     if smallest > target.shape[0]:
-        raise HarmonyError(f"the model trains on {smallest} samples at least (a BatchNorm over features needs "
-                           f"more than one value per channel), but the minibatch has {target.shape[0]}")
-    sizes = sorted({u for u in [*(1 << k for k in range(B.bit_length())), B, *sizes] if smallest <= u <= B})
+        raise HarmonyError(
+            f"the model trains on {smallest} samples at least (a BatchNorm over features needs "
+            f"more than one value per channel), but the minibatch has {target.shape[0]}"
+        )
+    sizes = sorted(
+        {u for u in [*(1 << k for k in range(B.bit_length())), B, *sizes] if smallest <= u <= B}
+    )
     with evaluating(layers):
         acts = layer_inputs(layers, inputs)  # the whole minibatch: every size is a slice of it
     norms = [norm_tensor_names(layer) for layer in layers]
@@ -140,53 +169,99 @@ def describe(layers: Sequence[nn.Module], inputs: tuple, target: torch.Tensor, n
         floats, fixed = split_bytes(tuple(t[:1] for t in acts[i]))
         last = i == len(layers) - 1
         try:
-            held = [working_memory(layer, tuple(t[:u] for t in acts[i]), loss_fn if last else None, target[:u],
-                                   device, dtype) for u in sizes]
+            held = [
+                working_memory(
+                    layer,
+                    tuple(t[:u] for t in acts[i]),
+                    loss_fn if last else None,
+                    target[:u],
+                    device,
+                    dtype,
+                )
+                for u in sizes
+            ]
         except Exception as e:  # the layer's own error with autograd on, in training mode
-            raise HarmonyError(f"layer {i} ({type(layer).__name__}) fails in training mode on {sizes[0]} "
-                               f"samples: {type(e).__name__}: {e}") from None
-        out_bytes = sum(t[:1].numel() * t.element_size() for t in outs[i] if isinstance(t, torch.Tensor))
-        costs.append(LayerCost(
-            name=f"{i}:{type(layer).__name__}",
-            param_numel=sum(p.numel() for p in layer.parameters()),
-            buffer_numel=sum(b.numel() for b in layer.buffers() if b.is_floating_point()),
-            norm_param_numel=sum(p.numel() for name, p in layer.named_parameters() if name in norms[i]),
-            norm_buffer_numel=sum(b.numel() for name, b in layer.named_buffers()
-                                  if name in norms[i] and b.is_floating_point()),
-            fixed_buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers() if not b.is_floating_point()),
-            input_numel_per_sample=floats,
-            input_fixed_bytes_per_sample=fixed,
-            # times from the FLOP rate until measured: backward recomputes, then costs twice the forward
-            fwd_flops_per_sample=held[-1].flops / sizes[-1],
-            bwd_flops_per_sample=3 * held[-1].flops / sizes[-1],
-            fwd_extra=Curve.linear(float(out_bytes)),
-            bwd_extra=Curve.table(sizes, [h.saved for h in held]),
-            saved_input=Curve.table(sizes, [h.saved_input for h in held]),
-            saved_output=Curve.table(sizes, [h.saved_output for h in held]),
-        ))
+            raise HarmonyError(
+                f"layer {i} ({type(layer).__name__}) fails in training mode on {sizes[0]} "
+                f"samples: {type(e).__name__}: {e}"
+            ) from None
+        out_bytes = sum(
+            t[:1].numel() * t.element_size() for t in outs[i] if isinstance(t, torch.Tensor)
+        )
+        costs.append(
+            LayerCost(
+                name=f"{i}:{type(layer).__name__}",
+                param_numel=sum(p.numel() for p in layer.parameters()),
+                buffer_numel=sum(b.numel() for b in layer.buffers() if b.is_floating_point()),
+                norm_param_numel=sum(
+                    p.numel() for name, p in layer.named_parameters() if name in norms[i]
+                ),
+                norm_buffer_numel=sum(
+                    b.numel()
+                    for name, b in layer.named_buffers()
+                    if name in norms[i] and b.is_floating_point()
+                ),
+                fixed_buffer_bytes=sum(
+                    b.numel() * b.element_size()
+                    for b in layer.buffers()
+                    if not b.is_floating_point()
+                ),
+                input_numel_per_sample=floats,
+                input_fixed_bytes_per_sample=fixed,
+                # times from the FLOP rate until measured: backward recomputes, then costs twice
+                # the forward
+                fwd_flops_per_sample=held[-1].flops / sizes[-1],
+                bwd_flops_per_sample=3 * held[-1].flops / sizes[-1],
+                fwd_extra=Curve.linear(float(out_bytes)),
+                bwd_extra=Curve.table(sizes, [h.saved for h in held]),
+                saved_input=Curve.table(sizes, [h.saved_input for h in held]),
+                saved_output=Curve.table(sizes, [h.saved_output for h in held]),
+            )
+        )
     per_sample = target[:1]
     master = act_dtype(layers)
-    spec = ModelSpec(name=name, layers=tuple(costs), optimizer=optimizer, param_dtype=master, act_dtype=master,
-                     master_dtype=master, ties=ties(layers), min_microbatch=smallest,
-                     target_bytes_per_sample=float(per_sample.numel() * per_sample.element_size()),
-                     source="described from the real modules (sizes and working memory)")
+    spec = ModelSpec(
+        name=name,
+        layers=tuple(costs),
+        optimizer=optimizer,
+        param_dtype=master,
+        act_dtype=master,
+        master_dtype=master,
+        ties=ties(layers),
+        min_microbatch=smallest,
+        target_bytes_per_sample=float(per_sample.numel() * per_sample.element_size()),
+        source="described from the real modules (sizes and working memory)",
+    )
     if dtype is None:
         return spec
     # the links carry the compute dtype; working memory was measured as it is under autocast
     low = spec.with_dtypes(param_dtype=_FLOAT_NAMES[dtype], act_dtype=_FLOAT_NAMES[dtype])
-    return replace(low, layers=tuple(replace(c, fwd_extra=m.fwd_extra, bwd_extra=m.bwd_extra,
-                                             saved_input=m.saved_input, saved_output=m.saved_output)
-                                     for c, m in zip(low.layers, spec.layers)))
+    return replace(
+        low,
+        layers=tuple(
+            replace(
+                c,
+                fwd_extra=m.fwd_extra,
+                bwd_extra=m.bwd_extra,
+                saved_input=m.saved_input,
+                saved_output=m.saved_output,
+            )
+            for c, m in zip(low.layers, spec.layers)
+        ),
+    )
 
 
-def min_microbatch(layers: Sequence[nn.Module], acts: list[tuple], device: torch.device,
-                   dtype: torch.dtype | None) -> int:
+def min_microbatch(
+    layers: Sequence[nn.Module], acts: list[tuple], device: torch.device, dtype: torch.dtype | None
+) -> int:
     """1 if every layer trains on one sample of its input ``acts[i]``, else 2
     (BatchNorm over features needs more than one value per channel;
     :func:`describe` reports a layer that fails on two as well)."""
     for i, layer in enumerate(layers):
         try:
-            working_memory(layer, tuple(t[:1] for t in acts[i]), None, torch.empty(0), device, dtype)
+            working_memory(
+                layer, tuple(t[:1] for t in acts[i]), None, torch.empty(0), device, dtype
+            )
         except Exception:  # noqa: BLE001 - the layer's own error on one sample
             return 2
     return 1
@@ -214,66 +289,113 @@ class Held:
     flops: float
 
 
-def working_memory(layer: nn.Module, inputs: tuple, loss_fn: Callable | None, target: torch.Tensor,
-                   device: torch.device = torch.device("cpu"), dtype: torch.dtype | None = None) -> Held:
+def working_memory(
+    layer: nn.Module,
+    inputs: tuple,
+    loss_fn: Callable | None,
+    target: torch.Tensor,
+    device: torch.device = torch.device("cpu"),
+    dtype: torch.dtype | None = None,
+) -> Held:
     """Run ``layer`` with autograd the way the engine's recompute does (on copies
     of its weights and buffers on ``device``, so nothing of the model changes,
     and with the random generators restored after) and meter what autograd
     saves. The input is passed as a non-leaf, as inside a pack, so that keeping
     it counts. ``dtype``: under ``torch.autocast``, with activations in it."""
+
     def copy(t: torch.Tensor) -> torch.Tensor:
         t = t.detach().to(device, copy=True)
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     norms = norm_tensor_names(layer)
-    weights = {n: (p.detach().to(device, copy=True) if n in norms else copy(p)).requires_grad_(p.requires_grad)
-               for n, p in layer.named_parameters()}
-    weights.update({n: b.detach().to(device, copy=True) if n in norms else copy(b)
-                    for n, b in layer.named_buffers()})
-    leaves = tuple(copy(t).requires_grad_(True) if t.is_floating_point() else copy(t) for t in inputs)
+    weights = {
+        n: (p.detach().to(device, copy=True) if n in norms else copy(p)).requires_grad_(
+            p.requires_grad
+        )
+        for n, p in layer.named_parameters()
+    }
+    weights.update(
+        {
+            n: b.detach().to(device, copy=True) if n in norms else copy(b)
+            for n, b in layer.named_buffers()
+        }
+    )
+    leaves = tuple(
+        copy(t).requires_grad_(True) if t.is_floating_point() else copy(t) for t in inputs
+    )
     xs = tuple(t.view_as(t) if t.requires_grad else t for t in leaves)
     target = target.to(device, copy=True)
-    meter = SavedBytes(exclude=[*weights.values(), target])  # as the engine's: see StepRun.backward
+    meter = SavedBytes(
+        exclude=[*weights.values(), target]
+    )  # as the engine's: see StepRun.backward
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices), meter, torch.enable_grad(), FlopCounterMode(display=False) as flops, \
-            torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+    with (
+        torch.random.fork_rng(devices),
+        meter,
+        torch.enable_grad(),
+        FlopCounterMode(display=False) as flops,
+        torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
+    ):
         out = as_args(functional_call(layer, weights, xs))
         if loss_fn is not None:
             loss_fn(*out, target)
 
     def kept(tensors) -> float:
-        keys = {storage_key(t): t.untyped_storage().nbytes() for t in tensors
-                if isinstance(t, torch.Tensor) and storage_key(t) in meter.seen}
+        keys = {
+            storage_key(t): t.untyped_storage().nbytes()
+            for t in tensors
+            if isinstance(t, torch.Tensor) and storage_key(t) in meter.seen
+        }
         return float(sum(keys.values()))
 
-    return Held(float(meter.total), kept(leaves), 0.0 if loss_fn is not None else kept(out),
-                float(flops.get_total_flops()))
+    return Held(
+        float(meter.total),
+        kept(leaves),
+        0.0 if loss_fn is not None else kept(out),
+        float(flops.get_total_flops()),
+    )
 
 
 def check_loss(loss_fn: Callable, output: tuple, target: torch.Tensor) -> None:
     """The loss of the model's output on the first samples must be a scalar tensor
     that autograd can differentiate: say what is wrong before anything runs."""
-    out = tuple(t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                else t for t in output)
+    out = tuple(
+        t.detach().requires_grad_(True)
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+        else t
+        for t in output
+    )
     shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in out)
-    how = ("loss_fn(output, target) must return the mean loss of the microbatch as a scalar tensor, "
-           "e.g. torch.nn.functional.cross_entropy(output, target)")
+    how = (
+        "loss_fn(output, target) must return the mean loss of the microbatch as a scalar tensor, "
+        "e.g. torch.nn.functional.cross_entropy(output, target)"
+    )
     try:
         with torch.enable_grad():
-            loss = loss_fn(*out, target[:len(out[0])])
+            loss = loss_fn(*out, target[: len(out[0])])
     except Exception as e:  # the user's loss function on the user's data
+        tuple_note = (
+            "The last layer returns a tuple, whose elements are passed as separate arguments. "
+            if len(out) > 1
+            else ""
+        )
         raise HarmonyError(
-            f"the loss function fails on the model's output ({shapes}) and the target "
-            f"(per sample {tuple(target.shape[1:])} {target.dtype}): {type(e).__name__}: {e}. "
-            f"{'The last layer returns a tuple, whose elements are passed as separate arguments. ' if len(out) > 1 else ''}"
-            f"{how}"
+            f"the loss function fails on the model's output ({shapes}) and the target (per sample "
+            f"{tuple(target.shape[1:])} {target.dtype}): {type(e).__name__}: {e}. "
+            f"{tuple_note}{how}"
         ) from None
     if not isinstance(loss, torch.Tensor):
-        raise HarmonyError(f"the loss function returned a {type(loss).__name__}, not a tensor: {how} "
-                           "(without .item() or float())")
+        raise HarmonyError(
+            f"the loss function returned a {type(loss).__name__}, not a tensor: {how} "
+            "(without .item() or float())"
+        )
     if loss.numel() != 1:
-        raise HarmonyError(f"the loss function returned a tensor of shape {tuple(loss.shape)}, not a scalar "
-                           f"(reduction='none'?): {how}")
+        raise HarmonyError(
+            f"the loss function returned a tensor of shape {tuple(loss.shape)}, not a scalar "
+            f"(reduction='none'?): {how}"
+        )
     if not loss.is_floating_point() or not loss.requires_grad:
-        raise HarmonyError(f"the loss function returned a {loss.dtype} tensor that does not depend on the model's "
-                           f"output through autograd (detached?): {how}")
+        raise HarmonyError(
+            f"the loss function returned a {loss.dtype} tensor that does not depend on the "
+            f"model's output through autograd (detached?): {how}"
+        )

@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from ..errors import HarmonyError, OutOfMemoryError
+
 from ..costs.hardware import GB, Hardware, format_bytes, parse_bytes, parse_rate
+from ..errors import HarmonyError, OutOfMemoryError
 from .buffers import BufferPool
 
 
@@ -59,9 +60,18 @@ class EmulatedDevice:
     def hardware(self, cpu_update_bandwidth: float = 5 * GB, gpu_flops: float = 1e10) -> Hardware:
         """The :class:`Hardware` the planner and simulator see for this device."""
         return Hardware(
-            name=f"emulated-{self.memory}", n_gpus=1, gpu_memory=self.capacity, gpu_flops=gpu_flops,
-            h2d=self.h2d_rate, d2h=self.d2h_rate, uplink=max(self.h2d_rate, self.d2h_rate), gpus_per_switch=1,
-            p2p=None, cpu_update_bandwidth=cpu_update_bandwidth, cpu_update_workers=1, host_memory=10**12,
+            name=f"emulated-{self.memory}",
+            n_gpus=1,
+            gpu_memory=self.capacity,
+            gpu_flops=gpu_flops,
+            h2d=self.h2d_rate,
+            d2h=self.d2h_rate,
+            uplink=max(self.h2d_rate, self.d2h_rate),
+            gpus_per_switch=1,
+            p2p=None,
+            cpu_update_bandwidth=cpu_update_bandwidth,
+            cpu_update_workers=1,
+            host_memory=10**12,
             notes="an emulated GPU: real CPU compute, ledger capacity, paced links",
         )
 
@@ -90,19 +100,33 @@ class EmulatedServer:
     def hardware(self, cpu_update_bandwidth: float = 5 * GB, gpu_flops: float = 1e10) -> Hardware:
         if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 1:
             raise HarmonyError(f"EmulatedServer needs gpus >= 1, got {self.gpus!r}")
-        if self.gpus_per_switch is not None and (not isinstance(self.gpus_per_switch, int)
-                                                 or not 1 <= self.gpus_per_switch <= self.gpus):
-            raise HarmonyError(f"gpus_per_switch must be between 1 and gpus ({self.gpus}), "
-                               f"got {self.gpus_per_switch!r}")
+        if self.gpus_per_switch is not None and (
+            not isinstance(self.gpus_per_switch, int) or not 1 <= self.gpus_per_switch <= self.gpus
+        ):
+            raise HarmonyError(
+                f"gpus_per_switch must be between 1 and gpus ({self.gpus}), "
+                f"got {self.gpus_per_switch!r}"
+            )
         one = self.device()
         per_switch = self.gpus_per_switch or self.gpus
-        uplink = (parse_rate(self.uplink, "emulated uplink bandwidth") if self.uplink is not None
-                  else per_switch * max(one.h2d_rate, one.d2h_rate))
+        uplink = (
+            parse_rate(self.uplink, "emulated uplink bandwidth")
+            if self.uplink is not None
+            else per_switch * max(one.h2d_rate, one.d2h_rate)
+        )
         return Hardware(
-            name=f"emulated-{self.gpus}x{self.memory}", n_gpus=self.gpus, gpu_memory=one.capacity,
-            gpu_flops=gpu_flops, h2d=one.h2d_rate, d2h=one.d2h_rate, uplink=uplink, gpus_per_switch=per_switch,
+            name=f"emulated-{self.gpus}x{self.memory}",
+            n_gpus=self.gpus,
+            gpu_memory=one.capacity,
+            gpu_flops=gpu_flops,
+            h2d=one.h2d_rate,
+            d2h=one.d2h_rate,
+            uplink=uplink,
+            gpus_per_switch=per_switch,
             p2p=None if self.p2p is None else parse_rate(self.p2p, "emulated p2p bandwidth"),
-            cpu_update_bandwidth=cpu_update_bandwidth, cpu_update_workers=self.gpus, host_memory=10**12,
+            cpu_update_bandwidth=cpu_update_bandwidth,
+            cpu_update_workers=self.gpus,
+            host_memory=10**12,
             notes="emulated GPUs: real CPU compute, ledger capacity, paced links",
         )
 
@@ -161,8 +185,9 @@ class Ledger:
             if self.capacity is not None and self.in_use + nbytes > self.capacity:
                 raise OutOfMemoryError(
                     f"{self.device} out of memory: {what} needs {format_bytes(nbytes)} but only "
-                    f"{format_bytes(self.capacity - self.in_use)} of {format_bytes(self.capacity)} are free. "
-                    "Use a plan with smaller microbatches or more (smaller) packs."
+                    f"{format_bytes(self.capacity - self.in_use)} of "
+                    f"{format_bytes(self.capacity)} are free. Use a plan with smaller "
+                    "microbatches or more (smaller) packs."
                 )
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
@@ -201,7 +226,8 @@ class Backend:
 
     kind = "cpu"
     paced = False  # copies are paced to the emulated link bandwidths
-    copies = False  # False: the device computes on host memory as it is (a tensor "moved" is the same tensor)
+    # False: the device computes on host memory as it is (a tensor "moved" is the same tensor)
+    copies = False
 
     def __init__(self, name: str = "gpu0"):
         self.name = name
@@ -237,8 +263,10 @@ class CudaBackend(Backend):
     def __init__(self, device: str, name: str = "gpu0"):
         super().__init__(name)
         if not torch.cuda.is_available():
-            raise HarmonyError(f"device {device!r} asked for, but this torch has no CUDA device "
-                               "(use harmony.EmulatedDevice(...) or 'cpu')")
+            raise HarmonyError(
+                f"device {device!r} asked for, but this torch has no CUDA device "
+                "(use harmony.EmulatedDevice(...) or 'cpu')"
+            )
         self.torch_device = torch.device(device)
         self.ledger = Ledger(name, None)
         self.pool = None
@@ -270,10 +298,14 @@ def make_backends(device) -> list[Backend]:
         return [Backend()]
     if isinstance(device, str) and device.startswith("cuda"):
         return [CudaBackend(device)]
-    if isinstance(device, (list, tuple)) and device and all(isinstance(d, str) and d.startswith("cuda")
-                                                            for d in device):
+    if (
+        isinstance(device, (list, tuple))
+        and device
+        and all(isinstance(d, str) and d.startswith("cuda") for d in device)
+    ):
         return [CudaBackend(d, f"gpu{i}") for i, d in enumerate(device)]
     raise HarmonyError(
-        f"unknown device {device!r}: use 'cpu', 'cuda:N', a list of 'cuda:N', harmony.EmulatedDevice(memory=..., "
-        "h2d=..., d2h=...) or harmony.EmulatedServer(gpus=..., ...)"
+        f"unknown device {device!r}: use 'cpu', 'cuda:N', a list of 'cuda:N', "
+        "harmony.EmulatedDevice(memory=..., h2d=..., d2h=...) or "
+        "harmony.EmulatedServer(gpus=..., ...)"
     )

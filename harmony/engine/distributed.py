@@ -74,7 +74,10 @@ class GradientSync:
             while not self._failed and self.order[self._turn] != key:
                 self._cond.wait()
             if self._failed:
-                raise HarmonyError(f"the update of pack {key[0]} was not run: an earlier update of this step failed")
+                raise HarmonyError(
+                    f"the update of pack {key[0]} was not run: an earlier update of this step "
+                    "failed"
+                )
         try:
             yield
         except BaseException:
@@ -86,7 +89,9 @@ class GradientSync:
             self._turn += 1
             self._cond.notify_all()
 
-    def average(self, key: tuple[int, int], params: list[torch.Tensor], poison: bool = False) -> None:
+    def average(
+        self, key: tuple[int, int], params: list[torch.Tensor], poison: bool = False
+    ) -> None:
         """Average the gradients of ``params`` with the other servers' (inside
         :meth:`update`); with ``poison``, this server's share is NaN (its step
         failed), so every server's average is. Gradients that lie in one run of
@@ -94,25 +99,36 @@ class GradientSync:
         place; others through one gathered copy."""
         grads = [p.grad for p in params]
         runs = copy_runs([(g, g) for g in grads]) if all(g is not None for g in grads) else []
-        flat = runs[0][0] if len(runs) == 1 else torch.cat(
-            [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]
-            if params else [torch.zeros(0)])
+        flat = (
+            runs[0][0]
+            if len(runs) == 1
+            else torch.cat(
+                [
+                    (g if g is not None else torch.zeros_like(p)).reshape(-1)
+                    for g, p in zip(grads, params)
+                ]
+                if params
+                else [torch.zeros(0)]
+            )
+        )
         if poison:
             flat.fill_(float("nan"))
         try:
             dist.all_reduce(flat, group=self.group)
         except RuntimeError as e:
-            raise HarmonyError(f"all-reduce of the gradients of pack {key[0]} failed: another server stopped or "
-                               f"timed out ({e})") from None
+            raise HarmonyError(
+                f"all-reduce of the gradients of pack {key[0]} failed: another server stopped or "
+                f"timed out ({e})"
+            ) from None
         flat /= self.world
         if len(runs) != 1:  # a gathered copy: back into the gradients
             at = 0
             for p in params:
                 n = p.numel()
                 if p.grad is None:
-                    p.grad = flat[at:at + n].view_as(p).clone()
+                    p.grad = flat[at : at + n].view_as(p).clone()
                 else:
-                    p.grad.copy_(flat[at:at + n].view_as(p))
+                    p.grad.copy_(flat[at : at + n].view_as(p))
                 at += n
 
 
@@ -122,8 +138,10 @@ def check_same_plan(plan: Plan, group=None) -> None:
     digests: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, digest, group=group)
     if len(set(digests)) != 1:
-        raise HarmonyError("servers run different plans; give every server the same plan (or plan='auto' "
-                           "with identical models and minibatch sizes)")
+        raise HarmonyError(
+            "servers run different plans; give every server the same plan (or plan='auto' "
+            "with identical models and minibatch sizes)"
+        )
 
 
 def broadcast_weights(module: torch.nn.Module, group=None) -> None:

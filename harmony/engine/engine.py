@@ -27,24 +27,31 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..costs.hardware import Hardware
+from ..costs.spec import ModelSpec
 from ..errors import HarmonyError, NonFiniteError
 from ..graph import TaskGraph
-from ..costs.hardware import Hardware
 from ..plan import Plan, layer_shard
-from ..policies import POLICIES, build_graph, update_shards
+from ..policies import POLICIES, build_graph, get_policy, update_shards
 from ..simulate import play, simulate_graph
-from ..costs.spec import ModelSpec
 from ..trace import Trace
+from .buffers import BufferPool, HostLayout
+from .calibrate import calibrate
 from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from .decompose import decompose
 from .describe import describe, microbatch_dependence, norm_tensor_names
-from .buffers import BufferPool, HostLayout
-from .calibrate import calibrate
 from .devices import Backend, make_backends
 from .host_memory import check_host_memory
 from .reference_loop import as_args
 from .state import FORMAT as STATE_FORMAT
-from .state import apply_state, check_state, engine_state, load_optimizer_state, optimizer_state, param_names
+from .state import (
+    apply_state,
+    check_state,
+    engine_state,
+    load_optimizer_state,
+    optimizer_state,
+    param_names,
+)
 from .updates import UpdateJournal, optimizer_params
 
 NONFINITE = ("raise", "skip")
@@ -88,10 +95,22 @@ class Engine:
     checkpoint continues bitwise as if it had never stopped.
     """
 
-    def __init__(self, model, optimizer: Callable, loss_fn: Callable, device="cpu", minibatch_size: int = 32,
-                 plan: Plan | str = "auto", seed: int = 0, safe_updates: bool = True,
-                 distributed: bool | None = None, nonfinite: str = "raise", precision: str = "fp32",
-                 spec: ModelSpec | None = None, hardware: Hardware | None = None):
+    def __init__(
+        self,
+        model,
+        optimizer: Callable,
+        loss_fn: Callable,
+        device="cpu",
+        minibatch_size: int = 32,
+        plan: Plan | str = "auto",
+        seed: int = 0,
+        safe_updates: bool = True,
+        distributed: bool | None = None,
+        nonfinite: str = "raise",
+        precision: str = "fp32",
+        spec: ModelSpec | None = None,
+        hardware: Hardware | None = None,
+    ):
         if nonfinite not in NONFINITE:
             raise HarmonyError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         if precision not in PRECISIONS:
@@ -99,10 +118,15 @@ class Engine:
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise HarmonyError(f"seed must be a non-negative integer, got {seed!r}")
         if not callable(optimizer):
-            raise HarmonyError(f"optimizer must be a factory such as lambda params: torch.optim.AdamW(params, "
-                               f"lr=3e-4), got {type(optimizer).__name__}")
+            raise HarmonyError(
+                f"optimizer must be a factory such as lambda params: torch.optim.AdamW(params, "
+                f"lr=3e-4), got {type(optimizer).__name__}"
+            )
         if not callable(loss_fn):
-            raise HarmonyError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+            raise HarmonyError(
+                "loss_fn must be callable as loss_fn(output, target), got "
+                f"{type(loss_fn).__name__}"
+            )
         self.chain = decompose(model)
         self.layers: list[nn.Module] = list(self.chain.layers)
         check_on_host(self.layers)
@@ -134,19 +158,31 @@ class Engine:
         # Layers that draw random numbers: with several compute threads, seeding the
         # generator and running such a layer must not interleave. A layer whose dropout
         # is functional (no module to find) says so with draws_random (see decompose).
-        self.random_layers = {i for i, layer in enumerate(self.layers)
-                              if getattr(layer, "draws_random", False)
-                              or any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-                                     for m in layer.modules())}
+        self.random_layers = {
+            i
+            for i, layer in enumerate(self.layers)
+            if getattr(layer, "draws_random", False)
+            or any(
+                isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in layer.modules()
+            )
+        }
         self.rng_lock = threading.Lock()
         self._replicas: dict[tuple[int, int], nn.Module] = {}
         self._replica_lock = threading.Lock()
-        if not isinstance(minibatch_size, int) or isinstance(minibatch_size, bool) or minibatch_size < 1:
-            raise HarmonyError(f"minibatch_size must be a positive integer, got {minibatch_size!r}")
+        if (
+            not isinstance(minibatch_size, int)
+            or isinstance(minibatch_size, bool)
+            or minibatch_size < 1
+        ):
+            raise HarmonyError(
+                f"minibatch_size must be a positive integer, got {minibatch_size!r}"
+            )
         self.minibatch_size = minibatch_size
         self.seed = seed
         self.safe_updates = safe_updates
-        self.journal = UpdateJournal()  # what a step's updates changed, to undo it if the step fails
+        self.journal = (
+            UpdateJournal()
+        )  # what a step's updates changed, to undo it if the step fails
         self.nonfinite = nonfinite
         self.precision = precision
         self.compute_dtype: torch.dtype | None = PRECISIONS[precision]
@@ -160,21 +196,31 @@ class Engine:
         self._optimizer_factory = optimizer
         self.plan: Plan | None = None
         if spec is not None and not isinstance(spec, ModelSpec):
-            raise HarmonyError(f"spec must be a harmony.ModelSpec (e.g. from harmony.profile), got {type(spec).__name__}")
+            raise HarmonyError(
+                "spec must be a harmony.ModelSpec (e.g. from harmony.profile), got "
+                f"{type(spec).__name__}"
+            )
         if hardware is not None and not isinstance(hardware, Hardware):
-            raise HarmonyError(f"hardware must be a harmony.Hardware, got {type(hardware).__name__}")
+            raise HarmonyError(
+                f"hardware must be a harmony.Hardware, got {type(hardware).__name__}"
+            )
         self.spec = None  # sizes of the chain, from the first minibatch
         # the cost model with times the graph is played with (the memory order): given,
         # or measured when plan="auto" profiles; None: the sizes, with FLOP-rate times
         self.profile = spec
         self._hardware = hardware
-        self.optimizers: dict[tuple[int, int], torch.optim.Optimizer | None] = {}  # (pack, shard) ->
+        self.optimizers: dict[
+            tuple[int, int], torch.optim.Optimizer | None
+        ] = {}  # (pack, shard) ->
         self._graph_cache: TaskGraph | None = None
         self._memory_order: dict | None = None  # of the cached graph's buffers, per device
         self._batch_kinds: tuple | None = None  # shapes and dtypes of the first minibatch
         if distributed is None:
-            distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            distributed = (
+                torch.distributed.is_available()
+                and torch.distributed.is_initialized()
                 and torch.distributed.get_world_size() > 1
+            )
         self.distributed = distributed
         self.sync = None  # GradientSync across servers, once a plan is set
         if distributed:
@@ -202,7 +248,10 @@ class Engine:
         the engine takes device memory in this play's order, so its peak is this
         trace's peak."""
         if self._graph_cache is None:
-            raise HarmonyError("the engine has no graph yet: it is made from the first minibatch; run a step first")
+            raise HarmonyError(
+                "the engine has no graph yet: it is made from the first minibatch; run a step "
+                "first"
+            )
         return simulate_graph(self._graph_cache)
 
     def set_plan(self, plan: Plan) -> None:
@@ -211,27 +260,40 @@ class Engine:
         if not isinstance(plan, Plan):
             raise HarmonyError(f"plan must be a harmony.Plan, got {type(plan).__name__}")
         plan.validate(len(self.layers))
+        get_policy(plan.policy)  # an unknown or renamed policy: a clear error
         if plan.policy not in POLICIES:
-            raise HarmonyError(f"the engine runs the policies {', '.join(POLICIES)}; got {plan.policy!r}")
+            raise HarmonyError(
+                f"the engine runs the policies {', '.join(POLICIES)}; got {plan.policy!r}"
+            )
         if plan.n_gpus != len(self.backends):
-            raise HarmonyError(f"plan is for {plan.n_gpus} GPUs but the engine has {len(self.backends)} "
-                               f"({', '.join(b.name for b in self.backends)})")
+            raise HarmonyError(
+                f"plan is for {plan.n_gpus} GPUs but the engine has {len(self.backends)} "
+                f"({', '.join(b.name for b in self.backends)})"
+            )
         if plan.minibatch != self.minibatch_size:
-            raise HarmonyError(f"plan is for minibatch {plan.minibatch} but the engine's is {self.minibatch_size}")
+            raise HarmonyError(
+                f"plan is for minibatch {plan.minibatch} but the engine's is {self.minibatch_size}"
+            )
+        if plan.option("precision") not in (None, self.precision):
+            raise HarmonyError(
+                f"plan is for precision {plan.option('precision')!r} but the engine's is "
+                f"{self.precision!r}: make the engine with precision={plan.option('precision')!r}"
+            )
         if plan.fwd_microbatch != plan.bwd_microbatch:
             why = microbatch_dependence(self.layers)
             if why is not None:
                 raise HarmonyError(
-                    f"forward and backward microbatch sizes must be equal (got {plan.fwd_microbatch} and "
-                    f"{plan.bwd_microbatch}) for a model with {why}"
+                    "forward and backward microbatch sizes must be equal (got "
+                    f"{plan.fwd_microbatch} and {plan.bwd_microbatch}) for a model with {why}"
                 )
         optimizers = {}
         for key, params in self._params_per_update(plan).items():
             opt = self._optimizer_factory(params) if params else None
             if params and not isinstance(opt, torch.optim.Optimizer):
                 raise HarmonyError(
-                    f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer: "
-                    "pass e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)"
+                    f"optimizer factory returned {type(opt).__name__}, not a "
+                    "torch.optim.Optimizer: pass e.g. lambda params: torch.optim.AdamW(params, "
+                    "lr=3e-4)"
                 )
             if params:
                 check_optimizer_holds(opt, params)
@@ -242,7 +304,10 @@ class Engine:
             from .distributed import GradientSync, check_same_plan
 
             check_same_plan(plan)
-            order = sorted((k for k, opt in optimizers.items() if opt is not None), key=lambda k: (-k[0], k[1]))
+            order = sorted(
+                (k for k, opt in optimizers.items() if opt is not None),
+                key=lambda k: (-k[0], k[1]),
+            )
             self.sync = GradientSync(order)
         self.plan, self.optimizers, self._graph_cache = plan, optimizers, None
         for pool in [b.pool for b in self.backends if b.pool is not None] + [self.host_pool]:
@@ -260,22 +325,31 @@ class Engine:
         last, the one with the lowest layers: the packs before it only add their
         gradient to the host copy, so it is stepped once, with the sum."""
         k = update_shards(plan)
-        units = [((q, r), layer_shard(pack, r, k)) for q, pack in enumerate(plan.bwd_packs) for r in range(k)]
+        units = [
+            ((q, r), layer_shard(pack, r, k))
+            for q, pack in enumerate(plan.bwd_packs)
+            for r in range(k)
+        ]
         owner: dict[int, tuple[int, int]] = {}
         for key, layers in units:
             for i in layers:
                 for p in self.layers[i].parameters():
                     if id(p) in owner and owner[id(p)][0] == key[0] and owner[id(p)] != key:
                         raise HarmonyError(
-                            "tied weights inside one backward pack are not supported with data parallel "
-                            "updates; put the tied layers in different packs or use harmony-pp"
+                            "tied weights inside one backward pack are not supported with data "
+                            "parallel updates; put the tied layers in different packs or use "
+                            "harmony-pp"
                         )
                     owner.setdefault(id(p), key)
         out: dict[tuple[int, int], list[nn.Parameter]] = {}
         for key, layers in units:
             seen: set[int] = set()
-            out[key] = [p for i in layers for p in self.layers[i].parameters()
-                        if owner[id(p)] == key and not (id(p) in seen or seen.add(id(p)))]
+            out[key] = [
+                p
+                for i in layers
+                for p in self.layers[i].parameters()
+                if owner[id(p)] == key and not (id(p) in seen or seen.add(id(p)))
+            ]
         return out
 
     def split_ties(self, start: int, stop: int) -> list[tuple[int, str, nn.Parameter]]:
@@ -307,10 +381,25 @@ class Engine:
 
     def _graph(self, inputs: tuple, target: torch.Tensor) -> TaskGraph:
         if self.spec is None:
-            planned = [] if self.plan is None else [b - a for mbs in (self.plan.fwd_microbatches(),
-                                                                       self.plan.bwd_microbatches()) for a, b in mbs]
-            self.spec = describe(self.layers, inputs, target, name=type(self.model).__name__, loss_fn=self.loss_fn,
-                                 device=self.backend.torch_device, dtype=self.compute_dtype, sizes=planned)
+            planned = (
+                []
+                if self.plan is None
+                else [
+                    b - a
+                    for mbs in (self.plan.fwd_microbatches(), self.plan.bwd_microbatches())
+                    for a, b in mbs
+                ]
+            )
+            self.spec = describe(
+                self.layers,
+                inputs,
+                target,
+                name=type(self.model).__name__,
+                loss_fn=self.loss_fn,
+                device=self.backend.torch_device,
+                dtype=self.compute_dtype,
+                sizes=planned,
+            )
             if self.profile is not None:
                 check_same_sizes(self.profile, self.spec)
         if self.plan is None:
@@ -318,13 +407,18 @@ class Engine:
 
             self.set_plan(auto_plan(self, inputs, target))
         if self._graph_cache is None:
-            smallest = min(b - a for mbs in (self.plan.fwd_microbatches(), self.plan.bwd_microbatches())
-                           for a, b in mbs)
+            smallest = min(
+                b - a
+                for mbs in (self.plan.fwd_microbatches(), self.plan.bwd_microbatches())
+                for a, b in mbs
+            )
             if smallest < self.spec.min_microbatch:
                 raise HarmonyError(
-                    f"plan {self.plan.describe()} runs microbatches of {smallest} sample(s), but this model trains "
-                    f"on {self.spec.min_microbatch} at least (a BatchNorm over features needs more than one value "
-                    "per channel): use larger microbatches (a divisor of the minibatch)")
+                    f"plan {self.plan.describe()} runs microbatches of {smallest} sample(s), but "
+                    f"this model trains on {self.spec.min_microbatch} at least (a BatchNorm over "
+                    "features needs more than one value per channel): use larger microbatches (a "
+                    "divisor of the minibatch)"
+                )
             # the profile has the same sizes as the description, and times: the play
             # that fixes the memory order then resembles the run
             graph = build_graph(self.profile or self.spec, self.hardware(), self.plan)
@@ -344,22 +438,33 @@ class Engine:
         kinds = _kinds(inputs, target)
         first = self._batch_kinds
         if first is not None and kinds != first:
-            def show(ks):
-                return ", ".join(f"[B, {', '.join(map(str, shape))}] {dtype}" for shape, dtype in ks)
 
-            raise HarmonyError(f"this minibatch's inputs and target are {show(kinds)}, but the engine was set up "
-                               f"for {show(first)}; give every step minibatches of the same shapes and dtypes")
+            def show(ks):
+                return ", ".join(
+                    f"[B, {', '.join(map(str, shape))}] {dtype}" for shape, dtype in ks
+                )
+
+            raise HarmonyError(
+                f"this minibatch's inputs and target are {show(kinds)}, but the engine was set up "
+                f"for {show(first)}; give every step minibatches of the same shapes and dtypes"
+            )
 
     def step(self, inputs, target: torch.Tensor) -> float:
         """One synchronous SGD iteration over a minibatch; returns its mean loss."""
         from .step import StepRun
 
         inputs = as_args(inputs)
-        if not isinstance(target, torch.Tensor) or not all(isinstance(t, torch.Tensor) for t in inputs):
+        if not isinstance(target, torch.Tensor) or not all(
+            isinstance(t, torch.Tensor) for t in inputs
+        ):
             given = ", ".join(type(t).__name__ for t in (*inputs, target))
-            raise HarmonyError(f"step(inputs, target) takes torch tensors (inputs: a tensor or a tuple of "
-                               f"tensors), got {given}; convert with torch.as_tensor")
-        if target.shape[0] != self.minibatch_size or any(t.shape[0] != self.minibatch_size for t in inputs):
+            raise HarmonyError(
+                f"step(inputs, target) takes torch tensors (inputs: a tensor or a tuple of "
+                f"tensors), got {given}; convert with torch.as_tensor"
+            )
+        if target.shape[0] != self.minibatch_size or any(
+            t.shape[0] != self.minibatch_size for t in inputs
+        ):
             raise HarmonyError(
                 f"expected a minibatch of {self.minibatch_size} samples (dimension 0), got inputs "
                 f"{[tuple(t.shape) for t in inputs]} and target {tuple(target.shape)}"
@@ -373,18 +478,26 @@ class Engine:
         run = StepRun(self, graph, inputs, target, memory_order=self._memory_order)
         try:
             run.execute()
-        except NonFiniteError as err:
+        except NonFiniteError as caught:
             run.roll_back()
-            if run.poisoned is not None:  # every server finds a non-finite gradient; this one says why
-                err = NonFiniteError(f"{run.poisoned} on this server; averaged into every server's gradient, "
-                                     "so every server skips the step", "gradient")
-            if self.loss_scale != 1.0 and err.what == "gradient":  # fp16 overflow: a smaller scale next time
+            err = caught
+            if run.poisoned is not None:
+                # every server finds a non-finite gradient; this one says why
+                err = NonFiniteError(
+                    f"{run.poisoned} on this server; averaged into every server's gradient, "
+                    "so every server skips the step",
+                    "gradient",
+                )
+            if self.loss_scale != 1.0 and err.what == "gradient":
+                # fp16 overflow: a smaller scale next time
                 self.loss_scale /= 2
                 self.good_steps = 0
             elif self.nonfinite == "raise":
                 raise err from None
             else:
-                warnings.warn(f"step {self.step_count} skipped, weights unchanged: {err}", stacklevel=2)
+                warnings.warn(
+                    f"step {self.step_count} skipped, weights unchanged: {err}", stacklevel=2
+                )
             self.step_count += 1
             self.skipped_steps += 1
             return float("nan")
@@ -423,8 +536,16 @@ class Engine:
         return write_checkpoint(path, self.state_dict())
 
     @classmethod
-    def load(cls, path, model, optimizer: Callable, loss_fn: Callable, device="cpu",
-             plan: Plan | None = None, **kwargs) -> "Engine":
+    def load(
+        cls,
+        path,
+        model,
+        optimizer: Callable,
+        loss_fn: Callable,
+        device="cpu",
+        plan: Plan | None = None,
+        **kwargs,
+    ) -> "Engine":
         """An engine that continues the run saved in ``path`` with ``model`` (built
         the same way as the saved one; its weights are overwritten), the same
         minibatch size and seed, and the saved plan unless ``plan`` is given."""
@@ -432,8 +553,16 @@ class Engine:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise CheckpointError(f"{path} is a checkpoint but not of an engine's state")
         kwargs.setdefault("precision", state["precision"])
-        engine = cls(model, optimizer, loss_fn, device=device, minibatch_size=state["minibatch_size"],
-                     plan="auto", seed=state["seed"], **kwargs)
+        engine = cls(
+            model,
+            optimizer,
+            loss_fn,
+            device=device,
+            minibatch_size=state["minibatch_size"],
+            plan="auto",
+            seed=state["seed"],
+            **kwargs,
+        )
         engine._continue(state, plan, str(path))
         return engine
 
@@ -445,29 +574,38 @@ def check_on_host(layers: list[nn.Module]) -> None:
         for name, t in (*layer.named_parameters(), *layer.named_buffers()):
             if t.device.type == "meta":
                 raise HarmonyError(
-                    f"layer {i} ({type(layer).__name__}) has {name} on the meta device, which holds no values: "
-                    "build the model on the CPU (e.g. harmony.zoo.build(name, device='cpu')) or load its weights "
-                    "first (module.to_empty(device='cpu') and a state_dict)")
+                    f"layer {i} ({type(layer).__name__}) has {name} on the meta device, which "
+                    "holds no values: build the model on the CPU (e.g. harmony.zoo.build(name, "
+                    "device='cpu')) or load its weights first (module.to_empty(device='cpu') and "
+                    "a state_dict)"
+                )
             if t.device.type != "cpu":
                 raise HarmonyError(
-                    f"layer {i} ({type(layer).__name__}) has {name} on {t.device}: the engine keeps the model in "
-                    "host memory and moves packs to the devices itself; pass the model on the CPU "
-                    "(model.to('cpu')) and the GPUs as device=")
+                    f"layer {i} ({type(layer).__name__}) has {name} on {t.device}: the engine "
+                    "keeps the model in host memory and moves packs to the devices itself; pass "
+                    "the model on the CPU (model.to('cpu')) and the GPUs as device="
+                )
 
 
 def check_same_sizes(given: ModelSpec, described: ModelSpec) -> None:
     """A cost model given to the engine must be of its chain, in its precision."""
     if len(given) != len(described):
-        raise HarmonyError(f"the spec given has {len(given)} layers but the model has {len(described)}: "
-                           "give the spec harmony.profile made of this model's layers")
+        raise HarmonyError(
+            f"the spec given has {len(given)} layers but the model has {len(described)}: "
+            "give the spec harmony.profile made of this model's layers"
+        )
     for i, (a, b) in enumerate(zip(given.layers, described.layers)):
-        if (given.weight_bytes(i, i + 1), given.input_bytes(i, 1)) != (described.weight_bytes(i, i + 1),
-                                                                        described.input_bytes(i, 1)):
+        if (given.weight_bytes(i, i + 1), given.input_bytes(i, 1)) != (
+            described.weight_bytes(i, i + 1),
+            described.input_bytes(i, 1),
+        ):
             raise HarmonyError(
-                f"layer {i} of the spec given ({a.name}) has other sizes than the model's ({b.name}): "
-                f"{given.weight_bytes(i, i + 1)} vs {described.weight_bytes(i, i + 1)} bytes of weights, "
-                f"{given.input_bytes(i, 1)} vs {described.input_bytes(i, 1)} bytes of input per sample; give the "
-                "spec harmony.profile made of this model, in the engine's precision")
+                f"layer {i} of the spec given ({a.name}) has other sizes than the model's "
+                f"({b.name}): {given.weight_bytes(i, i + 1)} vs "
+                f"{described.weight_bytes(i, i + 1)} bytes of weights, {given.input_bytes(i, 1)} "
+                f"vs {described.input_bytes(i, 1)} bytes of input per sample; give the spec "
+                "harmony.profile made of this model, in the engine's precision"
+            )
 
 
 def check_optimizer_holds(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
@@ -480,10 +618,10 @@ def check_optimizer_holds(opt: torch.optim.Optimizer, params: list[nn.Parameter]
     missing = len(given - {id(p) for p in held})
     if foreign or missing or len(held) != len({id(p) for p in held}):
         raise HarmonyError(
-            f"the optimizer factory was given {len(given)} parameters but built an optimizer over {len(held)} "
-            f"({foreign} not among those given, {missing} of those given left out): build it over the "
-            "parameters passed in, e.g. lambda params: torch.optim.AdamW(params, lr=3e-4), not over "
-            "model.parameters()"
+            f"the optimizer factory was given {len(given)} parameters but built an optimizer over "
+            f"{len(held)} ({foreign} not among those given, {missing} of those given left out): "
+            "build it over the parameters passed in, e.g. lambda params: "
+            "torch.optim.AdamW(params, lr=3e-4), not over model.parameters()"
         )
 
 
@@ -496,7 +634,9 @@ def weightless_copy(layer: nn.Module) -> nn.Module:
     and untie shared ones)."""
     memo: dict[int, object] = {}
     for p in layer.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(
+            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+        )
     for b in layer.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(layer, memo)

@@ -28,7 +28,12 @@ from .admission import MemoryOrder
 
 
 class Executor:
-    def __init__(self, graph: TaskGraph, run_task: Callable[[Task], None], admission: MemoryOrder | None = None):
+    def __init__(
+        self,
+        graph: TaskGraph,
+        run_task: Callable[[Task], None],
+        admission: MemoryOrder | None = None,
+    ):
         self.graph = graph
         self.run_task = run_task
         self.admission = admission
@@ -139,8 +144,12 @@ class Executor:
         plain training loop uses."""
         lanes = sorted(self._lanes, key=lambda lane: lane not in self._in_order)
         t0 = time.perf_counter() if t0 is None else t0
-        threads = [threading.Thread(target=self._lane, args=(lane, t0), name=f"harmony-{lane}", daemon=True)
-                   for lane in lanes[1:]]
+        threads = [
+            threading.Thread(
+                target=self._lane, args=(lane, t0), name=f"harmony-{lane}", daemon=True
+            )
+            for lane in lanes[1:]
+        ]
         for th in threads:
             th.start()
         if lanes:

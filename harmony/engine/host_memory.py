@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..costs.hardware import format_bytes
 from ..errors import HarmonyError
 from ..graph import ACT_IN, ACT_OUT, DATA_IN, P2P, STASH_IN, STASH_OUT, W_IN, TaskGraph
-from ..costs.hardware import format_bytes
 from .updates import optimizer_params
 
 if TYPE_CHECKING:
@@ -57,15 +57,27 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
             continue
         params = [p for p in optimizer_params(opt) if p.requires_grad]
         size = sum(p.numel() * p.element_size() for p in params)
-        grads += sum(p.numel() * p.element_size() for p in params if not engine.host_layout.has_grad_buffer(p))
+        grads += sum(
+            p.numel() * p.element_size()
+            for p in params
+            if not engine.host_layout.has_grad_buffer(p)
+        )
         optimizer += _state_slots(opt) * size
     moved = graph.bytes_by_kind()
-    stash, offloaded = moved.get(STASH_OUT, 0.0), moved.get(ACT_OUT, 0.0)  # the whole minibatch's, at once
+    stash, offloaded = (
+        moved.get(STASH_OUT, 0.0),
+        moved.get(ACT_OUT, 0.0),
+    )  # the whole minibatch's, at once
     emulated = 0.0
     if any(b.kind == "emulated" for b in engine.backends):
         emulated = sum(moved.get(kind, 0.0) for kind in (W_IN, DATA_IN, STASH_IN, ACT_IN, P2P))
-    return {"gradients": grads, "optimizer state": optimizer, "stashed inputs": stash,
-            "offloaded activations": offloaded, "emulated GPU buffers": emulated}
+    return {
+        "gradients": grads,
+        "optimizer state": optimizer,
+        "stashed inputs": stash,
+        "offloaded activations": offloaded,
+        "emulated GPU buffers": emulated,
+    }
 
 
 def check_host_memory(engine: "Engine", graph: TaskGraph, available: int | None = None) -> None:
@@ -77,7 +89,8 @@ def check_host_memory(engine: "Engine", graph: TaskGraph, available: int | None 
     if total > available:
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in need.items() if v)
         raise HarmonyError(
-            f"host memory: this plan needs {format_bytes(total)} more host memory ({parts}) but only "
-            f"{format_bytes(available)} are available. Free host memory, use an optimizer with less state "
-            "(e.g. SGD), or a plan that stashes less (fewer backward packs) or, on an emulated GPU, moves less."
+            f"host memory: this plan needs {format_bytes(total)} more host memory ({parts}) but "
+            f"only {format_bytes(available)} are available. Free host memory, use an optimizer "
+            "with less state (e.g. SGD), or a plan that stashes less (fewer backward packs) or, "
+            "on an emulated GPU, moves less."
         )

@@ -26,7 +26,9 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     a tensor counts its whole storage, which it keeps alive. ``charge`` is
     called with each new storage's bytes."""
 
-    def __init__(self, charge: Callable[[int], None] | None = None, exclude: Iterable[torch.Tensor] = ()):
+    def __init__(
+        self, charge: Callable[[int], None] | None = None, exclude: Iterable[torch.Tensor] = ()
+    ):
         self.seen: set = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
         self.total = 0
 
@@ -66,8 +68,12 @@ class WorkMeter:
         self.ledger.note_held(nbytes)
         over = self.held - self.declared
         if over > self.excess:
-            self.ledger.charge(over - self.excess, f"{self.what}, beyond the {format_bytes(self.declared)} of "
-                                                   "working memory its spec declared", declared=False)
+            self.ledger.charge(
+                over - self.excess,
+                f"{self.what}, beyond the {format_bytes(self.declared)} of "
+                "working memory its spec declared",
+                declared=False,
+            )
             self.excess = over
 
     def release(self, nbytes: float) -> None:

@@ -28,8 +28,13 @@ from .reference_loop import as_args
 from .step import SharedDevices, StepRun, memory_checks
 
 
-def train_many(engines: Sequence, batches: Sequence[Sequence[tuple]], server, schedule: str = "merged",
-               specs: Sequence[ModelSpec] | None = None) -> MultiRun:
+def train_many(
+    engines: Sequence,
+    batches: Sequence[Sequence[tuple]],
+    server,
+    schedule: str = "merged",
+    specs: Sequence[ModelSpec] | None = None,
+) -> MultiRun:
     """Train each engine on its minibatches, all together on ``server``'s emulated GPUs.
 
     ``engines``: one :class:`~harmony.engine.Engine` per model, each made for one
@@ -47,16 +52,25 @@ def train_many(engines: Sequence, batches: Sequence[Sequence[tuple]], server, sc
 
     engines, batches = list(engines), [list(b) for b in batches]
     if not isinstance(server, EmulatedServer):
-        raise HarmonyError(f"train_many runs on a harmony.EmulatedServer, got {type(server).__name__}")
+        raise HarmonyError(
+            f"train_many runs on a harmony.EmulatedServer, got {type(server).__name__}"
+        )
     if not engines:
         raise HarmonyError("no engines: give one harmony.Engine per model, each with a 1-GPU plan")
     if len(batches) != len(engines) or (specs is not None and len(specs) != len(engines)):
-        raise HarmonyError(f"{len(engines)} engines but {len(batches)} lists of minibatches"
-                           + ("" if specs is None else f" and {len(specs)} specs") + ": give one per engine")
+        raise HarmonyError(
+            f"{len(engines)} engines but {len(batches)} lists of minibatches"
+            + ("" if specs is None else f" and {len(specs)} specs")
+            + ": give one per engine"
+        )
     if len({id(e.model) for e in engines}) != len(engines):
-        raise HarmonyError("two engines train the same model object: give each engine its own model")
-    jobs = [_job_of(m, engine, data, None if specs is None else specs[m])
-            for m, (engine, data) in enumerate(zip(engines, batches))]
+        raise HarmonyError(
+            "two engines train the same model object: give each engine its own model"
+        )
+    jobs = [
+        _job_of(m, engine, data, None if specs is None else specs[m])
+        for m, (engine, data) in enumerate(zip(engines, batches))
+    ]
     sched = schedule_many(jobs, server.hardware(), schedule)
     return _Training(sched, engines, batches, server).run()
 
@@ -65,18 +79,28 @@ def _job_of(m: int, engine, data: list[tuple], spec: ModelSpec | None) -> Job:
 
     label = f"{m}:{type(engine.model).__name__}"
     if not isinstance(engine.plan, Plan):
-        raise HarmonyError(f"engine {label} has no plan: make it with plan=harmony.Plan(...) for one GPU")
+        raise HarmonyError(
+            f"engine {label} has no plan: make it with plan=harmony.Plan(...) for one GPU"
+        )
     if engine.sync is not None:
-        raise HarmonyError(f"engine {label} is distributed across servers; train_many runs on one server")
+        raise HarmonyError(
+            f"engine {label} is distributed across servers; train_many runs on one server"
+        )
     if not data:
         raise HarmonyError(f"engine {label} has no minibatches to train on")
     for x, y in data:
-        if y.shape[0] != engine.minibatch_size or any(t.shape[0] != engine.minibatch_size for t in as_args(x)):
-            raise HarmonyError(f"engine {label} takes minibatches of {engine.minibatch_size} samples, got "
-                               f"inputs {[tuple(t.shape) for t in as_args(x)]} and target {tuple(y.shape)}")
+        if y.shape[0] != engine.minibatch_size or any(
+            t.shape[0] != engine.minibatch_size for t in as_args(x)
+        ):
+            raise HarmonyError(
+                f"engine {label} takes minibatches of {engine.minibatch_size} samples, got "
+                f"inputs {[tuple(t.shape) for t in as_args(x)]} and target {tuple(y.shape)}"
+            )
     if spec is None:
         x, y = data[0]
-        spec = engine.spec or describe(engine.layers, as_args(x), y, name=type(engine.model).__name__)
+        spec = engine.spec or describe(
+            engine.layers, as_args(x), y, name=type(engine.model).__name__
+        )
     return Job(spec, engine.plan, steps=len(data), name=label)
 
 
@@ -91,8 +115,11 @@ class _Training:
         self.backends = {b.name: b for b in make_backends(server)}
         # the server's GPUs, shared by every model: their ledgers, their paced links, and
         # compute threads that may run concurrently (dropout seeds under the shared lock)
-        self.shared = SharedDevices(list(self.backends.values()), LinkPacer(sched.graph.links),
-                                    len(sched.graph.in_order_lanes()) > 1)
+        self.shared = SharedDevices(
+            list(self.backends.values()),
+            LinkPacer(sched.graph.links),
+            len(sched.graph.in_order_lanes()) > 1,
+        )
         self.left = Counter((m, s) for m, s, _ in sched.origin)
         self.running: dict[tuple[int, int], object] = {}
         self.done: dict[tuple[int, int], object] = {}
@@ -108,8 +135,11 @@ class _Training:
                 for i in range(len(engine.layers)):
                     engine.replica(k, i)  # made now, while no step is swapping weights in
         # the server's memory taken in the order the simulator played the merged graph
-        admission = MemoryOrder(self.sched.graph, play(self.sched.graph).order,
-                                {name: b.ledger for name, b in self.backends.items()})
+        admission = MemoryOrder(
+            self.sched.graph,
+            play(self.sched.graph).order,
+            {name: b.ledger for name, b in self.backends.items()},
+        )
         executor = Executor(self.sched.graph, self._task, admission)
         t0 = time.perf_counter()
         for b in self.backends.values():
@@ -123,7 +153,10 @@ class _Training:
         finally:
             for engine, lock in zip(self.engines, rng_locks):
                 engine.rng_lock = lock
-        losses = [[self.done[(m, s)].loss for s in range(len(data))] for m, data in enumerate(self.batches)]
+        losses = [
+            [self.done[(m, s)].loss for s in range(len(data))]
+            for m, data in enumerate(self.batches)
+        ]
         return MultiRun(self.sched, self._trace(executor, wall), losses)
 
     def _step(self, m: int, s: int):
@@ -132,7 +165,9 @@ class _Training:
             run = self.running.get((m, s))
             if run is None:
                 x, y = self.batches[m][s]
-                run = StepRun(self.engines[m], self.sched.views[(m, s)], as_args(x), y, self.shared)
+                run = StepRun(
+                    self.engines[m], self.sched.views[(m, s)], as_args(x), y, self.shared
+                )
                 self.running[(m, s)] = run
             return run
 
@@ -150,8 +185,14 @@ class _Training:
     def _trace(self, executor, wall: float) -> Trace:
         moved = [self.done[(m, s)].moved_task.get(i, 0.0) for m, s, i in self.sched.origin]
         return Trace.from_run(
-            self.sched.graph, executor.start, executor.end, moved,
+            self.sched.graph,
+            executor.start,
+            executor.end,
+            moved,
             {name: b.ledger.peak for name, b in self.backends.items()},
             {name: list(b.ledger.history) for name, b in self.backends.items()},
             capacity={name: float(b.ledger.capacity) for name, b in self.backends.items()},
-            iteration_s=wall, executor="engine", **memory_checks(self.backends.values()))
+            iteration_s=wall,
+            executor="engine",
+            **memory_checks(self.backends.values()),
+        )

@@ -33,8 +33,21 @@ def fused_kernel_available() -> bool:
     """Whether this torch has the fused AdamW kernel for CPU tensors (PyTorch >= 2.4)."""
     x = torch.zeros(1)
     try:
-        torch._fused_adamw_([x], [x.clone()], [x.clone()], [x.clone()], [], [torch.ones(())], lr=0.0, beta1=0.9,
-                            beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+        torch._fused_adamw_(
+            [x],
+            [x.clone()],
+            [x.clone()],
+            [x.clone()],
+            [],
+            [torch.ones(())],
+            lr=0.0,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.0,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
     except (AttributeError, NotImplementedError, RuntimeError):
         return False
     return True
@@ -80,19 +93,39 @@ class FlatAdamW(torch.optim.Optimizer):
     :class:`~harmony.errors.HarmonyError`.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
-                 fused: bool | None = None):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        fused: bool | None = None,
+    ):
         params = list(params)
         if not params:
-            raise HarmonyError("FlatAdamW got no parameters: pass the parameters to optimize, "
-                               "e.g. FlatAdamW(model.parameters())")
+            raise HarmonyError(
+                "FlatAdamW got no parameters: pass the parameters to optimize, "
+                "e.g. FlatAdamW(model.parameters())"
+            )
         if fused not in (None, True, False):
             raise HarmonyError(f"FlatAdamW: fused must be True, False or None, got {fused!r}")
         if fused and not fused_kernel_available():
-            raise HarmonyError(f"this torch ({torch.__version__}) has no fused AdamW kernel for CPU tensors "
-                               "(PyTorch >= 2.4 has one): use FlatAdamW(..., fused=False)")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+            raise HarmonyError(
+                f"this torch ({torch.__version__}) has no fused AdamW kernel for CPU tensors "
+                "(PyTorch >= 2.4 has one): use FlatAdamW(..., fused=False)"
+            )
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
         super().__init__(params, defaults)
         # How to step, not a hyperparameter: kept out of param_groups, so that loading
         # a state dict (torch.optim.AdamW's has a "fused" entry) does not change it.
@@ -104,7 +137,9 @@ class FlatAdamW(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_flat", {})  # unpickled: the moments are copied into new buffers at the next step
+        self.__dict__.setdefault(
+            "_flat", {}
+        )  # unpickled: the moments are copied into new buffers at the next step
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -113,8 +148,9 @@ class FlatAdamW(torch.optim.Optimizer):
         for p in group["params"]:
             if p.device.type != "cpu" or not p.is_floating_point():
                 raise HarmonyError(
-                    f"FlatAdamW steps real floating-point parameters in host memory; got a {p.dtype} parameter "
-                    f"of shape {tuple(p.shape)} on {p.device}: use torch.optim.AdamW for it (fused=True on a GPU)"
+                    "FlatAdamW steps real floating-point parameters in host memory; got a "
+                    f"{p.dtype} parameter of shape {tuple(p.shape)} on {p.device}: use "
+                    "torch.optim.AdamW for it (fused=True on a GPU)"
                 )
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -150,18 +186,24 @@ class FlatAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise HarmonyError(f"FlatAdamW got a sparse gradient for a parameter of shape {tuple(p.shape)}; "
-                                       "use torch.optim.SparseAdam for sparse gradients")
+                    raise HarmonyError(
+                        "FlatAdamW got a sparse gradient for a parameter of shape "
+                        f"{tuple(p.shape)}; use torch.optim.SparseAdam for sparse gradients"
+                    )
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"], state["exp_avg_sq"] = (v.zero_() for v in flat.views[i])
                 else:
                     flat.adopt(i, state)
-                    if not (torch.is_tensor(state["step"]) and state["step"].dtype == torch.float32):
+                    if not (
+                        torch.is_tensor(state["step"]) and state["step"].dtype == torch.float32
+                    ):
                         state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
                 params.append(p)
-                grads.append(p.grad.contiguous())  # the fused kernel reads raw memory: it needs dense tensors
+                grads.append(
+                    p.grad.contiguous()
+                )  # the fused kernel reads raw memory: it needs dense tensors
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
                 steps.append(state["step"])
@@ -171,8 +213,18 @@ class FlatAdamW(torch.optim.Optimizer):
             work = [p.contiguous() for p in params]  # the parameter itself, unless it is strided
             beta1, beta2 = group["betas"]
             update = _fused_adamw if self.fused else _blocked_adamw
-            update(work, grads, exp_avgs, exp_avg_sqs, steps, lr=float(group["lr"]), beta1=float(beta1),
-                   beta2=float(beta2), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+            update(
+                work,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                steps,
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+            )
             for p, w in zip(params, work):
                 if w is not p:
                     p.copy_(w)
@@ -181,12 +233,23 @@ class FlatAdamW(torch.optim.Optimizer):
 
 def _check_hyperparameters(group: dict) -> None:
     beta1, beta2 = group["betas"]
-    for name, ok in (("lr", group["lr"] >= 0), ("eps", group["eps"] >= 0), ("betas[0]", 0 <= beta1 < 1),
-                     ("betas[1]", 0 <= beta2 < 1), ("weight_decay", group["weight_decay"] >= 0)):
+    for name, ok in (
+        ("lr", group["lr"] >= 0),
+        ("eps", group["eps"] >= 0),
+        ("betas[0]", 0 <= beta1 < 1),
+        ("betas[1]", 0 <= beta2 < 1),
+        ("weight_decay", group["weight_decay"] >= 0),
+    ):
         if not ok:
-            raise HarmonyError(f"FlatAdamW: invalid {name} in {({k: v for k, v in group.items() if k != 'params'})}; "
-                               "lr, eps and weight_decay must be >= 0 and each beta in [0, 1)")
-    for flag, instead in (("amsgrad", "torch.optim.AdamW(amsgrad=True)"), ("maximize", "minimize the negated loss")):
+            raise HarmonyError(
+                f"FlatAdamW: invalid {name} in "
+                f"{ ({k: v for k, v in group.items() if k != 'params'}) }; lr, eps and "
+                "weight_decay must be >= 0 and each beta in [0, 1)"
+            )
+    for flag, instead in (
+        ("amsgrad", "torch.optim.AdamW(amsgrad=True)"),
+        ("maximize", "minimize the negated loss"),
+    ):
         if group.get(flag):
             raise HarmonyError(f"FlatAdamW does not implement {flag}=True: use {instead}")
 
@@ -204,14 +267,21 @@ class _FlatMoments:
         for p in params:
             offsets.append(sizes.get(p.dtype, 0))
             sizes[p.dtype] = offsets[-1] + p.numel()
-        buffers = {dtype: (torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)) for dtype, n in sizes.items()}
-        self.views = [tuple(b[o:o + p.numel()].view(p.shape) for b in buffers[p.dtype])
-                      for p, o in zip(params, offsets)]
+        buffers = {
+            dtype: (torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype))
+            for dtype, n in sizes.items()
+        }
+        self.views = [
+            tuple(b[o : o + p.numel()].view(p.shape) for b in buffers[p.dtype])
+            for p, o in zip(params, offsets)
+        ]
 
     def fits(self, params: list[torch.Tensor]) -> bool:
         """Whether the buffers were laid out for exactly these parameters, as they are now."""
         return len(params) == len(self.layout) and all(
-            p is q and p.shape == shape and p.dtype == dtype for p, (q, shape, dtype) in zip(params, self.layout))
+            p is q and p.shape == shape and p.dtype == dtype
+            for p, (q, shape, dtype) in zip(params, self.layout)
+        )
 
     def adopt(self, i: int, state: dict) -> None:
         """Make parameter i's moments in ``state`` views of the buffers, copying in
@@ -221,21 +291,39 @@ class _FlatMoments:
             if "step" not in state or not torch.is_tensor(value) or value.shape != view.shape:
                 raise HarmonyError(
                     f"optimizer state of a parameter of shape {tuple(view.shape)} has {key!r} "
-                    f"{tuple(value.shape) if torch.is_tensor(value) else value!r} and step {state.get('step')!r}: "
-                    "the state dict is not an AdamW state of these parameters"
+                    f"{tuple(value.shape) if torch.is_tensor(value) else value!r} and step "
+                    f"{state.get('step')!r}: the state dict is not an AdamW state of these "
+                    "parameters"
                 )
             if value.data_ptr() != view.data_ptr():
                 view.copy_(value)
                 state[key] = view
 
 
-def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay) -> None:
+def _fused_adamw(
+    params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay
+) -> None:
     """torch's fused AdamW kernel: one pass over each tensor, all tensors in one call."""
-    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    torch._fused_adamw_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+    )
 
 
-def _blocked_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay) -> None:
+def _blocked_adamw(
+    params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay
+) -> None:
     """torch.optim.AdamW's arithmetic op for op (so bitwise equal to it), block by
     block: each op streams a block that the previous op left in cache."""
     step_size, bias_correction2_sqrt = [], []
@@ -251,7 +339,7 @@ def _blocked_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, be
         for i, lo, hi in block:
             p, g, m, v = (t[lo:hi] for t in flat[i])
             P.append(p), G.append(g), M.append(m), V.append(v)
-            D.append(scratch[p.dtype][at:at + hi - lo])
+            D.append(scratch[p.dtype][at : at + hi - lo])
             minus_step.append(-step_size[i])
             bc2.append(bias_correction2_sqrt[i])
             at += hi - lo

@@ -15,6 +15,7 @@ from .profiler import profile
 if TYPE_CHECKING:
     from .engine import Engine
 
+
 def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
     """The fastest plan for ``engine``'s chain on its devices (across servers:
     rank 0's, which every server then runs)."""
@@ -31,16 +32,33 @@ def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
 
 def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
     if engine.profile is None or not engine.profile.has_times:
-        engine.profile = profile(engine.layers, inputs, target, engine.loss_fn, engine._optimizer_factory,
-                                 device=engine.backend.torch_device, name=engine.spec.name,
-                                 safe_updates=engine.safe_updates, dtype=engine.compute_dtype)
+        engine.profile = profile(
+            engine.layers,
+            inputs,
+            target,
+            engine.loss_fn,
+            engine._optimizer_factory,
+            device=engine.backend.torch_device,
+            name=engine.spec.name,
+            safe_updates=engine.safe_updates,
+            dtype=engine.compute_dtype,
+        )
     # the whole device: the engine takes memory exactly as the simulator plays it
     hw = engine.hardware()
     try:
         n = len(engine.backends)
         policies = ("harmony-pp",) if n == 1 else ("harmony-pp", "harmony-dp")
-        df = search(engine.profile, hw, engine.minibatch_size, policies=policies, n_gpus=n, workers=1,
-                    equal_microbatches=microbatch_dependence(engine.layers) is not None)
+        df = search(
+            engine.profile,
+            hw,
+            engine.minibatch_size,
+            policies=policies,
+            n_gpus=n,
+            workers=1,
+            equal_microbatches=microbatch_dependence(engine.layers) is not None,
+        )
     except HarmonyError as e:  # out of memory stays out of memory
-        raise type(e)(f"plan='auto' found no plan for this model on {engine.backend.kind}: {e}") from None
+        raise type(e)(
+            f"plan='auto' found no plan for this model on {engine.backend.kind}: {e}"
+        ) from None
     return df.iloc[0]["plan"]

@@ -33,7 +33,9 @@ def default_sizes(minibatch: int) -> list[int]:
     return sorted(set(sizes + [minibatch]))
 
 
-def median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+def median_time(
+    fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None
+) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call;
     ``sync`` waits for the work ``fn`` queued (a GPU's stream)."""
     fn()  # warm-up (allocations, lazy init)
@@ -47,10 +49,19 @@ def median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] =
     return statistics.median(times)
 
 
-def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: Callable,
-            optimizer: Callable | None = None, sizes: Sequence[int] | None = None, repeats: int = 3,
-            device: torch.device | str = "cpu", name: str = "model", safe_updates: bool = True,
-            dtype: torch.dtype | None = None) -> ModelSpec:
+def profile(
+    layers: Sequence[nn.Module],
+    inputs,
+    target: torch.Tensor,
+    loss_fn: Callable,
+    optimizer: Callable | None = None,
+    sizes: Sequence[int] | None = None,
+    repeats: int = 3,
+    device: torch.device | str = "cpu",
+    name: str = "model",
+    safe_updates: bool = True,
+    dtype: torch.dtype | None = None,
+) -> ModelSpec:
     """A measured :class:`~harmony.costs.spec.ModelSpec` of ``layers`` on ``device``.
 
     ``inputs``/``target``: an example minibatch (its size bounds ``sizes``).
@@ -61,8 +72,16 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
     inputs = as_args(inputs)
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    spec = describe(layers, inputs, target, name=name, loss_fn=loss_fn, device=device, dtype=dtype,
-                    sizes=sizes or ())
+    spec = describe(
+        layers,
+        inputs,
+        target,
+        name=name,
+        loss_fn=loss_fn,
+        device=device,
+        dtype=dtype,
+        sizes=sizes or (),
+    )
     sizes = [u for u in sizes or default_sizes(target.shape[0]) if u >= spec.min_microbatch]
     copies = [copy.deepcopy(layer).to(device) for layer in layers]
 
@@ -82,7 +101,9 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
                     layer(*x)
 
             def bwd(meter: SavedBytes | None = None):
-                xs = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in x)
+                xs = tuple(
+                    t.detach().requires_grad_(True) if t.is_floating_point() else t for t in x
+                )
                 with meter if meter is not None else contextlib.nullcontext(), autocast():
                     out = as_args(layer(*xs))
                     if last:
@@ -95,13 +116,19 @@ def profile(layers: Sequence[nn.Module], inputs, target: torch.Tensor, loss_fn: 
             times[(i, "bwd")].append(median_time(lambda: bwd(SavedBytes()), repeats, sync))
             layer.zero_grad(set_to_none=True)
     measured = tuple(
-        replace(cost,
-                fwd_time=Curve.table(sizes, times[(i, "fwd")]),
-                bwd_time=Curve.table(sizes, times[(i, "bwd")]),
-                update_time_s=_update_time(layers[i], optimizer, repeats, safe_updates) if optimizer else None)
+        replace(
+            cost,
+            fwd_time=Curve.table(sizes, times[(i, "fwd")]),
+            bwd_time=Curve.table(sizes, times[(i, "bwd")]),
+            update_time_s=_update_time(layers[i], optimizer, repeats, safe_updates)
+            if optimizer
+            else None,
+        )
         for i, cost in enumerate(spec.layers)
     )
-    return replace(spec, layers=measured, source=f"profiled on {device} ({repeats} repeats per point)")
+    return replace(
+        spec, layers=measured, source=f"profiled on {device} ({repeats} repeats per point)"
+    )
 
 
 def _update_time(layer: nn.Module, optimizer: Callable, repeats: int, journal: bool) -> float:
@@ -124,7 +151,9 @@ def _update_time(layer: nn.Module, optimizer: Callable, repeats: int, journal: b
     return median_time(update, repeats)
 
 
-def measure_link(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 3) -> tuple[float, float]:
+def measure_link(
+    device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 3
+) -> tuple[float, float]:
     """Host->device and device->host bandwidth (bytes/s) of a CUDA device, with
     page-locked host memory, medians of ``repeats`` copies of ``nbytes``."""
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
@@ -135,8 +164,20 @@ def measure_link(device: torch.device, nbytes: int = 256 * 2**20, repeats: int =
     return nbytes / h2d, nbytes / d2h
 
 
-_ANY_GPU = Hardware(name="any", n_gpus=1, gpu_memory=10**12, gpu_flops=1e12, h2d=1e10, d2h=1e10, uplink=1e10,
-                    gpus_per_switch=1, p2p=None, cpu_update_bandwidth=1e10, cpu_update_workers=1, host_memory=10**12)
+_ANY_GPU = Hardware(
+    name="any",
+    n_gpus=1,
+    gpu_memory=10**12,
+    gpu_flops=1e12,
+    h2d=1e10,
+    d2h=1e10,
+    uplink=1e10,
+    gpus_per_switch=1,
+    p2p=None,
+    cpu_update_bandwidth=1e10,
+    cpu_update_workers=1,
+    host_memory=10**12,
+)
 
 
 def measure_task_overhead(device, repeats: int = 9) -> float:
@@ -153,8 +194,17 @@ def measure_task_overhead(device, repeats: int = 9) -> float:
     # distributed=False: a throw-away engine on this server alone must not join the
     # collectives of the process group the real engine uses; hardware given: a
     # calibration must not calibrate itself (any will do for eight tiny layers)
-    engine = Engine(layers, lambda ps: torch.optim.SGD(ps, lr=0.0), nn.functional.mse_loss, device=device,
-                    minibatch_size=8, plan=plan, safe_updates=False, distributed=False, hardware=_ANY_GPU)
+    engine = Engine(
+        layers,
+        lambda ps: torch.optim.SGD(ps, lr=0.0),
+        nn.functional.mse_loss,
+        device=device,
+        minibatch_size=8,
+        plan=plan,
+        safe_updates=False,
+        distributed=False,
+        hardware=_ANY_GPU,
+    )
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     step = median_time(lambda: engine.step(x, y), repeats)
     computes = sum(1 for t in engine._graph_cache.tasks if not t.is_transfer and t.kind != "UPD")
@@ -181,4 +231,3 @@ def link_like_1080ti() -> float:
     """Bytes/s of an emulated link as many times slower than a 1080 Ti's PCIe as
     this CPU (one thread) is slower than a 1080 Ti."""
     return cpu_flops() / FLOP_PER_BYTE_1080TI
-

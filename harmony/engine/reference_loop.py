@@ -33,7 +33,9 @@ def as_args(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
-def seed_layer(seed: int, step: int, first_sample: int, layer: int, device: torch.device | None = None) -> None:
+def seed_layer(
+    seed: int, step: int, first_sample: int, layer: int, device: torch.device | None = None
+) -> None:
     s = layer_seed(seed, step, first_sample, layer)
     # the CPU generator alone: torch.manual_seed would also queue a seed for every
     # lazily initialised accelerator, formatting a stack trace each time (~0.4 ms)
@@ -42,10 +44,18 @@ def seed_layer(seed: int, step: int, first_sample: int, layer: int, device: torc
         torch.cuda.manual_seed(s)
 
 
-def reference_step(layers: Sequence[nn.Module], loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                   inputs, target: torch.Tensor, microbatch_size: int | None, step: int, seed: int = 0,
-                   microbatches: Sequence[tuple[int, int]] | None = None,
-                   autocast: torch.dtype | None = None) -> float:
+def reference_step(
+    layers: Sequence[nn.Module],
+    loss_fn: Callable,
+    optimizer: torch.optim.Optimizer,
+    inputs,
+    target: torch.Tensor,
+    microbatch_size: int | None,
+    step: int,
+    seed: int = 0,
+    microbatches: Sequence[tuple[int, int]] | None = None,
+    autocast: torch.dtype | None = None,
+) -> float:
     """One synchronous SGD step over ``inputs``/``target`` the plain way: microbatch
     by microbatch through the whole chain with gradient accumulation, then one
     optimizer step. Returns the minibatch loss. Use it to check that harmony

@@ -56,7 +56,11 @@ def load_optimizer_state(optimizers: dict, saved: dict, names: dict[int, str]) -
             first = names[id(group["params"][0])] if group["params"] else None
             hyper = saved["groups"].get(first, {k: v for k, v in group.items() if k != "params"})
             groups.append({**hyper, "params": [index[id(p)] for p in group["params"]]})
-        state = {i: saved["state"][names[id(p)]] for i, p in enumerate(ordered) if names[id(p)] in saved["state"]}
+        state = {
+            i: saved["state"][names[id(p)]]
+            for i, p in enumerate(ordered)
+            if names[id(p)] in saved["state"]
+        }
         opt.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -84,27 +88,40 @@ def check_state(engine: "Engine", state: dict, source: str) -> None:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise HarmonyError(f"{source} is not an engine state of format {FORMAT}")
     if state["minibatch_size"] != engine.minibatch_size:
-        raise HarmonyError(f"{source} was written with minibatch {state['minibatch_size']}, the engine's is "
-                           f"{engine.minibatch_size}; make the engine with minibatch_size={state['minibatch_size']}")
+        raise HarmonyError(
+            f"{source} was written with minibatch {state['minibatch_size']}, the engine's is "
+            f"{engine.minibatch_size}; make the engine with "
+            f"minibatch_size={state['minibatch_size']}"
+        )
     if state["precision"] != engine.precision:
-        raise HarmonyError(f"{source} was written with precision {state['precision']!r}, the engine's is "
-                           f"{engine.precision!r}; make the engine with precision={state['precision']!r}")
+        raise HarmonyError(
+            f"{source} was written with precision {state['precision']!r}, the engine's is "
+            f"{engine.precision!r}; make the engine with precision={state['precision']!r}"
+        )
     if state["seed"] != engine.seed:
-        raise HarmonyError(f"{source} was written with seed {state['seed']}, the engine's is {engine.seed}: "
-                           f"dropout would draw other masks; make the engine with seed={state['seed']}")
+        raise HarmonyError(
+            f"{source} was written with seed {state['seed']}, the engine's is {engine.seed}: "
+            f"dropout would draw other masks; make the engine with seed={state['seed']}"
+        )
     ours = engine.host_module.state_dict()
     theirs = state["model"]
     missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
     if missing or unexpected:
-        raise HarmonyError(f"{source} is for another model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise HarmonyError(
+            f"{source} is for another model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     for name, t in ours.items():
         if theirs[name].shape != t.shape or theirs[name].dtype != t.dtype:
-            raise HarmonyError(f"{source} is for another model: {name} is {tuple(theirs[name].shape)} "
-                               f"{theirs[name].dtype} there but {tuple(t.shape)} {t.dtype} here")
+            raise HarmonyError(
+                f"{source} is for another model: {name} is {tuple(theirs[name].shape)} "
+                f"{theirs[name].dtype} there but {tuple(t.shape)} {t.dtype} here"
+            )
     names = set(param_names(engine).values())
     strangers = sorted(set(state["optimizer"]["state"]) - names)
     if strangers:
-        raise HarmonyError(f"{source} has optimizer state for parameters this model lacks: {strangers[:5]}")
+        raise HarmonyError(
+            f"{source} has optimizer state for parameters this model lacks: {strangers[:5]}"
+        )
 
 
 def apply_state(engine: "Engine", state: dict, plan: Plan | None) -> None:

@@ -18,19 +18,37 @@ from typing import TYPE_CHECKING
 import torch
 from torch.func import functional_call
 
-from ..errors import HarmonyError, NonFiniteError, OutOfMemoryError
-from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, REDUCE, STASH_IN, STASH_OUT, UPD,
-                     W_IN, Task, TaskGraph)
 from ..costs.hardware import format_bytes
+from ..errors import HarmonyError, NonFiniteError, OutOfMemoryError
+from ..graph import (
+    ACT_IN,
+    ACT_OUT,
+    BWD,
+    DATA_IN,
+    FWD,
+    FWDBWD,
+    G_OUT,
+    P2P,
+    REC,
+    REDUCE,
+    STASH_IN,
+    STASH_OUT,
+    UPD,
+    W_IN,
+    Task,
+    TaskGraph,
+    TiedGradients,
+)
 from ..plan import layer_shard
 from ..trace import Trace
+from .admission import MemoryOrder
 from .buffers import BufferPool, copy_runs
 from .devices import Backend, LinkPacer
-from .admission import MemoryOrder
 from .executor import Executor
 from .meters import SavedBytes, WorkMeter
 from .reference_loop import as_args, seed_layer
-from .updates import apply_update, optimizer_params as _params
+from .updates import apply_update
+from .updates import optimizer_params as _params
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -59,7 +77,7 @@ def _assemble(pieces: list[tuple[tuple[int, int], tuple]], a: int, b: int) -> tu
             out.append(None)
             continue
         whole = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out.append(whole[a - lo:b - lo])
+        out.append(whole[a - lo : b - lo])
     return tuple(out)
 
 
@@ -67,11 +85,13 @@ def memory_checks(backends) -> dict:
     """What the devices' ledgers say beyond the peak: the most that tasks held
     beyond what the graph declared for them (0 when the spec counts right) and
     the peak of the tensors themselves (at most the peak)."""
-    return {"undeclared_bytes": {b.name: b.ledger.undeclared_peak for b in backends},
-            "held_peak_memory": {b.name: b.ledger.held_peak for b in backends}}
+    return {
+        "undeclared_bytes": {b.name: b.ledger.undeclared_peak for b in backends},
+        "held_peak_memory": {b.name: b.ledger.held_peak for b in backends},
+    }
 
 
-class TiedGradients:
+class TieSums:
     """Sums, on the host, the gradient of each parameter tied across packs the
     way autograd sums it in the plain loop: per microbatch, the packs' parts in
     backward order (the highest layers first, as autograd reaches them), and
@@ -83,17 +103,20 @@ class TiedGradients:
         self.packs: dict[int, set] = defaultdict(set)  # parameter -> packs that send a part
         ranges: dict[int, set] = defaultdict(set)
         for t in graph.tasks:
-            if t.data[:1] == ("tied",):
-                s, e, a, b = t.data[1:]
-                for _, _, p in engine.split_ties(s, e):
+            if isinstance(t.data, TiedGradients):
+                for _, _, p in engine.split_ties(*t.data.layers):
                     self.params[id(p)] = p
-                    self.packs[id(p)].add(s)
-                    ranges[id(p)].add((a, b))
+                    self.packs[id(p)].add(t.data.layers[0])
+                    ranges[id(p)].add(t.data.samples)
         self.ranges = {k: sorted(v) for k, v in ranges.items()}
         self.folded = {k: 0 for k in self.params}  # microbatches summed into .grad
-        self.parts: dict[tuple, dict[int, torch.Tensor]] = defaultdict(dict)  # (param, samples) -> pack -> part
+        self.parts: dict[tuple, dict[int, torch.Tensor]] = defaultdict(
+            dict
+        )  # (param, samples) -> pack -> part
 
-    def add(self, pack_start: int, samples: tuple[int, int], parts: dict[int, torch.Tensor]) -> None:
+    def add(
+        self, pack_start: int, samples: tuple[int, int], parts: dict[int, torch.Tensor]
+    ) -> None:
         with self.lock:
             for key, part in parts.items():
                 self.parts[(key, samples)][pack_start] = part
@@ -119,6 +142,20 @@ class TiedGradients:
 
 
 @dataclass
+class Recomputed:
+    """What a REC task leaves its BWD (in its working-memory buffer): the pack's
+    input and output with autograd's graph between them, the open meter of the
+    tensors autograd saved (closed once backward has used them), and the pack's
+    buffers as they were before the recompute (BatchNorm statistics), put back
+    after backward so that running statistics count each microbatch once."""
+
+    inputs: tuple
+    outputs: tuple
+    meter: WorkMeter
+    buffers: dict
+
+
+@dataclass
 class SharedDevices:
     """A server's devices as several models' steps share them: their ledgers,
     one pacer for their links, and whether compute lanes run concurrently."""
@@ -129,8 +166,15 @@ class SharedDevices:
 
 
 class StepRun:
-    def __init__(self, engine: "Engine", graph: TaskGraph, inputs: tuple, target: torch.Tensor,
-                 shared: "SharedDevices | None" = None, memory_order: dict | None = None):
+    def __init__(
+        self,
+        engine: "Engine",
+        graph: TaskGraph,
+        inputs: tuple,
+        target: torch.Tensor,
+        shared: "SharedDevices | None" = None,
+        memory_order: dict | None = None,
+    ):
         """``shared``: devices this step shares with other models' steps (several
         models on one server); default: the engine's own, reset for this step.
         ``memory_order``: the order in which :meth:`execute` admits the graph's
@@ -150,14 +194,28 @@ class StepRun:
         self.loaded_version: dict[int, dict[int, int]] = {}
         self.pacer = shared.pacer if shared else LinkPacer(graph.links)
         # the graph sends the gradients of parameters tied across packs per microbatch
-        self.splits_ties = any(t.data[:1] == ("tied",) for t in graph.tasks)
-        self.ties = TiedGradients(engine, graph, self.grads_lock) if self.splits_ties else None
+        self.splits_ties = any(isinstance(t.data, TiedGradients) for t in graph.tasks)
+        self.ties = TieSums(engine, graph, self.grads_lock) if self.splits_ties else None
         # several compute threads: dropout seeds and draws under the engine's lock
-        self.parallel_compute = shared.parallel_compute if shared else len(graph.in_order_lanes()) > 1
-        self.handlers = {W_IN: self.weights_in, DATA_IN: self.data_in, STASH_IN: self.host_in,
-                         ACT_IN: self.host_in, STASH_OUT: self.host_out, ACT_OUT: self.host_out, P2P: self.peer_in,
-                         REDUCE: self.reduce, G_OUT: self.grads_out, UPD: self.update, FWD: self.forward,
-                         FWDBWD: self.backward, BWD: self.backward}
+        self.parallel_compute = (
+            shared.parallel_compute if shared else len(graph.in_order_lanes()) > 1
+        )
+        self.handlers = {
+            W_IN: self.weights_in,
+            DATA_IN: self.data_in,
+            STASH_IN: self.host_in,
+            ACT_IN: self.host_in,
+            STASH_OUT: self.host_out,
+            ACT_OUT: self.host_out,
+            P2P: self.peer_in,
+            REDUCE: self.reduce,
+            G_OUT: self.grads_out,
+            UPD: self.update,
+            FWD: self.forward,
+            REC: self.recompute,
+            BWD: self.backward,
+            FWDBWD: self.fused,
+        }
         self.store: dict[int, object] = {}  # buffer id -> what the device holds
         self.charged: dict[int, int] = {}
         self.refs = [b.refs for b in graph.buffers]
@@ -178,8 +236,11 @@ class StepRun:
         # pack) can undo them (safe_updates).
         engine.journal.start_step()
         self.tasks_left = len(graph.tasks)
-        self.buffers_before = ([b.detach().clone() for b in engine.host_module.buffers()]
-                               if engine.safe_updates else None)
+        self.buffers_before = (
+            [b.detach().clone() for b in engine.host_module.buffers()]
+            if engine.safe_updates
+            else None
+        )
         self.t0 = time.perf_counter()
         if shared is None:
             for b in backends:
@@ -195,7 +256,11 @@ class StepRun:
         ledger = self.backends[b.device].ledger
         excess = max(0.0, nbytes - b.nbytes)
         if excess:
-            ledger.charge(excess, f"{b.what}, beyond the {format_bytes(b.nbytes)} its spec declared", declared=False)
+            ledger.charge(
+                excess,
+                f"{b.what}, beyond the {format_bytes(b.nbytes)} its spec declared",
+                declared=False,
+            )
         ledger.note_held(nbytes)
         with self.lock:
             self.charged[buf] = (nbytes, excess)
@@ -226,7 +291,8 @@ class StepRun:
         ledger.release(excess, declared=False)
 
     def work_meter(self, task: Task) -> WorkMeter:
-        """The meter of what ``task`` holds beyond its buffers, against its declared working memory."""
+        """The meter of what ``task`` holds beyond its buffers, against its declared working
+        memory."""
         declared = self.graph.buffers[task.io["work"]].nbytes if "work" in task.io else 0.0
         return WorkMeter(self.backends[task.device].ledger, declared, f"{task.what}")
 
@@ -249,8 +315,10 @@ class StepRun:
         """(tensors, bytes) the pools and the host gradient buffers have made so far."""
         pools = [b.pool for b in self.backends.values() if b.pool is not None] + [self.e.host_pool]
         grads = self.e.host_layout
-        return (sum(p.allocations for p in pools) + grads.allocations,
-                sum(p.allocated_bytes for p in pools) + grads.allocated_bytes)
+        return (
+            sum(p.allocations for p in pools) + grads.allocations,
+            sum(p.allocated_bytes for p in pools) + grads.allocated_bytes,
+        )
 
     def pieces(self, bufs: list[int]) -> list:
         return [(self.graph.buffers[b].samples, self.store[b]) for b in bufs]
@@ -264,7 +332,11 @@ class StepRun:
         return t.detach().to(self.dtype)
 
     def wire(self, value: tuple) -> tuple:
-        return value if self.dtype is None else tuple(None if t is None else self.low(t) for t in value)
+        return (
+            value
+            if self.dtype is None
+            else tuple(None if t is None else self.low(t) for t in value)
+        )
 
     def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
@@ -273,8 +345,12 @@ class StepRun:
         return t.numel() * self.wire_dtype(t).itemsize
 
     # ---- copies -------------------------------------------------------------------------
-    def to_device(self, backend: Backend, tensors: list[torch.Tensor],
-                  dtypes: list[torch.dtype] | None = None) -> list[torch.Tensor]:
+    def to_device(
+        self,
+        backend: Backend,
+        tensors: list[torch.Tensor],
+        dtypes: list[torch.dtype] | None = None,
+    ) -> list[torch.Tensor]:
         """``tensors`` on ``backend``'s device in ``dtypes`` (default: their wire
         dtype): views of one flat buffer per dtype, filled by as few copies as
         the host layout allows."""
@@ -285,12 +361,15 @@ class StepRun:
         for dtype in dict.fromkeys(dtypes):
             chosen = [k for k, d in enumerate(dtypes) if d == dtype]
             numel = sum(tensors[k].numel() for k in chosen)
-            flat = (torch.empty(numel, dtype=dtype, device=backend.torch_device) if backend.pool is None
-                    else self.take(backend.pool, numel, dtype))
+            flat = (
+                torch.empty(numel, dtype=dtype, device=backend.torch_device)
+                if backend.pool is None
+                else self.take(backend.pool, numel, dtype)
+            )
             pairs, offset = [], 0
             for k in chosen:
                 t = tensors[k]
-                piece = flat[offset:offset + t.numel()]
+                piece = flat[offset : offset + t.numel()]
                 out[k] = piece.view(t.shape).detach()
                 pairs.append((piece, t.detach()))
                 offset += t.numel()
@@ -298,7 +377,9 @@ class StepRun:
                 dst.copy_(src, non_blocking=True)
         return out
 
-    def to_host(self, backend: Backend, tensors: list[torch.Tensor], non_blocking: bool = True) -> list[torch.Tensor]:
+    def to_host(
+        self, backend: Backend, tensors: list[torch.Tensor], non_blocking: bool = True
+    ) -> list[torch.Tensor]:
         """``tensors`` in host buffers from the host pool (page-locked for a GPU), in
         their wire dtype; on a GPU, ready when the lane's stream has drained
         unless ``non_blocking`` is False."""
@@ -320,8 +401,11 @@ class StepRun:
     def execute(self) -> None:
         admission = None
         if self.memory_order is not None:
-            admission = MemoryOrder(self.graph, self.memory_order,
-                                    {name: b.ledger for name, b in self.backends.items()})
+            admission = MemoryOrder(
+                self.graph,
+                self.memory_order,
+                {name: b.ledger for name, b in self.backends.items()},
+            )
         self.executor = Executor(self.graph, self.run_task, admission)
         try:
             self.wall_s = self.executor.run(self.t0)
@@ -339,12 +423,15 @@ class StepRun:
                 with self.backends[task.device].lane(task.lane):
                     handle(task)
         except HarmonyError as err:
-            err.args = (f"task {task.id} {task.kind} ({task.what}): {err}",)  # keeps the type and its fields
+            err.args = (
+                f"task {task.id} {task.kind} ({task.what}): {err}",
+            )  # keeps the type and its fields
             raise err from None
         except torch.OutOfMemoryError as err:  # a real GPU's
             raise OutOfMemoryError(
                 f"task {task.id} {task.kind} ({task.what}): {task.device} out of memory ({err}). "
-                "Use a plan with smaller microbatches or more (smaller) packs.") from None
+                "Use a plan with smaller microbatches or more (smaller) packs."
+            ) from None
         self.finish(task)
 
     def roll_back(self) -> None:
@@ -358,6 +445,9 @@ class StepRun:
             p.grad = None
         for buf, (n, excess) in self.charged.items():
             self._give_back(buf, n, excess)
+        for value in self.store.values():
+            if isinstance(value, Recomputed):  # a REC whose BWD never ran
+                value.meter.close()
         self.store.clear()
         self.charged.clear()
         self.close()
@@ -367,13 +457,25 @@ class StepRun:
         # buffers the pools had to make during this step: none once the plan has run a step
         (n0, b0), (n1, b1) = self.allocations_before, self.allocations()
         return Trace.from_run(
-            self.graph, ex.start, ex.end, [self.moved_task.get(t.id, 0.0) for t in self.graph.tasks],
+            self.graph,
+            ex.start,
+            ex.end,
+            [self.moved_task.get(t.id, 0.0) for t in self.graph.tasks],
             {name: b.ledger.peak for name, b in self.backends.items()},
             {name: list(b.ledger.history) for name, b in self.backends.items()},
-            capacity={name: float(b.ledger.capacity or float("inf")) for name, b in self.backends.items()},
-            iteration_s=self.wall_s, link_bounds=self.paced, policy=self.e.plan.policy, model=self.e.spec.name,
-            hardware=self.e.backend.kind, executor="engine", new_buffers=n1 - n0, new_buffer_bytes=b1 - b0,
-            **memory_checks(self.backends.values()))
+            capacity={
+                name: float(b.ledger.capacity or float("inf")) for name, b in self.backends.items()
+            },
+            iteration_s=self.wall_s,
+            link_bounds=self.paced,
+            policy=self.e.plan.policy,
+            model=self.e.spec.name,
+            hardware=self.e.backend.kind,
+            executor="engine",
+            new_buffers=n1 - n0,
+            new_buffer_bytes=b1 - b0,
+            **memory_checks(self.backends.values()),
+        )
 
     # ---- transfers -------------------------------------------------------------------
     def _moved(self, task: Task, n: float, started: float) -> None:
@@ -409,7 +511,10 @@ class StepRun:
         # its copy (so autograd sums their gradients as it does in the model)
         entries, aliases, first = [], [], {}
         for i in range(s, e):
-            for is_param, tensors in ((True, self.e.host_params[i]), (False, self.e.host_buffers[i])):
+            for is_param, tensors in (
+                (True, self.e.host_params[i]),
+                (False, self.e.host_buffers[i]),
+            ):
                 for name, t in tensors.items():
                     if id(t) in first:
                         aliases.append((i, name, first[id(t)]))
@@ -417,16 +522,26 @@ class StepRun:
                         first[id(t)] = (i, name)
                         entries.append((i, name, t, is_param))
         # under mixed precision, BatchNorm's parameters and statistics keep their dtype
-        dtypes = [t.dtype if name in self.e.norm_tensors[i] else self.wire_dtype(t) for i, name, t, _ in entries]
+        dtypes = [
+            t.dtype if name in self.e.norm_tensors[i] else self.wire_dtype(t)
+            for i, name, t, _ in entries
+        ]
         sizes = [t.numel() * d.itemsize for (_, _, t, _), d in zip(entries, dtypes)]
         self.reserve(task.io["weights"], sum(sizes))
         split = {id(p) for _, _, p in self.e.split_ties(s, e)} if self.splits_ties else set()
         if backward:
-            self.reserve(task.io["grads"], sum(n for (_, _, t, is_param), n in zip(entries, sizes)
-                                               if is_param and t.requires_grad and id(t) not in split))
+            self.reserve(
+                task.io["grads"],
+                sum(
+                    n
+                    for (_, _, t, is_param), n in zip(entries, sizes)
+                    if is_param and t.requires_grad and id(t) not in split
+                ),
+            )
         with self.lock:  # read before the copy: a write-back during it shows as a newer version
-            self.loaded_version[task.io["weights"]] = {i: self.buffer_version[i] for i in range(s, e)
-                                                       if self.e.host_buffers[i]}
+            self.loaded_version[task.io["weights"]] = {
+                i: self.buffer_version[i] for i in range(s, e) if self.e.host_buffers[i]
+            }
         device = self.to_device(backend, [t for _, _, t, _ in entries], dtypes)
         weights: dict[int, dict] = {i: {} for i in range(s, e)}
         for (i, name, t, is_param), d in zip(entries, device):
@@ -442,17 +557,19 @@ class StepRun:
             # the gradients this group accumulates: a shared tensor's under its first
             # name only, a split tie's not at all (it leaves per microbatch)
             owned = {(i, name) for i, name, t, _ in entries if id(t) not in split}
-            leaves = {i: {k: v for k, v in weights[i].items() if v.requires_grad and (i, k) in owned}
-                      for i in range(s, e)}
+            leaves = {
+                i: {k: v for k, v in weights[i].items() if v.requires_grad and (i, k) in owned}
+                for i in range(s, e)
+            }
             self.put(task.io["grads"], leaves)
 
     def data_in(self, task: Task) -> None:
-        what, a, b = task.data
+        what, (a, b) = task.data.what, task.data.samples
         value = tuple(t[a:b] for t in self.inputs) if what == "inputs" else (self.target[a:b],)
         self.put(task.io["dst"], self._copy(task, value, to_device=True))
 
     def host_in(self, task: Task) -> None:
-        kind, layer, a, b = task.data
+        kind, layer, (a, b) = task.data.what, task.data.layer, task.data.samples
         if kind == "stash" and layer == 0:
             value = tuple(t[a:b] for t in self.inputs)
         else:
@@ -462,14 +579,14 @@ class StepRun:
         self.put(task.io["dst"], self._copy(task, value, to_device=True))
 
     def host_out(self, task: Task) -> None:
-        kind, layer, a, b = task.data
+        kind, layer, (a, b) = task.data.what, task.data.layer, task.data.samples
         value = _assemble(self.pieces(task.io["src"]), a, b)
         out = self._copy(task, value, to_device=False)
         with self.lock:
             self.host[(kind, layer)].append(((a, b), out))
 
     def peer_in(self, task: Task) -> None:
-        _, _, a, b = task.data
+        a, b = task.data.samples
         value = _assemble(self.pieces(task.io["src"]), a, b)
         self.put(task.io["dst"], self._copy(task, value, to_device=True))
 
@@ -481,10 +598,10 @@ class StepRun:
     def grads_out(self, task: Task) -> None:
         """A pack's gradient (data parallel: one shard, summed over the GPUs in
         order) into the host copy's ``.grad``."""
-        if task.data[0] == "tied":
+        if isinstance(task.data, TiedGradients):
             self.tied_out(task)
             return
-        s, e, r, k = task.data[1:]
+        (s, e), (r, k) = task.data.layers, task.data.shard
         started = time.perf_counter()
         replicas = [self.store[b] for b in task.io["src"]]
         sums = []  # (host parameter, gradient on the device)
@@ -503,7 +620,9 @@ class StepRun:
         with self.grads_lock:
             first, more = [], []
             for host, g in sums:
-                if host.grad is None:  # a buffer kept from step to step (float32 under mixed precision)
+                if (
+                    host.grad is None
+                ):  # a buffer kept from step to step (float32 under mixed precision)
                     host.grad = self.e.host_layout.grad_buffer(host)
                     first.append((host.grad, g))
                 else:
@@ -519,16 +638,18 @@ class StepRun:
     def tied_out(self, task: Task) -> None:
         """One microbatch's gradient of the parameters a pack shares with other
         packs, to the host, where the ties are summed as autograd sums them."""
-        s, e, a, b = task.data[1:]
+        s, (a, b) = task.data.layers[0], task.data.samples
         started = time.perf_counter()
         piece = self.store[task.io["src"][0]]
         keys = list(piece)
-        host = self.to_host(self.backends[task.device], [piece[k] for k in keys], non_blocking=False)
+        host = self.to_host(
+            self.backends[task.device], [piece[k] for k in keys], non_blocking=False
+        )
         self.ties.add(s, (a, b), dict(zip(keys, host)))
         self._moved(task, sum(piece[k].numel() * piece[k].element_size() for k in keys), started)
 
     def update(self, task: Task) -> None:
-        _, _, _, r, _ = task.data
+        r = task.data.shard[0]
         key = (task.pack, r)
         opt = self.e.optimizers[key]
         if opt is None:
@@ -542,12 +663,20 @@ class StepRun:
                     torch._foreach_div_(grads, self.e.loss_scale)
             with self.lock:
                 pending = self.tasks_left > 1  # tasks other than this one
-            apply_update(opt, task.layers, key, self.e.journal if self.e.safe_updates and pending else None)
+            apply_update(
+                opt, task.layers, key, self.e.journal if self.e.safe_updates and pending else None
+            )
         opt.zero_grad(set_to_none=True)
 
     # ---- compute ----------------------------------------------------------------------
-    def _run_layers(self, task: Task, weights: dict, h: tuple, stash: dict | None = None,
-                    meter: WorkMeter | None = None) -> tuple:
+    def _run_layers(
+        self,
+        task: Task,
+        weights: dict,
+        h: tuple,
+        stash: dict | None = None,
+        meter: WorkMeter | None = None,
+    ) -> tuple:
         """Run the task's layers on ``h``. Without autograd (``meter`` given), each
         layer's output is held while the next layer computes (with autograd, the
         saved-tensor meter counts what stays)."""
@@ -561,12 +690,20 @@ class StepRun:
                     self.put(stash[i], self.wire(h))
                 module = self.e.replica(gpu, i)
                 if not self.parallel_compute:
-                    seed_layer(self.e.seed, self.e.step_count, task.samples[0], i, backend.torch_device)
+                    seed_layer(
+                        self.e.seed, self.e.step_count, task.samples[0], i, backend.torch_device
+                    )
                     h = as_args(functional_call(module, weights[i], h))
                 elif i in self.e.random_layers:
                     # several GPUs share the CPU generator: seed and draw without interleaving
                     with self.e.rng_lock:
-                        seed_layer(self.e.seed, self.e.step_count, task.samples[0], i, backend.torch_device)
+                        seed_layer(
+                            self.e.seed,
+                            self.e.step_count,
+                            task.samples[0],
+                            i,
+                            backend.torch_device,
+                        )
                         h = as_args(functional_call(module, weights[i], h))
                 else:  # draws nothing, so must not reseed under another GPU's dropout
                     h = as_args(functional_call(module, weights[i], h))
@@ -588,7 +725,10 @@ class StepRun:
         if self.e.plan.n_gpus == 1:
             return None
         writers: dict[int, str] = {}
-        for t in sorted((t for t in self.graph.tasks if t.kind in (FWD, FWDBWD)), key=lambda t: int(t.device[3:])):
+        for t in sorted(
+            (t for t in self.graph.tasks if t.kind in (FWD, FWDBWD)),
+            key=lambda t: int(t.device[3:]),
+        ):
             for i in range(*t.layers):
                 writers.setdefault(i, t.device)
         return writers
@@ -604,7 +744,9 @@ class StepRun:
                 if self.e.host_buffers[i]:
                     with self.lock:
                         self.buffer_version[i] += 1
-                        self.loaded_version[task.io["weights"]][i] = self.buffer_version[i]  # in sync
+                        self.loaded_version[task.io["weights"]][i] = self.buffer_version[
+                            i
+                        ]  # in sync
 
     def _refresh_buffers(self, task: Task, weights: dict) -> None:
         """Before a real forward: buffers loaded before an earlier forward of the
@@ -633,62 +775,117 @@ class StepRun:
         self.put(task.io["output"], self.wire(out))
         self._write_back_buffers(task, weights)
 
-    def backward(self, task: Task) -> None:
-        s, e = task.layers
+    def _autograd_input(self, task: Task, role: str) -> tuple:
+        """The pack's input (``task.io[role]``) for a forward with autograd: past the
+        first layer its floating-point tensors require grad (their gradient is the
+        pack's output)."""
         a, b = task.samples
-        weights = self.store[task.io["weights"]]
-        fused = task.kind == FWDBWD
-        if fused:
-            self._refresh_buffers(task, weights)
-        h = _assemble(self.pieces(task.io["input" if fused else "stash_in"]), a, b)
-        if s > 0:
+        h = _assemble(self.pieces(task.io[role]), a, b)
+        if task.layers[0] > 0:
             h = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in h)
-        saved_before = None if fused else {
-            (i, name): weights[i][name].clone() for i in range(s, e) for name in self.e.host_buffers[i]}
+        return h
+
+    def _saved_meter(
+        self, task: Task, weights: dict, h: tuple, *more
+    ) -> tuple[WorkMeter, SavedBytes]:
+        """The task's work meter, and the hook that charges it what autograd saves."""
         work = self.work_meter(task)
         # the weights, the pack's input and the labels are buffers of their own
-        held = [t for w in weights.values() for t in w.values()] + list(h)
-        if fused:
-            held.append(self.store[task.io["labels"]][0])
-        meter = SavedBytes(work.charge, exclude=held)
+        held = [t for w in weights.values() for t in w.values()] + list(h) + list(more)
+        return work, SavedBytes(work.charge, exclude=held)
+
+    def recompute(self, task: Task) -> None:
+        """REC: the pack's forward again, with autograd, from its stashed input. The
+        graph autograd records and the tensors it saves (metered against the task's
+        working memory) wait in that working-memory buffer for the op's BWD."""
+        s, e = task.layers
+        weights = self.store[task.io["weights"]]
+        h = self._autograd_input(task, "stash_in")
+        buffers = {
+            (i, name): weights[i][name].clone()
+            for i in range(s, e)
+            for name in self.e.host_buffers[i]
+        }
+        work, meter = self._saved_meter(task, weights, h)
         try:
             with meter, torch.enable_grad(), self.autocast(task):
                 out = self._run_layers(task, weights, h)
-                if fused:
-                    y = self.store[task.io["labels"]][0]
-                    loss = self.e.loss_fn(*out, y) * ((b - a) / self.graph.samples)
-            if fused:
-                if not torch.isfinite(loss.detach()).all():
-                    what = f"the loss of samples {a}..{b - 1} is {loss.item()}"
-                    if self.e.sync is None:
-                        raise NonFiniteError(what, "loss")
-                    # Across servers, stopping here would leave the others waiting in the
-                    # gradient exchange: the step goes on, and this server's updates send
-                    # NaN, so that every server finds a non-finite gradient at the same pack.
-                    with self.lock:
-                        self.poisoned = self.poisoned or what
-                (loss * self.e.loss_scale if self.e.loss_scale != 1.0 else loss).backward()
+        except BaseException:
+            work.close()
+            raise
+        self.put(task.io["work"], Recomputed(h, out, work, buffers))
+
+    def backward(self, task: Task) -> None:
+        """BWD: backward through what the op's REC recorded, from the output gradient."""
+        a, b = task.samples
+        weights = self.store[task.io["weights"]]
+        rec: Recomputed = self.store[task.io["saved"]]
+        try:
+            grad_in = _assemble(self.pieces(task.io["grad_in"]), a, b)
+            pairs = [
+                (o, g.to(o.dtype))
+                for o, g in zip(rec.outputs, grad_in)
+                if g is not None and o.requires_grad
+            ]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        finally:
+            rec.meter.close()
+        self._tied_piece(task, weights)
+        with torch.no_grad():  # recompute must not count twice in running statistics
+            for (i, name), old in rec.buffers.items():
+                weights[i][name].copy_(old)
+        self._input_grad_out(task, rec.inputs)
+
+    def fused(self, task: Task) -> None:
+        """FWDBWD: the last pack's forward with autograd, the loss and backward."""
+        a, b = task.samples
+        weights = self.store[task.io["weights"]]
+        self._refresh_buffers(task, weights)
+        h = self._autograd_input(task, "input")
+        y = self.store[task.io["labels"]][0]
+        work, meter = self._saved_meter(task, weights, h, y)
+        try:
+            with meter, torch.enable_grad(), self.autocast(task):
+                out = self._run_layers(task, weights, h)
+                loss = self.e.loss_fn(*out, y) * ((b - a) / self.graph.samples)
+            if not torch.isfinite(loss.detach()).all():
+                what = f"the loss of samples {a}..{b - 1} is {loss.item()}"
+                if self.e.sync is None:
+                    raise NonFiniteError(what, "loss")
+                # Across servers, stopping here would leave the others waiting in the
+                # gradient exchange: the step goes on, and this server's updates send
+                # NaN, so that every server finds a non-finite gradient at the same pack.
                 with self.lock:
-                    self.loss += loss.item()
-            else:
-                grad_in = _assemble(self.pieces(task.io["grad_in"]), a, b)
-                pairs = [(o, g.to(o.dtype)) for o, g in zip(out, grad_in) if g is not None and o.requires_grad]
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    self.poisoned = self.poisoned or what
+            (loss * self.e.loss_scale if self.e.loss_scale != 1.0 else loss).backward()
+            with self.lock:
+                self.loss += loss.item()
         finally:
             work.close()
-        if "tied" in task.io:  # this microbatch's part of the ties, on its own (see tied_out)
-            piece = {}
-            for i, name, p in self.e.split_ties(s, e):
-                leaf = weights[i][name]
-                piece[id(p)] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                leaf.grad = None
-            self.put(task.io["tied"], piece)
-        if fused:
-            self._write_back_buffers(task, weights)
-        else:
-            with torch.no_grad():  # recompute must not count twice in running statistics
-                for (i, name), old in saved_before.items():
-                    weights[i][name].copy_(old)
-        if s > 0:
-            self.put(task.io["output"], self.wire(tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad
-                                                        else None for t in h)))
+        self._tied_piece(task, weights)
+        self._write_back_buffers(task, weights)
+        self._input_grad_out(task, h)
+
+    def _tied_piece(self, task: Task, weights: dict) -> None:
+        """This microbatch's part of the ties, on its own (see :meth:`tied_out`)."""
+        if "tied" not in task.io:
+            return
+        piece = {}
+        for i, name, p in self.e.split_ties(*task.layers):
+            leaf = weights[i][name]
+            piece[id(p)] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            leaf.grad = None
+        self.put(task.io["tied"], piece)
+
+    def _input_grad_out(self, task: Task, h: tuple) -> None:
+        """The gradient of the pack's input, for the pack before it."""
+        if task.layers[0] > 0:
+            self.put(
+                task.io["output"],
+                self.wire(
+                    tuple(
+                        t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+                        for t in h
+                    )
+                ),
+            )

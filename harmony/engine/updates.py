@@ -29,8 +29,11 @@ def check_finite_gradients(opt: torch.optim.Optimizer, layers: tuple[int, int]) 
         return
     for g, norm in zip(grads, norms):
         if not torch.isfinite(norm) and not torch.isfinite(g).all():
-            raise NonFiniteError(f"the gradient of layers {layers[0]}..{layers[1] - 1} is not finite "
-                                 f"(a tensor of shape {tuple(g.shape)} holds NaN or infinity)", "gradient")
+            raise NonFiniteError(
+                f"the gradient of layers {layers[0]}..{layers[1] - 1} is not finite "
+                f"(a tensor of shape {tuple(g.shape)} holds NaN or infinity)",
+                "gradient",
+            )
 
 
 class UpdateJournal:
@@ -54,12 +57,20 @@ class UpdateJournal:
     def record(self, key, opt: torch.optim.Optimizer) -> None:
         live = _live_tensors(opt)
         if live is None:  # first step: state to be created by this update
-            saved = ("whole", [p.detach().clone() for p in optimizer_params(opt)], clone_state(opt.state_dict()))
+            saved = (
+                "whole",
+                [p.detach().clone() for p in optimizer_params(opt)],
+                clone_state(opt.state_dict()),
+            )
         else:
             tensors, scalars = live
             buffers = self._buffers.get(key)
-            if buffers is None or [(b.shape, b.dtype) for b in buffers] != [(t.shape, t.dtype) for t in tensors]:
-                buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+            if buffers is None or [(b.shape, b.dtype) for b in buffers] != [
+                (t.shape, t.dtype) for t in tensors
+            ]:
+                buffers = [
+                    torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors
+                ]
                 self._buffers[key] = buffers
             for b, t in zip(buffers, tensors):
                 b.copy_(t)
@@ -116,7 +127,9 @@ def clone_state(state: dict) -> dict:
     return clone(state)
 
 
-def apply_update(opt: torch.optim.Optimizer, layers: tuple[int, int], key, journal: UpdateJournal | None) -> None:
+def apply_update(
+    opt: torch.optim.Optimizer, layers: tuple[int, int], key, journal: UpdateJournal | None
+) -> None:
     """Step ``opt`` (the update of ``layers``) after checking its gradients; with a
     ``journal``, first record what the step will change, to undo it."""
     check_finite_gradients(opt, layers)

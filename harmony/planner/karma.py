@@ -11,7 +11,6 @@ import math
 from ..costs.hardware import Hardware
 from ..costs.spec import ModelSpec
 from ..plan import Pack
-from .packing import bwd_pack_bytes, fwd_pack_bytes
 
 
 def link_rates(hw: Hardware, n_gpus: int) -> tuple[float, float]:
@@ -21,7 +20,9 @@ def link_rates(hw: Hardware, n_gpus: int) -> tuple[float, float]:
     return min(hw.h2d, hw.uplink / sharing), min(hw.d2h, hw.uplink / sharing)
 
 
-def pack_seconds(spec: ModelSpec, hw: Hardware, u: int, n_gpus: int, a: int, b: int, fused: bool) -> float:
+def pack_seconds(
+    spec: ModelSpec, hw: Hardware, u: int, n_gpus: int, a: int, b: int, fused: bool
+) -> float:
     """KARMA's performance model, in harmony's terms: seconds per microbatch of
     ``u`` samples of backward pack [a, b) (``fused``: the last one),
 
@@ -44,7 +45,92 @@ def pack_seconds(spec: ModelSpec, hw: Hardware, u: int, n_gpus: int, a: int, b: 
     return max(compute, loads / h2d, out / d2h)
 
 
-def model_packs(spec: ModelSpec, hw: Hardware, u: int, n_gpus: int, budget: float) -> tuple[Pack, ...] | None:
+class _Costs:
+    """:func:`pack_seconds`, :func:`~.packing.bwd_pack_bytes` and
+    :func:`~.packing.fwd_pack_bytes` of any pack [a, b) at microbatch ``u`` in
+    constant time, from per-layer prefix sums (and a range-maximum table for
+    forward's working memory, the worst layer's): the dynamic program of
+    :func:`model_packs` asks them for every pair of boundaries."""
+
+    def __init__(self, spec: ModelSpec, hw: Hardware, u: int, n_gpus: int):
+        L, flops = len(spec), hw.gpu_flops
+        self.spec, self.overhead = spec, hw.task_overhead_s
+        self.h2d, self.d2h = link_rates(hw, n_gpus)
+        self.inp = [spec.input_bytes(i, u) for i in range(L + 1)]
+        c = spec.layers
+        self.fwd_t = _prefix(spec.fwd_time(i, i + 1, u, flops) for i in range(L))
+        self.bwd_t = _prefix(spec.bwd_time(i, i + 1, u, flops) for i in range(L))
+        self.extra = _prefix(c[i].bwd_extra(u) for i in range(L))
+        self.saved_in = [c[i].saved_input(u) for i in range(L)]
+        # a tensor one layer passes to the next, counted once when both keep it
+        self.shared = _prefix(
+            min(c[i - 1].saved_output(u), self.saved_in[i]) if i else 0.0 for i in range(L)
+        )
+        # what a layer holds forward; the pack's first layer holds no input of its own
+        self.fwd_first = [c[i].fwd_extra(u) for i in range(L)]
+        self.fwd_inner = _RangeMax([self.fwd_first[i] + self.inp[i] for i in range(L)])
+
+    def bwd_bytes(self, a: int, b: int) -> float:
+        work = (
+            (self.extra[b] - self.extra[a])
+            - self.saved_in[a]
+            - (self.shared[b] - self.shared[a + 1])
+        )
+        return (
+            self.spec.weight_bytes(a, b)
+            + self.spec.grad_bytes(a, b)
+            + max(0.0, work)
+            + 2 * self.inp[a]
+            + self.inp[b]
+        )
+
+    def fwd_bytes(self, a: int, b: int) -> float:
+        # fwd_work_bytes: the worst layer; the last one's output is the pack's output buffer
+        last = self.fwd_first[b - 1] + (self.inp[b - 1] if b - 1 > a else 0.0) - self.inp[b]
+        first = self.fwd_first[a] if a < b - 1 else 0.0
+        work = max(0.0, last, first, self.fwd_inner.max(a + 1, b - 1))
+        return self.spec.weight_bytes(a, b) + work + 2 * self.inp[a] + self.inp[b]
+
+    def seconds(self, a: int, b: int, fused: bool) -> float:
+        """:func:`pack_seconds`."""
+        stash = 0.0 if fused else self.inp[a]
+        compute = self.bwd_t[b] - self.bwd_t[a] + self.overhead
+        if not fused:
+            compute += self.fwd_t[b] - self.fwd_t[a] + self.overhead
+        loads = self.spec.weight_bytes(a, b) * (1 if fused else 2) + stash
+        out = self.spec.grad_bytes(a, b) + (stash if a > 0 else 0.0)
+        return max(compute, loads / self.h2d, out / self.d2h)
+
+
+def _prefix(values) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+class _RangeMax:
+    """The largest of ``values[i:j]`` in constant time (a sparse table); 0 when empty."""
+
+    def __init__(self, values: list[float]):
+        self.levels = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            prev = self.levels[-1]
+            self.levels.append([max(prev[i], prev[i + width]) for i in range(len(prev) - width)])
+            width *= 2
+
+    def max(self, i: int, j: int) -> float:
+        if j <= i:
+            return 0.0
+        k = (j - i).bit_length() - 1
+        level = self.levels[k]
+        return max(level[i], level[j - (1 << k)])
+
+
+def model_packs(
+    spec: ModelSpec, hw: Hardware, u: int, n_gpus: int, budget: float
+) -> tuple[Pack, ...] | None:
     """The backward packs KARMA's choice makes for microbatches of ``u``: the
     packing with the least total :func:`pack_seconds`, each pack within
     ``budget`` bytes (:func:`~harmony.planner.packing.bwd_pack_bytes`,
@@ -54,15 +140,15 @@ def model_packs(spec: ModelSpec, hw: Hardware, u: int, n_gpus: int, budget: floa
     allows, and places them where the swap costs least against the compute
     it hides behind."""
     L = len(spec)
-
-    def seconds(a: int, b: int, fused: bool) -> float:
-        return pack_seconds(spec, hw, u, n_gpus, a, b, fused)
+    costs = _Costs(spec, hw, u, n_gpus)
+    seconds = costs.seconds
 
     def fits(a: int, b: int, fused: bool) -> bool:
-        return bwd_pack_bytes(spec, a, b, u) <= budget and (fused or fwd_pack_bytes(spec, a, b, u) <= budget)
+        return costs.bwd_bytes(a, b) <= budget and (fused or costs.fwd_bytes(a, b) <= budget)
 
     def starts(b: int):
-        """Starts of packs ending at ``b``, nearest first, while weights and gradients alone fit."""
+        """Starts of packs ending at ``b``, nearest first, while weights and gradients alone
+        fit."""
         for a in range(b - 1, -1, -1):
             if spec.weight_bytes(a, b) + spec.grad_bytes(a, b) > budget:
                 return
@@ -76,7 +162,11 @@ def model_packs(spec: ModelSpec, hw: Hardware, u: int, n_gpus: int, budget: floa
                 total = best[a] + seconds(a, b, False)
                 if total <= best[b]:  # ties go to the larger pack
                     best[b], cut[b] = total, a
-    ends = [(best[f] + seconds(f, L, True), f) for f in starts(L) if best[f] < math.inf and fits(f, L, True)]
+    ends = [
+        (best[f] + seconds(f, L, True), f)
+        for f in starts(L)
+        if best[f] < math.inf and fits(f, L, True)
+    ]
     if not ends:
         return None
     b = min(ends)[1]

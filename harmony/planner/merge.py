@@ -12,7 +12,7 @@ import pandas as pd
 
 from ..costs.hardware import Hardware
 from ..errors import HarmonyError
-from ..graph import IN_ORDER_KINDS, W_IN, Buffer, Task, TaskGraph
+from ..graph import IN_ORDER_KINDS, REC, W_IN, Buffer, Task, TaskGraph
 from .units import Job, Placement, Solo
 
 
@@ -35,9 +35,20 @@ class MultiSchedule:
 
     def units(self) -> pd.DataFrame:
         """One row per placed unit, in the order the schedule starts them."""
-        return pd.DataFrame([{"model": p.job, "name": self.jobs[p.job].label, "step": p.step, "unit": p.unit,
-                              "gpu": p.gpu, "est_start_s": p.start_s, "est_end_s": p.end_s}
-                             for p in self.placements])
+        return pd.DataFrame(
+            [
+                {
+                    "model": p.job,
+                    "name": self.jobs[p.job].label,
+                    "step": p.step,
+                    "unit": p.unit,
+                    "gpu": p.gpu,
+                    "est_start_s": p.start_s,
+                    "est_end_s": p.end_s,
+                }
+                for p in self.placements
+            ]
+        )
 
 
 def _renamer(src: int, dst: int, hw: Hardware) -> Callable[[str], str]:
@@ -60,7 +71,9 @@ def _view(solo: Solo, gpus: dict[int, int], hw: Hardware, label: str) -> TaskGra
     for t in g.tasks:
         u = solo.unit_of[t.id]
         r = renames[(solo.gpu[u], gpus[u])]
-        tasks.append(replace(t, device=r(t.device), lane=r(t.lane), links=tuple(r(x) for x in t.links)))
+        tasks.append(
+            replace(t, device=r(t.device), lane=r(t.lane), links=tuple(r(x) for x in t.links))
+        )
         for b in (*t.allocs, *t.releases):
             device_of[b].add(r(g.buffers[b].device))
     buffers = []
@@ -68,9 +81,11 @@ def _view(solo: Solo, gpus: dict[int, int], hw: Hardware, label: str) -> TaskGra
         where = device_of.get(b.id, {b.device})
         if len(where) > 1:
             raise HarmonyError(
-                f"job {label!r}: its {b.what} is used on {' and '.join(sorted(where))}: a buffer that outlives "
-                "its unit cannot follow the model to another GPU; the merged schedule needs a policy that sends "
-                "each unit's outputs through host memory when offload_activations is on (as harmony's do)")
+                f"job {label!r}: its {b.what} is used on {' and '.join(sorted(where))}: a buffer "
+                "that outlives its unit cannot follow the model to another GPU; the merged "
+                "schedule needs a policy that sends each unit's outputs through host memory when "
+                "offload_activations is on (as harmony's do)"
+            )
         buffers.append(replace(b, device=where.pop()))
     links = {r(name): rate for r in renames.values() for name, rate in g.links.items()}
     capacity = {f"gpu{k}": float(hw.gpu_memory) for k in range(hw.n_gpus)}
@@ -92,12 +107,21 @@ class _OnGpu:
 class Merger:
     """Emits the units of every placement into one graph (see the module notes)."""
 
-    def __init__(self, sched: str, jobs: list[Job], solos: list[Solo], placements: list[Placement], hw: Hardware):
+    def __init__(
+        self,
+        sched: str,
+        jobs: list[Job],
+        solos: list[Solo],
+        placements: list[Placement],
+        hw: Hardware,
+    ):
         self.jobs, self.solos, self.hw = jobs, solos, hw
         gpus: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)
         for p in placements:
             gpus[(p.job, p.step)][p.unit] = p.gpu
-        self.views = {key: _view(solos[key[0]], g, hw, jobs[key[0]].label) for key, g in gpus.items()}
+        self.views = {
+            key: _view(solos[key[0]], g, hw, jobs[key[0]].label) for key, g in gpus.items()
+        }
         self.tasks: list[Task] = []
         self.buffers: list[Buffer] = []
         self.origin: list[tuple[int, int, int]] = []
@@ -107,7 +131,8 @@ class Merger:
         self.units_on: dict[int, list[_OnGpu]] = defaultdict(list)
         self.placed: dict[tuple[int, int, int], _OnGpu] = {}
         self.n_ops = 0
-        # Consecutive placements of one iteration form a block, emitted in the job graph's own order.
+        # Consecutive placements of one iteration form a block, emitted in the job graph's own
+        # order.
         blocks: list[tuple[tuple[int, int], list[int]]] = []
         for p in placements:
             if blocks and blocks[-1][0] == (p.job, p.step):
@@ -119,10 +144,19 @@ class Merger:
         samples = sum(job.steps * solo.graph.samples for job, solo in zip(jobs, solos))
         links = {name: rate for view in self.views.values() for name, rate in view.links.items()}
         self.graph = TaskGraph(
-            self.tasks, self.buffers, links, {f"gpu{k}": float(hw.gpu_memory) for k in range(hw.n_gpus)},
-            samples, hw.cpu_update_workers,
-            {"policy": f"multi-model {sched}", "model": ", ".join(job.label for job in jobs), "hardware": hw.name,
-             "schedule": sched})
+            self.tasks,
+            self.buffers,
+            links,
+            {f"gpu{k}": float(hw.gpu_memory) for k in range(hw.n_gpus)},
+            samples,
+            hw.cpu_update_workers,
+            {
+                "policy": f"multi-model {sched}",
+                "model": ", ".join(job.label for job in jobs),
+                "hardware": hw.name,
+                "schedule": sched,
+            },
+        )
 
     def _block(self, key: tuple[int, int], units: list[int]) -> None:
         m, s = key
@@ -130,7 +164,9 @@ class Merger:
         if key not in self.offset:
             self.offset[key] = len(self.buffers)
             self.buffers += [replace(b, id=b.id + self.offset[key]) for b in view.buffers]
-        ids = sorted((i for u in units for i in solo.tasks[u]), key=lambda i: solo.graph.tasks[i].seq)
+        ids = sorted(
+            (i for u in units for i in solo.tasks[u]), key=lambda i: solo.graph.tasks[i].seq
+        )
         op_new = {}
         for i in ids:
             if solo.graph.tasks[i].kind in IN_ORDER_KINDS:
@@ -157,14 +193,21 @@ class Merger:
         elif on_gpu and t.is_transfer and t.seq[1] == 0:
             deps += self.ops_on[k][-2:-1] + self.placed[(m, s, u)].gate
         off = self.offset[key]
-        new = replace(t, id=len(self.tasks), seq=(op_new[t.seq[0]], *t.seq[1:]), deps=sorted(set(deps)),
-                      io=_shift_io(t.io, off), allocs=[b + off for b in t.allocs],
-                      releases=[b + off for b in t.releases])
+        new = replace(
+            t,
+            id=len(self.tasks),
+            seq=(op_new[t.seq[0]], *t.seq[1:]),
+            deps=sorted(set(deps)),
+            io=_shift_io(t.io, off),
+            allocs=[b + off for b in t.allocs],
+            releases=[b + off for b in t.releases],
+        )
         self.tasks.append(new)
         self.origin.append((m, s, t.id))
         self.new_id[key][t.id] = new.id
         if t.kind in IN_ORDER_KINDS:
-            self.ops_on[k].append(new.id)
+            if t.kind != REC:  # windows count ops, and a REC is the first half of its op
+                self.ops_on[k].append(new.id)
             self.placed[(m, s, u)].last = new.id
         elif on_gpu and t.seq[1] == 2:
             self.placed[(m, s, u)].outputs.append(new.id)
@@ -175,9 +218,11 @@ class Merger:
         i = len(on)
         for w in range(prefetch, 0, -1):
             before = on[i - w] if i >= w else None
-            inside = on[max(0, i - w + 1):]
+            inside = on[max(0, i - w + 1) :]
             run = ([before] if before else []) + inside + [unit]
-            if all(r.key == unit.key for r in run) and [r.rank for r in run] == list(range(run[0].rank, unit.rank + 1)):
+            if all(r.key == unit.key for r in run) and [r.rank for r in run] == list(
+                range(run[0].rank, unit.rank + 1)
+            ):
                 return [before.last] if before else []  # as the model's own plan does alone
             if w == 1 or sum(r.footprint for r in inside) + unit.footprint <= self.hw.gpu_memory:
                 unit.gate = [before.last, *before.outputs] if before else []
@@ -194,5 +239,3 @@ def _shift_io(io: dict, off: int) -> dict:
         return {layer: x + off for layer, x in v.items()}
 
     return {role: shift(v) for role, v in io.items()}
-
-

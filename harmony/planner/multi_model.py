@@ -28,7 +28,7 @@ BWD or FWDBWD tasks that share that load), the inputs brought in for them, what
 they send out (stashed inputs, activations or their gradients, the pack's
 gradient) and the CPU update of that gradient. A task belongs to the unit of
 the compute op its ``seq`` names (see :mod:`harmony.graph`). Harmony's grouped
-packs give one unit per pack pass; virtual-memory one per pack and microbatch.
+packs give one unit per pack pass; harmony-no-grouping one per pack and microbatch.
 In the merged schedule a model's next unit may run on another GPU, so its plan
 runs with ``offload_activations``: a unit takes its inputs from host memory and
 leaves its outputs there (HYDRA's spilling), and every buffer a unit allocates
@@ -36,8 +36,8 @@ is freed by the unit's own tasks.
 
 **One graph.** A schedule becomes one :class:`~harmony.graph.TaskGraph`, which
 :func:`~harmony.simulate.simulate_graph` plays (one Trace; its ``model`` column
-is the job) and the engine runs (:func:`harmony.engine.multi_model.train_many`). Each unit's tasks move to
-its GPU (lanes ``gpu0.*`` -> ``gpuK.*``, with their links and buffers); the CPU
+is the job) and the engine runs (:func:`harmony.engine.multi_model.train_many`). Each unit's
+tasks move to its GPU (lanes ``gpu0.*`` -> ``gpuK.*``, with their links and buffers); the CPU
 update lanes are shared. Units get ``seq`` in the order the schedule starts
 them, so each GPU's compute lane runs its units in that order and every
 dependency comes first: the graph cannot deadlock. A model's iterations follow
@@ -111,13 +111,18 @@ def _merged(jobs: list[Job], solos: list[Solo], n_gpus: int) -> list[Placement]:
     free = [0.0] * n_gpus
     out = []
     while True:
-        active = [m for m, job in enumerate(jobs) if placed[m] < job.steps * len(solos[m].duration)]
+        active = [
+            m for m, job in enumerate(jobs) if placed[m] < job.steps * len(solos[m].duration)
+        ]
         if not active:
             return sorted(out, key=lambda p: p.start_s)
         k = min(range(n_gpus), key=free.__getitem__)
         waiting = [m for m in active if ready[m] <= free[k]]
-        m = (max(waiting, key=left.__getitem__) if waiting
-             else min(active, key=lambda m: (ready[m], -left[m])))
+        m = (
+            max(waiting, key=left.__getitem__)
+            if waiting
+            else min(active, key=lambda m: (ready[m], -left[m]))
+        )
         s, u = divmod(placed[m], len(solos[m].duration))
         d = solos[m].duration[u]
         begin = max(free[k], ready[m])
@@ -127,7 +132,11 @@ def _merged(jobs: list[Job], solos: list[Solo], n_gpus: int) -> list[Placement]:
         placed[m] += 1
 
 
-_PLACERS: dict[str, Callable] = {"sequential": _sequential, "task-parallel": _task_parallel, "merged": _merged}
+_PLACERS: dict[str, Callable] = {
+    "sequential": _sequential,
+    "task-parallel": _task_parallel,
+    "merged": _merged,
+}
 
 
 # ---- entry points ---------------------------------------------------------------------
@@ -143,23 +152,33 @@ def _check(jobs, hardware: Hardware, schedule: str) -> list[Job]:
     if schedule not in SCHEDULES:
         raise HarmonyError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if not isinstance(hardware, Hardware):
-        raise HarmonyError(f"hardware must be a harmony.Hardware (e.g. harmony.preset('paper-4x1080ti')), "
-                           f"got {type(hardware).__name__}")
+        raise HarmonyError(
+            f"hardware must be a harmony.Hardware (e.g. harmony.preset('paper-4x1080ti')), "
+            f"got {type(hardware).__name__}"
+        )
     jobs = list(jobs)
     if not jobs:
-        raise HarmonyError("no jobs: give a list of harmony.Job(spec, plan, steps), one per model to train")
+        raise HarmonyError(
+            "no jobs: give a list of harmony.Job(spec, plan, steps), one per model to train"
+        )
     for i, job in enumerate(jobs):
         if not isinstance(job, Job):
-            raise HarmonyError(f"jobs[{i}] is a {type(job).__name__}, not a harmony.Job(spec, plan, steps)")
+            raise HarmonyError(
+                f"jobs[{i}] is a {type(job).__name__}, not a harmony.Job(spec, plan, steps)"
+            )
         if schedule != "sequential" and job.plan.n_gpus != 1:
             raise HarmonyError(
-                f"job {job.label!r}: the {schedule} schedule runs each model on one GPU at a time, but its plan "
-                f"is for {job.plan.n_gpus} GPUs ({hardware.name!r} has {hardware.n_gpus}); give it a 1-GPU plan "
-                "(a plan over several GPUs goes in parallel_plan, for the sequential schedule)")
+                f"job {job.label!r}: the {schedule} schedule runs each model on one GPU at a "
+                f"time, but its plan is for {job.plan.n_gpus} GPUs ({hardware.name!r} has "
+                f"{hardware.n_gpus}); give it a 1-GPU plan (a plan over several GPUs goes in "
+                "parallel_plan, for the sequential schedule)"
+            )
     return jobs
 
 
-def schedule_many(jobs: Sequence[Job], hardware: Hardware, schedule: str = "merged") -> MultiSchedule:
+def schedule_many(
+    jobs: Sequence[Job], hardware: Hardware, schedule: str = "merged"
+) -> MultiSchedule:
     """Place every job's units on ``hardware``'s GPUs by ``schedule`` (one of
     :data:`SCHEDULES`) and build the one task graph that runs them all."""
     jobs = _check(jobs, hardware, schedule)
@@ -169,12 +188,16 @@ def schedule_many(jobs: Sequence[Job], hardware: Hardware, schedule: str = "merg
         solo = cut(build_graph(job.spec, hardware, plan, model=m), plan)
         if solo.peak > hardware.gpu_memory:
             raise OutOfMemoryError(
-                f"job {job.label!r}: its plan alone needs {solo.peak / 1e6:.1f} MB on a GPU, more than the "
-                f"{hardware.gpu_memory / 1e6:.1f} MB of {hardware.name!r}; pick a plan that fits (harmony.search)")
+                f"job {job.label!r}: its plan alone needs {solo.peak / 1e6:.1f} MB on a GPU, more "
+                f"than the {hardware.gpu_memory / 1e6:.1f} MB of {hardware.name!r}; pick a plan "
+                "that fits (harmony.search)"
+            )
         solos.append(solo)
     placements = _PLACERS[schedule](jobs, solos, hardware.n_gpus)
     merger = Merger(schedule, jobs, solos, placements, hardware)
-    return MultiSchedule(schedule, jobs, hardware, merger.graph, placements, merger.origin, merger.views)
+    return MultiSchedule(
+        schedule, jobs, hardware, merger.graph, placements, merger.origin, merger.views
+    )
 
 
 @dataclass
@@ -195,19 +218,27 @@ class MultiRun:
         """When each model's last task ended."""
         tl = self.trace.timeline
         ends = tl.groupby("model").end_s.max()
-        return pd.Series({job.label: ends.get(m, float("nan")) for m, job in enumerate(self.schedule.jobs)},
-                         name="finish_s")
+        return pd.Series(
+            {job.label: ends.get(m, float("nan")) for m, job in enumerate(self.schedule.jobs)},
+            name="finish_s",
+        )
 
     def row(self) -> dict:
         """The run in one table row (see :func:`compare_schedules`)."""
         tl, s = self.trace.timeline, self.trace.summary
         gpus = len(self.schedule.graph.memory_capacity)
         compute = tl[tl.kind.isin(sorted(IN_ORDER_KINDS))]
-        return {"schedule": self.schedule.schedule, "models": len(self.schedule.jobs), "gpus": gpus,
-                "total_s": self.total_s, "samples_per_s": s.samples_per_s,
-                "gpu_busy": float((compute.end_s - compute.start_s).sum()) / (gpus * self.total_s),
-                "swap_gb": s.swap_bytes / 1e9, "peak_gb": max(s.peak_memory.values(), default=0.0) / 1e9,
-                "fits": s.fits}
+        return {
+            "schedule": self.schedule.schedule,
+            "models": len(self.schedule.jobs),
+            "gpus": gpus,
+            "total_s": self.total_s,
+            "samples_per_s": s.samples_per_s,
+            "gpu_busy": float((compute.end_s - compute.start_s).sum()) / (gpus * self.total_s),
+            "swap_gb": s.swap_bytes / 1e9,
+            "peak_gb": max(s.peak_memory.values(), default=0.0) / 1e9,
+            "fits": s.fits,
+        }
 
 
 def simulate_many(jobs: Sequence[Job], hardware: Hardware, schedule: str = "merged") -> MultiRun:
@@ -216,7 +247,9 @@ def simulate_many(jobs: Sequence[Job], hardware: Hardware, schedule: str = "merg
     return MultiRun(sched, simulate_graph(sched.graph))
 
 
-def compare_schedules(jobs: Sequence[Job], hardware: Hardware, schedules: Sequence[str] = SCHEDULES) -> pd.DataFrame:
+def compare_schedules(
+    jobs: Sequence[Job], hardware: Hardware, schedules: Sequence[str] = SCHEDULES
+) -> pd.DataFrame:
     """Simulated time to train every job under each schedule, one row per schedule;
     ``over_merged``: its time over the merged schedule's."""
     df = pd.DataFrame([simulate_many(jobs, hardware, name).row() for name in schedules])

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..plan import Pack
 from ..costs.spec import ModelSpec
+from ..plan import Pack
 
 #: fractions of GPU memory tried for one pack (double buffering keeps two resident)
 BUDGETS = (0.5, 0.3, 0.15)
@@ -29,16 +29,27 @@ def bwd_pack_bytes(spec: ModelSpec, a: int, b: int, u: int) -> float:
     """Estimated device bytes of a backward pack [a, b) on ``u`` samples: weights,
     gradients, recompute + backward working memory, its input (stashed one in
     flight too) and the incoming output gradient."""
-    return (spec.weight_bytes(a, b) + spec.grad_bytes(a, b) + spec.bwd_work_bytes(a, b, u)
-            + 2 * spec.input_bytes(a, u) + spec.input_bytes(b, u))
+    return (
+        spec.weight_bytes(a, b)
+        + spec.grad_bytes(a, b)
+        + spec.bwd_work_bytes(a, b, u)
+        + 2 * spec.input_bytes(a, u)
+        + spec.input_bytes(b, u)
+    )
 
 
 def fwd_pack_bytes(spec: ModelSpec, a: int, b: int, u: int) -> float:
-    return spec.weight_bytes(a, b) + spec.fwd_work_bytes(a, b, u) + 2 * spec.input_bytes(a, u) + spec.input_bytes(b, u)
+    return (
+        spec.weight_bytes(a, b)
+        + spec.fwd_work_bytes(a, b, u)
+        + 2 * spec.input_bytes(a, u)
+        + spec.input_bytes(b, u)
+    )
 
 
-def greedy_packs(spec: ModelSpec, start: int, stop: int, u: int, budget: float,
-                 backward: bool) -> tuple[Pack, ...] | None:
+def greedy_packs(
+    spec: ModelSpec, start: int, stop: int, u: int, budget: float, backward: bool
+) -> tuple[Pack, ...] | None:
     """Largest packs under ``budget`` bytes each; backward packs fill from the last
     layer. None when a single layer does not fit."""
     size = bwd_pack_bytes if backward else fwd_pack_bytes

@@ -5,8 +5,7 @@ Candidates come from a small grid that covers what matters:
 * policy (those in :data:`SEARCHABLE`) and number of GPUs (the caller's lists);
 * backward microbatch size ``uB`` (powers of two up to the minibatch, or the
   per-GPU share in data parallel, capped at the largest measured size of a
-  profiled model), first each with its largest packs that fit (karma: with
-  the packs of its performance model, :func:`~harmony.planner.karma.model_packs`);
+  profiled model), first each with its largest packs that fit;
 * for the best sizes, every backward packing: greedy by memory at several
   fractions of the GPU (filled from the last layer, so the fused pack is as
   large as it can be) and balanced by backward time;
@@ -33,16 +32,15 @@ from typing import Iterable
 
 import pandas as pd
 
-from ..errors import HarmonyError, OutOfMemoryError
 from ..costs.hardware import Hardware, format_bytes
-from .karma import model_packs
-from .packing import BUDGETS, balanced_packs, bwd_pack_bytes, greedy_packs, microbatch_sizes
+from ..costs.reference import max_profiled
+from ..costs.spec import ModelSpec
+from ..errors import HarmonyError, OutOfMemoryError
 from ..plan import Pack, Plan
 from ..policies import build_graph, get_policy, names
-from ..costs.reference import max_profiled
 from ..simulate import simulate_graph
 from ..trace import Summary
-from ..costs.spec import ModelSpec
+from .packing import BUDGETS, balanced_packs, bwd_pack_bytes, greedy_packs, microbatch_sizes
 
 #: what the search compares by default: Harmony's placements and their ablations
 DEFAULT_POLICIES = tuple(names("harmony") + names("ablation"))
@@ -64,10 +62,18 @@ def _min_layer_bytes(spec: ModelSpec) -> tuple[int, float]:
     return worst, bwd_pack_bytes(spec, worst, worst + 1, u)
 
 
-def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
-           policies: Iterable[str] = DEFAULT_POLICIES, n_gpus: Iterable[int] | int | None = None,
-           top_k: int = 2, progress: bool = False, workers: int | None = None,
-           equal_microbatches: bool = False) -> pd.DataFrame:
+def search(
+    spec: ModelSpec,
+    hardware: Hardware,
+    minibatch_size: int,
+    policies: Iterable[str] = DEFAULT_POLICIES,
+    n_gpus: Iterable[int] | int | None = None,
+    top_k: int = 2,
+    progress: bool = False,
+    workers: int | None = None,
+    equal_microbatches: bool = False,
+    precision: str | None = None,
+) -> pd.DataFrame:
     """Rank plans for ``spec`` on ``hardware`` by simulated iteration time.
 
     Returns one row per simulated candidate that fits in GPU memory, fastest
@@ -76,29 +82,42 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
     ``workers`` processes simulate in parallel (default: one per core, at most 4).
     ``equal_microbatches``: only plans whose forward and backward microbatch
     sizes are equal (what a model with dropout or BatchNorm needs to train
-    exactly; the engine refuses other plans for it)."""
+    exactly; the engine refuses other plans for it). ``precision``: plan a run
+    in ``"fp32"``, ``"bf16"`` or ``"fp16"`` (:meth:`ModelSpec.in_precision`);
+    the plans carry it. None: the spec's own, not written in the plans."""
     t0 = time.perf_counter()
-    if not isinstance(minibatch_size, numbers.Integral) or isinstance(minibatch_size, bool) or minibatch_size < 1:
+    if precision is not None:
+        spec = spec.in_precision(precision)
+    if (
+        not isinstance(minibatch_size, numbers.Integral)
+        or isinstance(minibatch_size, bool)
+        or minibatch_size < 1
+    ):
         raise HarmonyError(f"minibatch size must be a positive integer, got {minibatch_size!r}")
     minibatch_size = int(minibatch_size)
     policies = list(policies)
     for p in policies:
         if get_policy(p).NAME not in SEARCHABLE:
-            raise HarmonyError(f"the search plans {', '.join(SEARCHABLE)}; for {p} use "
-                               f"harmony.planner.plan_for({p!r}, ...)")
+            raise HarmonyError(
+                f"the search plans {', '.join(SEARCHABLE)}; for {p} use "
+                f"harmony.planner.plan_for({p!r}, ...)"
+            )
     if n_gpus is None:
         gpu_counts = [hardware.n_gpus]
     else:
         gpu_counts = [n_gpus] if isinstance(n_gpus, int) else list(n_gpus)
     for n in gpu_counts:
         if not 1 <= n <= hardware.n_gpus:
-            raise HarmonyError(f"n_gpus={n} is outside 1..{hardware.n_gpus} for hardware {hardware.name!r}")
+            raise HarmonyError(
+                f"n_gpus={n} is outside 1..{hardware.n_gpus} for hardware {hardware.name!r}"
+            )
     worst, need = _min_layer_bytes(spec)
     if need > hardware.gpu_memory:
         raise OutOfMemoryError(
-            f"layer {worst} ({spec.layers[worst].name}) alone needs {format_bytes(need)} for backward at "
-            f"microbatch {spec.min_microbatch} (weights, gradients, activations), more than the {format_bytes(hardware.gpu_memory)} "
-            f"of one GPU of {hardware.name!r}: no plan can fit; split that layer or use bigger GPUs"
+            f"layer {worst} ({spec.layers[worst].name}) alone needs {format_bytes(need)} for "
+            f"backward at microbatch {spec.min_microbatch} (weights, gradients, activations), "
+            f"more than the {format_bytes(hardware.gpu_memory)} of one GPU of {hardware.name!r}: "
+            "no plan can fit; split that layer or use bigger GPUs"
         )
 
     rows: list[dict] = []
@@ -129,13 +148,21 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
     for policy in policies:
         for n in gpu_counts:
             share = -(-minibatch_size // n) if policy != "harmony-pp" else minibatch_size
+
             def plan_for(ub: int, packing: tuple[tuple[Pack, ...], dict]) -> _Candidate:
                 # forward packs on the backward boundaries, uF = uB
                 bwd, options = packing
-                return _Candidate(Plan(policy, n, minibatch_size, ub, ub, bwd[:-1], bwd, options), "A")
+                if precision is not None:
+                    options = {**options, "precision": precision}
+                return _Candidate(
+                    Plan(policy, n, minibatch_size, ub, ub, bwd[:-1], bwd, options), "A"
+                )
 
             # Stage A: the backward microbatch size, with the largest packs that fit ...
-            packings = {ub: _bwd_packings(spec, ub, hardware, n, policy) for ub in microbatch_sizes(share, bcap, spec.min_microbatch)}
+            packings = {
+                ub: _bwd_packings(spec, ub, hardware, n, policy)
+                for ub in microbatch_sizes(share, bcap, spec.min_microbatch)
+            }
             found = run([plan_for(ub, ps[0]) for ub, ps in packings.items() if ps])
             # ... then every backward packing for the best sizes.
             sizes = [r["plan"].bwd_microbatch for r in _fastest(found, top_k)]
@@ -146,46 +173,68 @@ def search(spec: ModelSpec, hardware: Hardware, minibatch_size: int,
             for r in best:
                 p: Plan = r["plan"]
                 # Forward needs no autograd memory, so only sizes >= uB are worth trying.
-                ufs = [u for u in microbatch_sizes(share, fcap, spec.min_microbatch) if u >= p.bwd_microbatch]
+                ufs = [
+                    u
+                    for u in microbatch_sizes(share, fcap, spec.min_microbatch)
+                    if u >= p.bwd_microbatch
+                ]
                 one_size = get_policy(policy).PER_MICROBATCH or equal_microbatches
-                for uf in ([p.bwd_microbatch] if one_size else ufs):
+                for uf in [p.bwd_microbatch] if one_size else ufs:
                     for fwd in _fwd_packings(spec, p, uf, hardware):
-                        stage_b.append(_Candidate(replace(p, fwd_microbatch=uf, fwd_packs=fwd), "B"))
+                        stage_b.append(
+                            _Candidate(replace(p, fwd_microbatch=uf, fwd_packs=fwd), "B")
+                        )
             found += run(stage_b)
-            # ... and activations through host memory for the best plans, where that changes anything.
+            # ... and activations through host memory for the best plans, where that changes
+            # anything.
             if _offload_matters(policy, n):
-                run([_Candidate(replace(r["plan"], options={**dict(r["plan"].options), "offload_activations": True}),
-                                "C")
-                     for r in _fastest(found, top_k)])
+                run(
+                    [
+                        _Candidate(
+                            replace(
+                                r["plan"],
+                                options={**dict(r["plan"].options), "offload_activations": True},
+                            ),
+                            "C",
+                        )
+                        for r in _fastest(found, top_k)
+                    ]
+                )
     bar.close()
     pool.close()
     if not rows:
-        tried = (f"{rejected} candidates simulated, all over capacity" if rejected else
-                 "no packing of the layers fits the planner's per-pack budget")
+        tried = (
+            f"{rejected} candidates simulated, all over capacity"
+            if rejected
+            else "no packing of the layers fits the planner's per-pack budget"
+        )
         raise OutOfMemoryError(
-            f"no plan for {spec.name} at minibatch {minibatch_size} fits in {format_bytes(hardware.gpu_memory)} "
-            f"per GPU ({tried}); the most demanding layer, {worst} ({spec.layers[worst].name}), needs "
-            f"{format_bytes(need)} for backward at microbatch {spec.min_microbatch}. Use GPUs with more memory or "
-            "split that layer."
+            f"no plan for {spec.name} at minibatch {minibatch_size} fits in "
+            f"{format_bytes(hardware.gpu_memory)} per GPU ({tried}); the most demanding layer, "
+            f"{worst} ({spec.layers[worst].name}), needs {format_bytes(need)} for backward at "
+            f"microbatch {spec.min_microbatch}. Use GPUs with more memory or split that layer."
         )
     df = pd.DataFrame(rows).sort_values("iteration_s", kind="stable").reset_index(drop=True)
     df.insert(0, "rank", range(1, len(df) + 1))
-    df.attrs.update(search_s=time.perf_counter() - t0, simulated=len(seen), rejected_memory=rejected,
-                    model=spec.name, hardware=hardware.name, minibatch=minibatch_size)
+    df.attrs.update(
+        search_s=time.perf_counter() - t0,
+        simulated=len(seen),
+        rejected_memory=rejected,
+        model=spec.name,
+        hardware=hardware.name,
+        minibatch=minibatch_size,
+    )
     return df
 
 
-def _bwd_packings(spec: ModelSpec, u: int, hw: Hardware, n: int,
-                  policy: str) -> list[tuple[tuple[Pack, ...], dict]]:
-    """Backward packings for microbatch ``u``, largest packs first (karma: its
-    performance model's packing first), with the plan options they need."""
+def _bwd_packings(
+    spec: ModelSpec, u: int, hw: Hardware, n: int, policy: str
+) -> list[tuple[tuple[Pack, ...], dict]]:
+    """Backward packings for microbatch ``u``, largest packs first, with the plan
+    options they need."""
     L = len(spec)
     times = [spec.bwd_time(i, i + 1, u, hw.gpu_flops) for i in range(L)]
     out: list[tuple[tuple[Pack, ...], dict]] = []
-    if policy == "karma":
-        packs = model_packs(spec, hw, u, n, BUDGETS[0] * hw.gpu_memory)
-        if packs is not None:
-            out.append((packs, {}))
     for frac in BUDGETS:
         packs = greedy_packs(spec, 0, L, u, frac * hw.gpu_memory, backward=True)
         if packs is None:
@@ -228,15 +277,22 @@ def _offload_matters(policy: str, n: int) -> bool:
 def _row(c: _Candidate, s: dict) -> dict:
     p = c.plan
     return {
-        "policy": p.policy, "n_gpus": p.n_gpus, "fwd_microbatch": p.fwd_microbatch,
-        "bwd_microbatch": p.bwd_microbatch, "fwd_packs": len(p.fwd_packs), "bwd_packs": len(p.bwd_packs),
+        "policy": p.policy,
+        "n_gpus": p.n_gpus,
+        "fwd_microbatch": p.fwd_microbatch,
+        "bwd_microbatch": p.bwd_microbatch,
+        "fwd_packs": len(p.fwd_packs),
+        "bwd_packs": len(p.bwd_packs),
         "offload_activations": p.option("offload_activations"),
-        "iteration_s": s.iteration_s, "samples_per_s": s.samples_per_s,
+        "iteration_s": s.iteration_s,
+        "samples_per_s": s.samples_per_s,
         "peak_memory_gb": max(s.peak_memory.values()) / 1e9,
         "swap_gb": s.swap_bytes / 1e9,
         "p2p_gb": (s.bytes_by_kind.get("P2P", 0.0) + s.bytes_by_kind.get("REDUCE", 0.0)) / 1e9,
-        "lower_bound_s": s.lower_bound_s, "limited_by": s.lower_bound_by,
-        "stage": c.stage, "plan": p,
+        "lower_bound_s": s.lower_bound_s,
+        "limited_by": s.lower_bound_by,
+        "stage": c.stage,
+        "plan": p,
     }
 
 
@@ -266,8 +322,12 @@ class _Pool:
             workers = min(4, os.cpu_count() or 1)
         self.executor = None
         if workers > 1 and "fork" in mp.get_all_start_methods():
-            self.executor = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"),
-                                                initializer=_init_worker, initargs=(spec, hw))
+            self.executor = ProcessPoolExecutor(
+                workers,
+                mp_context=mp.get_context("fork"),
+                initializer=_init_worker,
+                initargs=(spec, hw),
+            )
 
     def map(self, plans: list[Plan]) -> list[dict]:
         if self.executor is None or len(plans) < 4:

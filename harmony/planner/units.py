@@ -28,10 +28,14 @@ class Job:
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, ModelSpec) or not isinstance(self.plan, Plan):
-            raise HarmonyError(f"a Job takes a harmony.ModelSpec and a harmony.Plan, got "
-                               f"{type(self.spec).__name__} and {type(self.plan).__name__}")
+            raise HarmonyError(
+                f"a Job takes a harmony.ModelSpec and a harmony.Plan, got "
+                f"{type(self.spec).__name__} and {type(self.plan).__name__}"
+            )
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
-            raise HarmonyError(f"job {self.label!r}: steps must be a positive integer, got {self.steps!r}")
+            raise HarmonyError(
+                f"job {self.label!r}: steps must be a positive integer, got {self.steps!r}"
+            )
         if self.parallel_plan is not None and not isinstance(self.parallel_plan, Plan):
             raise HarmonyError(f"job {self.label!r}: parallel_plan must be a harmony.Plan or None")
 
@@ -81,8 +85,11 @@ def cut(graph: TaskGraph, plan: Plan) -> Solo:
     for t in sorted((t for t in tasks if t.kind in IN_ORDER_KINDS), key=lambda t: t.seq):
         loads = [d for d in t.deps if tasks[d].kind == W_IN]
         if len(loads) != 1:
-            raise HarmonyError(f"{graph.info.get('policy')} graph: compute task '{t.what}' waits on {len(loads)} "
-                               "weight loads; the multi-model schedules cut a graph into units at its weight loads")
+            raise HarmonyError(
+                f"{graph.info.get('policy')} graph: compute task '{t.what}' waits on {len(loads)} "
+                "weight loads; the multi-model schedules cut a graph into units at its weight "
+                "loads"
+            )
         u = load_unit.setdefault(loads[0], len(gpu))
         if u == len(gpu):
             gpu.append(int(t.device[3:]))
@@ -108,9 +115,20 @@ def cut(graph: TaskGraph, plan: Plan) -> Solo:
     duration[-1] += iteration - reached  # the last updates
     data = [_data_deps(graph, t) for t in tasks]
     waited = {d for deps in data for d in deps}
-    return Solo(graph, unit_of, gpu, rank, members, data, [t.id for t in tasks if t.id not in waited],
-                 plan.option("prefetch_packs"), duration,
-                 _footprints(graph, unit_of, len(gpu), start, end), iteration, max(peak.values(), default=0.0))
+    return Solo(
+        graph,
+        unit_of,
+        gpu,
+        rank,
+        members,
+        data,
+        [t.id for t in tasks if t.id not in waited],
+        plan.option("prefetch_packs"),
+        duration,
+        _footprints(graph, unit_of, len(gpu), start, end),
+        iteration,
+        max(peak.values(), default=0.0),
+    )
 
 
 def _data_deps(graph: TaskGraph, t: Task) -> list[int]:
@@ -120,11 +138,17 @@ def _data_deps(graph: TaskGraph, t: Task) -> list[int]:
     if t.kind == W_IN:
         return [d for d in t.deps if graph.tasks[d].kind == G_OUT]
     if t.is_transfer and t.seq[1] == 0:
-        return [d for d in t.deps if not (graph.tasks[d].kind in IN_ORDER_KINDS and graph.tasks[d].device == t.device)]
+        return [
+            d
+            for d in t.deps
+            if not (graph.tasks[d].kind in IN_ORDER_KINDS and graph.tasks[d].device == t.device)
+        ]
     return list(t.deps)
 
 
-def _footprints(graph: TaskGraph, unit_of: list[int], n: int, start: list[float], end: list[float]) -> list[float]:
+def _footprints(
+    graph: TaskGraph, unit_of: list[int], n: int, start: list[float], end: list[float]
+) -> list[float]:
     """Peak bytes of each unit's own GPU buffers over the solo play: a buffer is
     held from the start of the task that allocates it to the end of its last release."""
     held: dict[int, tuple[int, float]] = {}  # buffer -> (unit, from)
@@ -142,10 +166,10 @@ def _footprints(graph: TaskGraph, unit_of: list[int], n: int, start: list[float]
     out = []
     for ev in events:
         now = top = 0.0
-        for _, delta in sorted(ev, key=lambda e: (e[0], e[1])):  # frees first at equal times, as the simulator
+        for _, delta in sorted(
+            ev, key=lambda e: (e[0], e[1])
+        ):  # frees first at equal times, as the simulator
             now += delta
             top = max(top, now)
         out.append(top)
     return out
-
-

@@ -9,31 +9,72 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from ..costs.hardware import Hardware
+from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..graph import TaskGraph
-from ..costs.hardware import Hardware
 from ..plan import Plan
-from ..costs.spec import ModelSpec
-from . import gpipe_swap, harmony_dp, harmony_pp, hydra, karma, virtual_memory, zero_offload
+from . import (
+    gpipe_swap,
+    harmony_dp,
+    harmony_no_grouping,
+    harmony_pp,
+    hydra,
+    karma,
+    layer_swap,
+    model_parallel,
+    zero_offload,
+)
 from .common import replica_shares
+from .swapping import OPTIONS as STATE_OPTIONS
 
-POLICIES: dict[str, ModuleType] = {m.NAME: m for m in (harmony_pp, harmony_dp, virtual_memory, karma, hydra,
-                                                       zero_offload, gpipe_swap)}
+POLICIES: dict[str, ModuleType] = {
+    m.NAME: m
+    for m in (
+        harmony_pp,
+        harmony_dp,
+        harmony_no_grouping,
+        karma,
+        hydra,
+        zero_offload,
+        gpipe_swap,
+        layer_swap,
+        model_parallel,
+    )
+}
+#: names policies had before, and why they changed
+RENAMED = {
+    "virtual-memory": (
+        "policy 'virtual-memory' was renamed 'harmony-no-grouping': it is Harmony-DP without "
+        "input-batch grouping (Harmony's planner, prefetch, CPU optimizer and recompute), an "
+        "ablation, not GPU memory virtualized as vDNN, LMS or GPipe-with-swapping run it; for "
+        "those use the faithful baselines 'layer-swap' (per-layer swapping, one GPU or data "
+        "parallel), 'gpipe-swap', 'karma' and 'model-parallel' "
+        "(harmony.planner.plan_for(policy, ...))"
+    ),
+}
 #: policies that split each pack's CPU update into one shard per data-parallel GPU
 SHARDED_UPDATES = (harmony_dp.NAME, zero_offload.NAME)
 
 
 def names(role: str | None = None, searched: bool | None = None) -> list[str]:
     """The policies, in :data:`POLICIES` order, of ``role`` and ``searched`` (None: any)."""
-    return [n for n, m in POLICIES.items()
-            if (role is None or m.ROLE == role) and (searched is None or m.SEARCHED == searched)]
+    return [
+        n
+        for n, m in POLICIES.items()
+        if (role is None or m.ROLE == role) and (searched is None or m.SEARCHED == searched)
+    ]
 
 
 def get_policy(name: str) -> ModuleType:
     try:
         return POLICIES[name]
     except KeyError:
-        raise HarmonyError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}") from None
+        if name in RENAMED:
+            raise HarmonyError(RENAMED[name]) from None
+        raise HarmonyError(
+            f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}"
+        ) from None
 
 
 def build_graph(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
@@ -41,18 +82,55 @@ def build_graph(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> Ta
         raise HarmonyError(f"plan must be a harmony.Plan, got {type(plan).__name__}")
     policy = get_policy(plan.policy)
     plan.validate(len(spec))
-    return policy.build(spec, hw, plan, model)
+    check_options(plan)
+    return policy.build(spec_for(spec, plan), hw, plan, model)
 
 
 def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
     """Bytes each kind of transfer moves in one iteration of ``plan``, in closed form."""
     plan.validate(len(spec))
-    return get_policy(plan.policy).swap_volume(spec, plan)
+    check_options(plan)
+    return get_policy(plan.policy).swap_volume(spec_for(spec, plan), plan)
+
+
+def spec_for(spec: ModelSpec, plan: Plan) -> ModelSpec:
+    """``spec`` in the precision ``plan`` runs in (its option ``precision``; None: the spec's)."""
+    precision = plan.option("precision")
+    return spec if precision is None else spec.in_precision(precision)
+
+
+def check_options(plan: Plan) -> None:
+    """Refuse an option that keeps training state on the GPU (``gpu_optimizer``,
+    ``gpu_gradients``) for a policy that does not read it (its ``OPTIONS``)."""
+    reads = getattr(get_policy(plan.policy), "OPTIONS", ())
+    unread = [k for k, v in plan.options if k in STATE_OPTIONS and k not in reads and v]
+    if unread:
+        users = [n for n, m in POLICIES.items() if set(unread) <= set(getattr(m, "OPTIONS", ()))]
+        raise HarmonyError(
+            f"{plan.policy} keeps gradient sums and the optimizer on the host: "
+            f"option(s) {', '.join(unread)} apply to {', '.join(users)}"
+        )
+
+
+def check_engine_runs(plan: Plan) -> None:
+    """Refuse, before anything runs, a plan the engine cannot run yet: it keeps
+    weights, gradient sums and optimizer state on the host, and has no task that
+    swaps a gradient accumulator or optimizer state (G_IN, OPT_IN, OPT_OUT)."""
+    on_gpu = [k for k in STATE_OPTIONS if plan.option(k)]
+    if on_gpu:
+        raise HarmonyError(
+            f"the engine sums gradients and steps the optimizer on the host; {plan.policy} with "
+            f"{', '.join(on_gpu)} is simulated only (harmony.simulate): train the same schedule "
+            f"with {', '.join(f'{k}=False' for k in on_gpu)}"
+        )
 
 
 def update_shards(plan: Plan) -> int:
     """How many shards each backward pack's CPU update is split into: one per
-    GPU with samples for policies that partition the update, else one."""
+    GPU with samples for policies that partition the update, else one. The
+    engine asks when it takes a plan, so a plan it cannot run is refused here
+    (:func:`check_engine_runs`)."""
+    check_engine_runs(plan)
     if plan.policy not in SHARDED_UPDATES:
         return 1
     return sum(1 for a, b in replica_shares(plan.minibatch, plan.n_gpus) if b > a)

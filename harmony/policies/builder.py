@@ -17,9 +17,21 @@ builder adds everything that follows from it, the same way for every policy:
 * stashes: the input of every backward pack but the fused last one is saved to
   host memory by the forward op that computes it and brought back, re-chunked
   to the backward microbatch, before recompute;
+* recompute: a backward op is two compute tasks on its GPU, back to back in
+  the lane's order. REC recomputes the pack's forward with autograd; it needs
+  the weights and the stashed input only, so with the plan's
+  ``overlap_recompute`` (Harmony's schedule) it runs while the output gradient
+  is still on its way, and only BWD, the backward proper, waits for the
+  gradient. REC takes the spec's forward time, BWD the rest of the spec's
+  backward-with-recompute time (as the Harmony authors' simulator splits it).
+  REC allocates the backward's working memory (the tensors autograd saves),
+  BWD frees it, with the stashed input and the gradient, when it ends;
 * data: the minibatch inputs and labels come from host memory;
 * memory: every buffer above is allocated on its device when the task that
-  creates it starts and freed when the last task that needs it ends.
+  creates it starts and freed when the last task that needs it ends;
+* fixed cost: ``Hardware.task_overhead_s`` on every compute task, or once per
+  weight group (on its first compute task) when ``Hardware.overhead_per`` is
+  ``"pack"``.
 
 Gradients leaving the GPU and the optimizer updates are policy-specific
 (one G_OUT per group, per microbatch, or after a reduce-scatter), so the
@@ -32,12 +44,35 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from ..errors import HarmonyError
-from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, STASH_IN, STASH_OUT, UPD,
-                     W_IN, Buffer, Task, TaskGraph)
 from ..costs.hardware import Hardware
-from ..plan import Plan, layer_shard
 from ..costs.spec import ModelSpec
+from ..errors import HarmonyError
+from ..graph import (
+    ACT_IN,
+    ACT_OUT,
+    BWD,
+    DATA_IN,
+    FWD,
+    FWDBWD,
+    G_OUT,
+    P2P,
+    REC,
+    STASH_IN,
+    STASH_OUT,
+    UPD,
+    W_IN,
+    Activation,
+    Batch,
+    Buffer,
+    Gradients,
+    Payload,
+    Task,
+    TaskGraph,
+    TiedGradients,
+    Update,
+    Weights,
+)
+from ..plan import Plan, layer_shard
 
 HOST = "host"
 
@@ -68,7 +103,8 @@ class Value:
 
 @dataclass
 class BwdGroup:
-    """A backward weight group: its gradient accumulates on ``gpu`` until the policy sends it out."""
+    """A backward weight group: its gradient accumulates on ``gpu`` until the policy sends it
+    out."""
 
     gpu: int
     pack: int
@@ -88,12 +124,23 @@ class _Group:
 
 
 class GraphBuilder:
-    def __init__(self, spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0, split_ties: bool = True):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        hw: Hardware,
+        plan: Plan,
+        model: int = 0,
+        split_ties: bool = True,
+        overlap_recompute: bool | None = None,
+    ):
         """``split_ties``: the gradient of a parameter that the group's layers share
         with layers of other packs (:class:`~harmony.costs.spec.Tie`) leaves the GPU after
         every microbatch, so that the host sums the packs' parts per microbatch
         as autograd does (exactness); off for policies that reduce gradients
-        across GPUs, where the part stays in the group's gradient."""
+        across GPUs, where the part stays in the group's gradient.
+        ``overlap_recompute``: whether a backward op's REC may run before its
+        output gradient is there (None: as the plan's option says; False for
+        systems that recompute only once the gradient has arrived)."""
         if plan.n_gpus > hw.n_gpus:
             raise HarmonyError(
                 f"plan uses {plan.n_gpus} GPUs but hardware {hw.name!r} has {hw.n_gpus}"
@@ -113,17 +160,28 @@ class GraphBuilder:
         self._sub = 0  # seq tiebreak of everything else
         self._ops_on: dict[int, list[int]] = {g: [] for g in range(plan.n_gpus)}
         self._groups_on: dict[int, list[_Group]] = {g: [] for g in range(plan.n_gpus)}
-        self._values: dict[tuple, tuple[list[int], list[Value]]] = {}  # key -> (starts, values) sorted
+        self._values: dict[
+            tuple, tuple[list[int], list[Value]]
+        ] = {}  # key -> (starts, values) sorted
         self.bwd_groups: list[BwdGroup] = []
         self._costs: dict[tuple, tuple[float, float]] = {}
         self._stash_layers = set(plan.stash_layers())
         self._prefetch = plan.option("prefetch_packs")
+        self._overlap = (
+            plan.option("overlap_recompute") if overlap_recompute is None else overlap_recompute
+        )
         self.split_ties = split_ties and bool(spec.ties)
-        self._tie_pieces: list[tuple[tuple[int, int], int]] = []  # (layers of the op, its tied-gradient G_OUT)
+        self._tie_pieces: list[
+            tuple[tuple[int, int], int]
+        ] = []  # (layers of the op, its tied-gradient G_OUT)
 
     # ---- primitives ------------------------------------------------------------
-    def buffer(self, device: str, nbytes: float, what: str, samples: tuple[int, int] = (0, 0)) -> int:
-        self.buffers.append(Buffer(len(self.buffers), device, float(nbytes), what, samples=samples))
+    def buffer(
+        self, device: str, nbytes: float, what: str, samples: tuple[int, int] = (0, 0)
+    ) -> int:
+        self.buffers.append(
+            Buffer(len(self.buffers), device, float(nbytes), what, samples=samples)
+        )
         return len(self.buffers) - 1
 
     def release(self, task: Task, buffer: int) -> None:
@@ -142,42 +200,92 @@ class GraphBuilder:
             return (for_op, 0, self._sub)
         return (max((self.tasks[d].seq[0] for d in deps), default=0), 2, self._sub)
 
-    def transfer(self, kind: str, lane: str, device: str, route: tuple[str, ...], nbytes: float,
-                 deps: list[int], what: str, *, alloc_on: str | None = None,
-                 max_rate: float = math.inf, for_op: int | None = None, data: tuple = (),
-                 src: list[int] | None = None, **meta) -> Task:
+    def transfer(
+        self,
+        kind: str,
+        lane: str,
+        device: str,
+        route: tuple[str, ...],
+        nbytes: float,
+        deps: list[int],
+        what: str,
+        *,
+        alloc_on: str | None = None,
+        max_rate: float = math.inf,
+        for_op: int | None = None,
+        data: Payload = None,
+        src: list[int] | None = None,
+        **meta,
+    ) -> Task:
         """A transfer of ``data``; it reads buffers ``src`` (and releases them) and,
         with ``alloc_on``, writes a new buffer there (``io["dst"]``)."""
         deps = sorted(set(deps))
-        t = self._add(Task(len(self.tasks), kind, lane, device, self._next_seq(deps, for_op), deps,
-                           nbytes=float(nbytes), links=route, max_rate=max_rate,
-                           model=self.model, what=what, data=data, **meta))
+        t = self._add(
+            Task(
+                len(self.tasks),
+                kind,
+                lane,
+                device,
+                self._next_seq(deps, for_op),
+                deps,
+                nbytes=float(nbytes),
+                links=route,
+                max_rate=max_rate,
+                model=self.model,
+                what=what,
+                data=data,
+                **meta,
+            )
+        )
         if src:
             t.io["src"] = list(src)
             for b in src:
                 self.release(t, b)
         if alloc_on is not None:
-            samples = data[-2:] if data and data[0] in ("inputs", "labels", "stash", "act", "grad") else (0, 0)
+            samples = data.samples if isinstance(data, (Batch, Activation)) else (0, 0)
             t.io["dst"] = self.buffer(alloc_on, nbytes, what, samples)
             t.allocs.append(t.io["dst"])
         return t
 
-    def update(self, pack: int, layers: tuple[int, int], deps: list[int], worker: int,
-               shard: tuple[int, int] = (0, 1)) -> Task:
+    def update(
+        self,
+        pack: int,
+        layers: tuple[int, int],
+        deps: list[int],
+        worker: int,
+        shard: tuple[int, int] = (0, 1),
+    ) -> Task:
         """The CPU optimizer step of a pack's parameters, or of its ``shard``
         ``(r, k)``: the layers :func:`layer_shard` gives."""
         # the parts of a tied parameter's gradient, from every pack that holds it,
         # are all in before the pack of its first layer steps it
         owned = {tie for tie in self.spec.ties if layers[0] <= tie.layers[0] < layers[1]}
-        deps = sorted(set(deps) | {out for (a, b), out in self._tie_pieces
-                                   if any(tie.in_range(a, b) for tie in owned)})
-        duration = sum(self.spec.update_time(i, i + 1, self.hw.cpu_update_bandwidth)
-                       for i in layer_shard(layers, *shard))
+        deps = sorted(
+            set(deps)
+            | {out for (a, b), out in self._tie_pieces if any(tie.in_range(a, b) for tie in owned)}
+        )
+        duration = sum(
+            self.spec.update_time(i, i + 1, self.hw.cpu_update_bandwidth)
+            for i in layer_shard(layers, *shard)
+        )
         lane = f"cpu{worker % self.hw.cpu_update_workers}"
-        return self._add(Task(len(self.tasks), UPD, lane, "cpu", self._next_seq(deps, None), deps,
-                              duration=duration, model=self.model, pack=pack, layers=layers,
-                              what=f"update {layers}" + (f" shard {shard[0]}/{shard[1]}" if shard[1] > 1 else ""),
-                              data=("update", *layers, *shard)))
+        return self._add(
+            Task(
+                len(self.tasks),
+                UPD,
+                lane,
+                "cpu",
+                self._next_seq(deps, None),
+                deps,
+                duration=duration,
+                model=self.model,
+                pack=pack,
+                layers=layers,
+                what=f"update {layers}"
+                + (f" shard {shard[0]}/{shard[1]}" if shard[1] > 1 else ""),
+                data=Update(layers, shard),
+            )
+        )
 
     # ---- routes ----------------------------------------------------------------
     def h2d_route(self, g: int) -> tuple[str, ...]:
@@ -217,18 +325,33 @@ class GraphBuilder:
 
         # Weights (and, for backward, the gradient accumulator).
         groups = self._groups_on[g]
-        if not groups or groups[-1].key != op.group:
+        opens_group = not groups or groups[-1].key != op.group
+        if opens_group:
             if groups:
                 self._close_group(g)
             # prefetch window: the load waits for the group `prefetch_packs` back to end
             back = [groups[-self._prefetch].ops[-1]] if len(groups) >= self._prefetch else []
-            w = self.transfer(W_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.weight_bytes(s, e),
-                              back, f"weights {op.layers}", alloc_on=dev, for_op=k, data=("weights", s, e),
-                              pack=op.pack, layers=op.layers, microbatch=op.microbatch if len(op.group) > 2 else -1)
+            w = self.transfer(
+                W_IN,
+                f"{dev}.h2d",
+                dev,
+                self.h2d_route(g),
+                spec.weight_bytes(s, e),
+                back,
+                f"weights {op.layers}",
+                alloc_on=dev,
+                for_op=k,
+                data=Weights((s, e)),
+                pack=op.pack,
+                layers=op.layers,
+                microbatch=op.microbatch if len(op.group) > 2 else -1,
+            )
             w.io["weights"] = w.io.pop("dst")
             bwd = None
             if op.kind != FWD:
-                grad = self.buffer(dev, spec.grad_bytes(s, e) - self._split_bytes(s, e), f"grads {op.layers}")
+                grad = self.buffer(
+                    dev, spec.grad_bytes(s, e) - self._split_bytes(s, e), f"grads {op.layers}"
+                )
                 w.allocs.append(grad)
                 w.io["grads"] = grad
                 bwd = BwdGroup(g, op.pack, op.layers, grad_buffer=grad)
@@ -243,9 +366,20 @@ class GraphBuilder:
         # Inputs.
         if op.kind == FWD or op.kind == FWDBWD:
             if s == 0:
-                x = self.transfer(DATA_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.input_bytes(0, n),
-                                  self._release_dep(g, 2), f"inputs {op.samples}", alloc_on=dev, for_op=k,
-                                  data=("inputs", a, b), microbatch=op.microbatch, samples=op.samples)
+                x = self.transfer(
+                    DATA_IN,
+                    f"{dev}.h2d",
+                    dev,
+                    self.h2d_route(g),
+                    spec.input_bytes(0, n),
+                    self._release_dep(g, 2),
+                    f"inputs {op.samples}",
+                    alloc_on=dev,
+                    for_op=k,
+                    data=Batch("inputs", (a, b)),
+                    microbatch=op.microbatch,
+                    samples=op.samples,
+                )
                 deps.append(x.id)
                 local += x.allocs
             else:
@@ -255,32 +389,47 @@ class GraphBuilder:
             io["input"] = list(local)
         input_buffers = list(local)
         if op.kind == FWDBWD:
-            y = self.transfer(DATA_IN, f"{dev}.h2d", dev, self.h2d_route(g), spec.target_bytes(n),
-                              self._release_dep(g, 2), f"labels {op.samples}", alloc_on=dev, for_op=k,
-                              data=("labels", a, b), microbatch=op.microbatch, samples=op.samples)
+            y = self.transfer(
+                DATA_IN,
+                f"{dev}.h2d",
+                dev,
+                self.h2d_route(g),
+                spec.target_bytes(n),
+                self._release_dep(g, 2),
+                f"labels {op.samples}",
+                alloc_on=dev,
+                for_op=k,
+                data=Batch("labels", (a, b)),
+                microbatch=op.microbatch,
+                samples=op.samples,
+            )
             deps.append(y.id)
             local += y.allocs
             io["labels"] = y.io["dst"]
-        if op.kind == BWD:
-            d, bufs = self._bring(("stash", s), op, k, STASH_IN, spec.input_bytes(s, n))
-            deps += d
-            local += bufs
-            io["stash_in"] = bufs
-            d, bufs = self._bring(("grad", e), op, k, ACT_IN, spec.input_grad_bytes(e, n))
-            deps += d
-            local += bufs
-            io["grad_in"] = bufs
-
-        # The compute task itself, with its working memory.
-        duration, work = self._compute_cost(op.kind == FWD, s, e, n)
         self._k = k
-        t = self._add(Task(len(self.tasks), op.kind, f"{dev}.compute", dev, (k, 1, 0), sorted(set(deps)),
-                           duration=duration, model=self.model, pack=op.pack, layers=op.layers,
-                           microbatch=op.microbatch, samples=op.samples, io=io,
-                           what=f"{op.kind} layers {s}..{e - 1} samples {a}..{b - 1}"))
-        t.allocs.append(self.buffer(dev, work, f"working memory {op.kind} {op.layers}"))
-        io["work"] = t.allocs[-1]
-        self.release(t, t.allocs[-1])
+        if op.kind == BWD:
+            # REC: the recompute, once the weights and the stashed input are in (and,
+            # without overlap, the gradient too); its working memory is what autograd
+            # saves, kept until BWD, the backward proper, has used it.
+            stash_deps, stash = self._bring(("stash", s), op, k, STASH_IN, spec.input_bytes(s, n))
+            grad_deps, grad = self._bring(("grad", e), op, k, ACT_IN, spec.input_grad_bytes(e, n))
+            waits = deps + stash_deps + ([] if self._overlap else grad_deps)
+            rec = self._compute(
+                op,
+                REC,
+                (k, 1, 0),
+                waits,
+                {"weights": io["weights"], "stash_in": stash},
+                opens_group,
+            )
+            deps += [rec.id] + grad_deps
+            local += stash + grad
+            io.update(grad_in=grad, saved=rec.io["work"])
+            t = self._compute(op, BWD, (k, 1, 1), deps, io, False)
+            self.release(t, io["saved"])
+        else:
+            t = self._compute(op, op.kind, (k, 1, 0), deps, io, opens_group)
+            self.release(t, io["work"])
         for buf in local:
             self.release(t, buf)
         self._ops_on[g].append(t.id)
@@ -293,12 +442,19 @@ class GraphBuilder:
             self._tie_piece(op, t)
         if op.kind == FWD:
             self._stash(op, t, input_buffers)
-            out = self.buffer(dev, spec.input_bytes(e, n), f"activations into layer {e} {op.samples}", op.samples)
+            out = self.buffer(
+                dev, spec.input_bytes(e, n), f"activations into layer {e} {op.samples}", op.samples
+            )
             t.allocs.append(out)
             io["output"] = out
             self._produce(("act", e), op, t, out)
         elif s > 0:
-            out = self.buffer(dev, spec.input_grad_bytes(s, n), f"gradient into layer {s} {op.samples}", op.samples)
+            out = self.buffer(
+                dev,
+                spec.input_grad_bytes(s, n),
+                f"gradient into layer {s} {op.samples}",
+                op.samples,
+            )
             t.allocs.append(out)
             io["output"] = out
             self._produce(("grad", s), op, t, out)
@@ -314,22 +470,84 @@ class GraphBuilder:
         piece = self.buffer(dev, nbytes, f"tied gradients {op.layers} {op.samples}", op.samples)
         task.allocs.append(piece)
         task.io["tied"] = piece
-        out = self.transfer(G_OUT, f"{dev}.d2h", dev, self.d2h_route(op.gpu), nbytes, [task.id],
-                            f"tied gradients {op.layers} {op.samples}", data=("tied", *op.layers, *op.samples),
-                            src=[piece], pack=op.pack, layers=op.layers, microbatch=op.microbatch,
-                            samples=op.samples)
+        out = self.transfer(
+            G_OUT,
+            f"{dev}.d2h",
+            dev,
+            self.d2h_route(op.gpu),
+            nbytes,
+            [task.id],
+            f"tied gradients {op.layers} {op.samples}",
+            data=TiedGradients(op.layers, op.samples),
+            src=[piece],
+            pack=op.pack,
+            layers=op.layers,
+            microbatch=op.microbatch,
+            samples=op.samples,
+        )
         self._tie_pieces.append((op.layers, out.id))
 
-    def _compute_cost(self, forward: bool, s: int, e: int, n: int) -> tuple[float, float]:
-        """(seconds, working bytes) of a pack on ``n`` samples; microbatches repeat, so cache."""
-        key = (forward, s, e, n)
+    def _compute(
+        self,
+        op: Op,
+        kind: str,
+        seq: tuple[int, int, int],
+        deps: list[int],
+        io: dict,
+        opens_group: bool,
+    ) -> Task:
+        """A compute task of ``op`` with its working memory (``io["work"]``; none for
+        BWD, whose REC holds it), charged the hardware's fixed cost per task, or per
+        weight group on the task that ``opens_group``."""
+        s, e = op.layers
+        a, b = op.samples
+        dev = f"gpu{op.gpu}"
+        duration, work = self._compute_cost(kind, s, e, b - a)
+        if self.hw.overhead_per == "task" or opens_group:
+            duration += self.hw.task_overhead_s
+        t = self._add(
+            Task(
+                len(self.tasks),
+                kind,
+                f"{dev}.compute",
+                dev,
+                seq,
+                sorted(set(deps)),
+                duration=duration,
+                model=self.model,
+                pack=op.pack,
+                layers=op.layers,
+                microbatch=op.microbatch,
+                samples=op.samples,
+                io=io,
+                what=f"{kind} layers {s}..{e - 1} samples {a}..{b - 1}",
+            )
+        )
+        if work is not None:
+            t.allocs.append(self.buffer(dev, work, f"working memory {kind} {op.layers}"))
+            io["work"] = t.allocs[-1]
+        return t
+
+    def _compute_cost(self, kind: str, s: int, e: int, n: int) -> tuple[float, float | None]:
+        """(seconds, working bytes) of a compute task of a pack on ``n`` samples;
+        microbatches repeat, so cache. REC and BWD split the spec's
+        backward-with-recompute time: REC its forward time (at most all of it)."""
+        key = (kind, s, e, n)
         cost = self._costs.get(key)
         if cost is None:
-            spec, flops, fixed = self.spec, self.hw.gpu_flops, self.hw.task_overhead_s
-            if forward:
-                cost = (fixed + spec.fwd_time(s, e, n, flops), spec.fwd_work_bytes(s, e, n))
+            spec, flops = self.spec, self.hw.gpu_flops
+            if kind == FWD:
+                cost = (spec.fwd_time(s, e, n, flops), spec.fwd_work_bytes(s, e, n))
+            elif kind == FWDBWD:
+                cost = (spec.bwd_time(s, e, n, flops), spec.bwd_work_bytes(s, e, n))
             else:
-                cost = (fixed + spec.bwd_time(s, e, n, flops), spec.bwd_work_bytes(s, e, n))
+                total = spec.bwd_time(s, e, n, flops)
+                recompute = min(spec.fwd_time(s, e, n, flops), total)
+                cost = (
+                    (recompute, spec.bwd_work_bytes(s, e, n))
+                    if kind == REC
+                    else (total - recompute, None)
+                )
             self._costs[key] = cost
         return cost
 
@@ -343,9 +561,19 @@ class GraphBuilder:
         dev = f"gpu{op.gpu}"
         value = Value(op.samples, dev, task.id, buf)
         if op.offload_output:
-            out = self.transfer(ACT_OUT, f"{dev}.d2h", dev, self.d2h_route(op.gpu), self.buffers[buf].nbytes,
-                                [task.id], f"offload {key} {op.samples}", data=(*key, *op.samples), src=[buf],
-                                microbatch=op.microbatch, samples=op.samples)
+            out = self.transfer(
+                ACT_OUT,
+                f"{dev}.d2h",
+                dev,
+                self.d2h_route(op.gpu),
+                self.buffers[buf].nbytes,
+                [task.id],
+                f"offload {key} {op.samples}",
+                data=Activation(*key, op.samples),
+                src=[buf],
+                microbatch=op.microbatch,
+                samples=op.samples,
+            )
             value = Value(op.samples, HOST, out.id, None)
         self._add_value(key, value)
 
@@ -361,14 +589,29 @@ class GraphBuilder:
                 continue
             nbytes = self.spec.input_bytes(layer, n)
             if layer == op.layers[0] and len(input_buffers) == 1:
-                buf = input_buffers[0]  # the op's own input: its buffer lives until the copy is done
+                buf = input_buffers[
+                    0
+                ]  # the op's own input: its buffer lives until the copy is done
             else:
-                buf = self.buffer(dev, nbytes, f"stash of layer {layer} input {op.samples}", op.samples)
+                buf = self.buffer(
+                    dev, nbytes, f"stash of layer {layer} input {op.samples}", op.samples
+                )
                 task.allocs.append(buf)
                 task.io.setdefault("stash", {})[layer] = buf
-            out = self.transfer(STASH_OUT, f"{dev}.d2h", dev, self.d2h_route(op.gpu), nbytes, [task.id],
-                                f"stash layer {layer} {op.samples}", data=("stash", layer, *op.samples),
-                                src=[buf], microbatch=op.microbatch, samples=op.samples, layers=(layer, layer + 1))
+            out = self.transfer(
+                STASH_OUT,
+                f"{dev}.d2h",
+                dev,
+                self.d2h_route(op.gpu),
+                nbytes,
+                [task.id],
+                f"stash layer {layer} {op.samples}",
+                data=Activation("stash", layer, op.samples),
+                src=[buf],
+                microbatch=op.microbatch,
+                samples=op.samples,
+                layers=(layer, layer + 1),
+            )
             self._add_value(("stash", layer), Value(op.samples, HOST, out.id, None))
 
     def _add_value(self, key: tuple, value: Value) -> None:
@@ -389,13 +632,17 @@ class GraphBuilder:
             i += 1
         return out
 
-    def _bring(self, key: tuple, op: Op, k: int, kind_via_host: str, nbytes: float) -> tuple[list[int], list[int]]:
+    def _bring(
+        self, key: tuple, op: Op, k: int, kind_via_host: str, nbytes: float
+    ) -> tuple[list[int], list[int]]:
         """Make the values of ``key`` for the op's samples available on its GPU.
 
         Returns the tasks the op waits on and the buffers it releases."""
         dev = f"gpu{op.gpu}"
         values = self._overlapping(key, op.samples)
-        covered = sum(min(v.samples[1], op.samples[1]) - max(v.samples[0], op.samples[0]) for v in values)
+        covered = sum(
+            min(v.samples[1], op.samples[1]) - max(v.samples[0], op.samples[0]) for v in values
+        )
         if covered != op.samples[1] - op.samples[0]:
             raise AssertionError(f"{key} for samples {op.samples} not produced before {op}")
         deps = [v.task for v in values if v.task is not None]
@@ -403,25 +650,52 @@ class GraphBuilder:
             return deps, [v.buffer for v in values]
         if all(v.device == HOST for v in values):
             kind = STASH_IN if key[0] == "stash" else kind_via_host
-            t = self.transfer(kind, f"{dev}.h2d", dev, self.h2d_route(op.gpu), nbytes,
-                              deps + self._release_dep(op.gpu, 2), f"{key[0]} layer {key[1]} {op.samples}",
-                              alloc_on=dev, for_op=k, data=(*key, *op.samples), microbatch=op.microbatch,
-                              samples=op.samples)
+            t = self.transfer(
+                kind,
+                f"{dev}.h2d",
+                dev,
+                self.h2d_route(op.gpu),
+                nbytes,
+                deps + self._release_dep(op.gpu, 2),
+                f"{key[0]} layer {key[1]} {op.samples}",
+                alloc_on=dev,
+                for_op=k,
+                data=Activation(*key, op.samples),
+                microbatch=op.microbatch,
+                samples=op.samples,
+            )
             return [t.id], list(t.allocs)
         src = {v.device for v in values}
         if len(src) != 1 or HOST in src:
             raise AssertionError(f"{key} for {op.samples} spread over {src}")
         src_gpu = int(next(iter(src))[3:])
         route, rate = self.p2p_route(src_gpu, op.gpu)
-        t = self.transfer(P2P, f"{dev}.p2p", dev, route, nbytes, deps + self._release_dep(op.gpu, 2),
-                          f"{key[0]} layer {key[1]} {op.samples} from gpu{src_gpu}", alloc_on=dev,
-                          max_rate=rate, for_op=k, data=(*key, *op.samples), src=[v.buffer for v in values],
-                          microbatch=op.microbatch, samples=op.samples)
+        t = self.transfer(
+            P2P,
+            f"{dev}.p2p",
+            dev,
+            route,
+            nbytes,
+            deps + self._release_dep(op.gpu, 2),
+            f"{key[0]} layer {key[1]} {op.samples} from gpu{src_gpu}",
+            alloc_on=dev,
+            max_rate=rate,
+            for_op=k,
+            data=Activation(*key, op.samples),
+            src=[v.buffer for v in values],
+            microbatch=op.microbatch,
+            samples=op.samples,
+        )
         return [t.id], list(t.allocs)
 
     # ---- gradients out -----------------------------------------------------------
-    def grad_out(self, group: BwdGroup, deps: list[int] | None = None, shard: tuple[int, int] = (0, 1),
-                 replicas: list[BwdGroup] | None = None) -> Task:
+    def grad_out(
+        self,
+        group: BwdGroup,
+        deps: list[int] | None = None,
+        shard: tuple[int, int] = (0, 1),
+        replicas: list[BwdGroup] | None = None,
+    ) -> Task:
         """The group's gradient to host memory, or for data parallel the ``shard``
         ``(r, k)`` of it summed over the ``replicas`` (every replica's accumulator
         is read, and freed once every shard is out)."""
@@ -431,19 +705,38 @@ class GraphBuilder:
             nbytes = self.spec.grad_bytes(*group.layers) - self._split_bytes(*group.layers)
         else:
             nbytes = sum(self.spec.grad_bytes(i, i + 1) for i in layer_shard(group.layers, *shard))
-        return self.transfer(G_OUT, f"{dev}.d2h", dev, self.d2h_route(group.gpu), nbytes,
-                             [group.ops[-1]] + list(deps or []), f"gradients {group.layers}",
-                             data=("grads", *group.layers, *shard), src=[g.grad_buffer for g in replicas],
-                             pack=group.pack, layers=group.layers,
-                             microbatch=self.tasks[group.ops[-1]].microbatch if len(group.ops) == 1 else -1)
+        return self.transfer(
+            G_OUT,
+            f"{dev}.d2h",
+            dev,
+            self.d2h_route(group.gpu),
+            nbytes,
+            [group.ops[-1]] + list(deps or []),
+            f"gradients {group.layers}",
+            data=Gradients(group.layers, shard),
+            src=[g.grad_buffer for g in replicas],
+            pack=group.pack,
+            layers=group.layers,
+            microbatch=self.tasks[group.ops[-1]].microbatch if len(group.ops) == 1 else -1,
+        )
 
     def graph(self, **info) -> TaskGraph:
         for buf in self.buffers:
             if buf.device != HOST and buf.refs == 0:
                 raise AssertionError(f"buffer never freed: {buf}")
         return TaskGraph(
-            tasks=self.tasks, buffers=self.buffers, links=dict(self.links),
-            memory_capacity={f"gpu{g}": float(self.hw.gpu_memory) for g in range(self.plan.n_gpus)},
-            samples=self.plan.minibatch, cpu_workers=self.hw.cpu_update_workers,
-            info={"plan": self.plan.to_dict(), "model": self.spec.name, "hardware": self.hw.name, **info},
+            tasks=self.tasks,
+            buffers=self.buffers,
+            links=dict(self.links),
+            memory_capacity={
+                f"gpu{g}": float(self.hw.gpu_memory) for g in range(self.plan.n_gpus)
+            },
+            samples=self.plan.minibatch,
+            cpu_workers=self.hw.cpu_update_workers,
+            info={
+                "plan": self.plan.to_dict(),
+                "model": self.spec.name,
+                "hardware": self.hw.name,
+                **info,
+            },
         )

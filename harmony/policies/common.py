@@ -4,11 +4,24 @@ from __future__ import annotations
 
 from typing import Container, Iterable
 
-from ..errors import HarmonyError
-from ..graph import (ACT_IN, ACT_OUT, BWD, DATA_IN, FWD, FWDBWD, G_OUT, P2P, REDUCE, STASH_IN, STASH_OUT, W_IN,
-                     Task)
-from ..plan import Plan, split_samples
 from ..costs.spec import ModelSpec
+from ..errors import HarmonyError
+from ..graph import (
+    ACT_IN,
+    ACT_OUT,
+    BWD,
+    DATA_IN,
+    FWD,
+    FWDBWD,
+    G_OUT,
+    P2P,
+    REDUCE,
+    STASH_IN,
+    STASH_OUT,
+    W_IN,
+    Task,
+)
+from ..plan import Plan, split_samples
 from .builder import BwdGroup, GraphBuilder, Op
 
 
@@ -43,31 +56,57 @@ def grouped_ops(plan: Plan, share: tuple[int, int], gpu_of_step, offload) -> lis
     whether step ``i``'s output goes through host memory."""
     steps = []
     for i, (kind, p) in enumerate(pack_sequence(plan)):
-        packs, size = (plan.fwd_packs, plan.fwd_microbatch) if kind == FWD else (plan.bwd_packs, plan.bwd_microbatch)
-        steps.append([
-            Op(kind, gpu_of_step(i), p, packs[p], mb, m, ("F" if kind == FWD else "B", p), offload(i))
-            for m, mb in enumerate(microbatches(share, size))
-        ])
+        packs, size = (
+            (plan.fwd_packs, plan.fwd_microbatch)
+            if kind == FWD
+            else (plan.bwd_packs, plan.bwd_microbatch)
+        )
+        steps.append(
+            [
+                Op(
+                    kind,
+                    gpu_of_step(i),
+                    p,
+                    packs[p],
+                    mb,
+                    m,
+                    ("F" if kind == FWD else "B", p),
+                    offload(i),
+                )
+                for m, mb in enumerate(microbatches(share, size))
+            ]
+        )
     return steps
 
 
-def boundary_bytes(spec: ModelSpec, plan: Plan, samples: int, steps: Container[int] | None = None) -> float:
+def boundary_bytes(
+    spec: ModelSpec, plan: Plan, samples: int, steps: Container[int] | None = None
+) -> float:
     """Bytes crossing pack boundaries once for ``samples`` samples: what step
     ``i`` of :func:`pack_sequence` hands to step ``i + 1`` (activations between
     forward packs and into the fused pack, then activation gradients between
     backward packs), for every step or only for ``steps``."""
     seq = pack_sequence(plan)[:-1]  # the last step (backward of layer 0) hands nothing on
-    handed = [(plan.fwd_packs[p][1], spec.input_bytes) if kind == FWD else  # an activation
-              (plan.bwd_packs[p][0], spec.input_grad_bytes) for kind, p in seq]  # ... or its gradient
-    return sum(size(layer, samples) for i, (layer, size) in enumerate(handed) if steps is None or i in steps)
+    handed = [
+        (plan.fwd_packs[p][1], spec.input_bytes)
+        if kind == FWD
+        # an activation
+        else (plan.bwd_packs[p][0], spec.input_grad_bytes)
+        for kind, p in seq
+    ]  # ... or its gradient
+    return sum(
+        size(layer, samples)
+        for i, (layer, size) in enumerate(handed)
+        if steps is None or i in steps
+    )
 
 
 def stash_bytes(spec: ModelSpec, plan: Plan, samples: int) -> tuple[float, float]:
     """(out, in) bytes of stashed backward-pack inputs; layer 0's input is the
     minibatch itself, already in host memory, so it only comes back in."""
     layers = plan.stash_layers()
-    out = sum(spec.input_bytes(l, samples) for l in layers if l > 0)
-    back = sum(spec.input_bytes(l, samples) for l in layers)
+    out = sum(spec.input_bytes(layer, samples) for layer in layers if layer > 0)
+    back = sum(spec.input_bytes(layer, samples) for layer in layers)
     return out, back
 
 
@@ -81,8 +120,14 @@ def pack_weight_bytes(spec: ModelSpec, plan: Plan) -> float:
     return sum(spec.weight_bytes(*p) for p in (*plan.fwd_packs, *plan.bwd_packs))
 
 
-def microbatch_ops(plan: Plan, samples: tuple[int, int], m: int, gpu_of_step, offload,
-                   steps: Iterable[int] | None = None) -> list[Op]:
+def microbatch_ops(
+    plan: Plan,
+    samples: tuple[int, int],
+    m: int,
+    gpu_of_step,
+    offload,
+    steps: Iterable[int] | None = None,
+) -> list[Op]:
     """Microbatch ``m`` (``samples``) through the steps of :func:`pack_sequence`
     (all of them, or ``steps``) *without* input-batch grouping: every op is a
     weight group of its own, so each pack's weights are loaded for this
@@ -92,7 +137,18 @@ def microbatch_ops(plan: Plan, samples: tuple[int, int], m: int, gpu_of_step, of
     for i in range(len(seq)) if steps is None else steps:
         kind, p = seq[i]
         layers = plan.fwd_packs[p] if kind == FWD else plan.bwd_packs[p]
-        ops.append(Op(kind, gpu_of_step(i), p, layers, samples, m, ("F" if kind == FWD else "B", p, m), offload(i)))
+        ops.append(
+            Op(
+                kind,
+                gpu_of_step(i),
+                p,
+                layers,
+                samples,
+                m,
+                ("F" if kind == FWD else "B", p, m),
+                offload(i),
+            )
+        )
     return ops
 
 
@@ -108,7 +164,11 @@ def check_one_microbatch_size(plan: Plan) -> None:
 
 def replica_microbatches(plan: Plan) -> list[list[tuple[int, int]]]:
     """The microbatches of each data-parallel replica that has samples."""
-    return [microbatches(s, plan.fwd_microbatch) for s in replica_shares(plan.minibatch, plan.n_gpus) if s[1] > s[0]]
+    return [
+        microbatches(s, plan.fwd_microbatch)
+        for s in replica_shares(plan.minibatch, plan.n_gpus)
+        if s[1] > s[0]
+    ]
 
 
 def data_parallel_microbatch_ops(plan: Plan) -> list[Op]:
@@ -166,15 +226,36 @@ def reduce_scatter_out(b: GraphBuilder, groups: list[BwdGroup]) -> list[Task]:
     if k > 1:
         for i, g in enumerate(groups):
             route, rate = b.p2p_route(g.gpu, groups[(i + 1) % k].gpu)
-            reduce.append(b.transfer(REDUCE, f"gpu{g.gpu}.p2p", f"gpu{g.gpu}", route,
-                                     (k - 1) / k * b.spec.grad_bytes(*g.layers), done,
-                                     f"reduce-scatter gradients {g.layers}", max_rate=rate,
-                                     pack=g.pack, layers=g.layers).id)
-    return [b.grad_out(g, deps=reduce, shard=(r, k), replicas=groups) for r, g in enumerate(groups)]
+            reduce.append(
+                b.transfer(
+                    REDUCE,
+                    f"gpu{g.gpu}.p2p",
+                    f"gpu{g.gpu}",
+                    route,
+                    (k - 1) / k * b.spec.grad_bytes(*g.layers),
+                    done,
+                    f"reduce-scatter gradients {g.layers}",
+                    max_rate=rate,
+                    pack=g.pack,
+                    layers=g.layers,
+                ).id
+            )
+    return [
+        b.grad_out(g, deps=reduce, shard=(r, k), replicas=groups) for r, g in enumerate(groups)
+    ]
 
 
-def volume(spec: ModelSpec, plan: Plan, *, weight_passes: float, grad_passes: float, p2p: float = 0.0,
-           via_host: float = 0.0, reduce: float = 0.0, tie_passes: float | None = None) -> dict[str, float]:
+def volume(
+    spec: ModelSpec,
+    plan: Plan,
+    *,
+    weight_passes: float,
+    grad_passes: float,
+    p2p: float = 0.0,
+    via_host: float = 0.0,
+    reduce: float = 0.0,
+    tie_passes: float | None = None,
+) -> dict[str, float]:
     """Bytes per transfer kind of one iteration: ``weight_passes`` loads of every
     pack (:func:`pack_weight_bytes`), ``grad_passes`` of every pack's gradient
     out, of which the parameters tied across packs leave ``tie_passes`` times
@@ -185,11 +266,14 @@ def volume(spec: ModelSpec, plan: Plan, *, weight_passes: float, grad_passes: fl
     GPUs."""
     B = plan.minibatch
     stash_out, stash_in = stash_bytes(spec, plan, B)
-    grads = sum(spec.grad_bytes(*p) for p in plan.bwd_packs)  # a parameter tied across packs in each
+    grads = sum(
+        spec.grad_bytes(*p) for p in plan.bwd_packs
+    )  # a parameter tied across packs in each
     split = sum(spec.split_tie_bytes(*p) for p in plan.bwd_packs)
     return {
         W_IN: weight_passes * pack_weight_bytes(spec, plan),
-        G_OUT: grad_passes * (grads - split) + (grad_passes if tie_passes is None else tie_passes) * split,
+        G_OUT: grad_passes * (grads - split)
+        + (grad_passes if tie_passes is None else tie_passes) * split,
         STASH_OUT: stash_out,
         STASH_IN: stash_in,
         DATA_IN: data_bytes(spec, B),
@@ -202,4 +286,6 @@ def volume(spec: ModelSpec, plan: Plan, *, weight_passes: float, grad_passes: fl
 
 def offloaded_bytes(spec: ModelSpec, plan: Plan) -> float:
     """Activation bytes through host memory when the plan offloads them all."""
-    return boundary_bytes(spec, plan, plan.minibatch) if plan.option("offload_activations") else 0.0
+    return (
+        boundary_bytes(spec, plan, plan.minibatch) if plan.option("offload_activations") else 0.0
+    )

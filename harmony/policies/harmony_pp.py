@@ -4,16 +4,23 @@ Each forward pack, the fused last pack and each backward pack runs *grouped*:
 over every microbatch of the minibatch while its weights are resident, so the
 weights cross the link once per pass whatever the number of microbatches.
 Packs go round-robin over the GPUs in task order; activations and their
-gradients flow GPU->GPU. Each pack's gradient leaves the GPU once, and its
-CPU update starts as soon as it lands, overlapping the rest of backward.
+gradients flow GPU->GPU. A backward pack recomputes each microbatch's forward
+as soon as its weights and stashed input are there, while the microbatch's
+output gradient is still on its way from the previous pack's GPU (Harmony's
+schedule; plan option ``overlap_recompute``). Each pack's gradient leaves the
+GPU once, and its CPU update starts as soon as it lands, overlapping the rest
+of backward. A pack's weights load as soon as the prefetch window allows,
+unless the GPU has no room for them yet (the previous pack's gradient still
+leaving, say): then the load waits until enough has been freed (the
+simulator's ledger, :mod:`harmony.simulate`, which the engine follows).
 """
 
 from __future__ import annotations
 
-from ..graph import TaskGraph
 from ..costs.hardware import Hardware
-from ..plan import Plan
 from ..costs.spec import ModelSpec
+from ..graph import TaskGraph
+from ..plan import Plan
 from .builder import GraphBuilder
 from .common import boundary_bytes, grouped_ops, volume
 
@@ -23,7 +30,8 @@ NAME = "harmony-pp"
 ROLE = "harmony"
 #: planned by harmony's search (else by its own chooser in harmony.planner.systems)
 SEARCHED = True
-#: packs run grouped over the microbatches (see harmony.policies.virtual_memory for the opposite)
+#: packs run grouped over the microbatches (see harmony.policies.harmony_no_grouping for the
+#: opposite)
 PER_MICROBATCH = False
 
 
@@ -43,5 +51,12 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
 def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
     moved = boundary_bytes(spec, plan, plan.minibatch)
     offload = plan.option("offload_activations") and plan.n_gpus == 1
-    return volume(spec, plan, weight_passes=1, grad_passes=1, p2p=moved if plan.n_gpus > 1 else 0.0,
-                  via_host=moved if offload else 0.0, tie_passes=len(plan.bwd_microbatches()))
+    return volume(
+        spec,
+        plan,
+        weight_passes=1,
+        grad_passes=1,
+        p2p=moved if plan.n_gpus > 1 else 0.0,
+        via_host=moved if offload else 0.0,
+        tie_passes=len(plan.bwd_microbatches()),
+    )

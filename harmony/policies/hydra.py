@@ -18,7 +18,9 @@ when the minibatch does not fit at once), forward, the last shard fused with
 the loss and its backward, then backward with recompute from the shard's
 input stashed in DRAM; activations and their gradients between shards always
 go through host memory, whatever ``offload_activations`` says; double
-buffering is ``prefetch_packs`` (2 by default). The graph is for one GPU and
+buffering is ``prefetch_packs`` (2 by default). A shard's recompute waits for
+its output gradient (no ``overlap_recompute``): HYDRA runs a shard's backward,
+recompute included, through autograd once the gradient is loaded. The graph is for one GPU and
 carries the ``model`` index, so multi-model training (``harmony.planner.multi_model``)
 can place several of them.
 
@@ -33,14 +35,13 @@ offloaded: input-batch grouping and model spilling coincide there.
 
 from __future__ import annotations
 
+from ..costs.hardware import Hardware
+from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..graph import TaskGraph
-from ..costs.hardware import Hardware
 from ..plan import Plan
-from ..costs.spec import ModelSpec
 from .builder import GraphBuilder
-from .common import (boundary_bytes, grouped_ops, update_after_gradients,
-                     volume)
+from .common import boundary_bytes, grouped_ops, update_after_gradients, volume
 
 NAME = "hydra"
 #: what it is to the workbench: "harmony" (Harmony's own placements), "ablation" (Harmony
@@ -54,15 +55,15 @@ PER_MICROBATCH = False
 def _check(plan: Plan) -> None:
     if plan.n_gpus != 1:
         raise HarmonyError(
-            f"hydra spills one model on one GPU, but the plan asks for {plan.n_gpus} GPUs; train several "
-            "models side by side with harmony.train_many, or one model on several GPUs with harmony-pp, "
-            "harmony-dp or gpipe-swap"
+            f"hydra spills one model on one GPU, but the plan asks for {plan.n_gpus} GPUs; train "
+            "several models side by side with harmony.train_many, or one model on several GPUs "
+            "with harmony-pp, harmony-dp or gpipe-swap"
         )
 
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
     _check(plan)
-    b = GraphBuilder(spec, hw, plan, model)
+    b = GraphBuilder(spec, hw, plan, model, overlap_recompute=False)
     steps = grouped_ops(plan, (0, plan.minibatch), lambda i: 0, lambda i: True)
     b.run([op for step in steps for op in step])
     update_after_gradients(b)
@@ -71,5 +72,11 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
 
 def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
     _check(plan)
-    return volume(spec, plan, weight_passes=1, grad_passes=1, via_host=boundary_bytes(spec, plan, plan.minibatch),
-                  tie_passes=len(plan.bwd_microbatches()))
+    return volume(
+        spec,
+        plan,
+        weight_passes=1,
+        grad_passes=1,
+        via_host=boundary_bytes(spec, plan, plan.minibatch),
+        tie_passes=len(plan.bwd_microbatches()),
+    )

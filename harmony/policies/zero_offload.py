@@ -22,7 +22,9 @@ is partitioned across the ranks. A GPU loads a backward pack (weights and
 gradient buffer) only once the gradient of its backward pack
 ``prefetch_packs`` before has been reduced and offloaded, as ZeRO reuses its
 gradient buckets. Activation checkpoints are the backward-pack inputs,
-stashed to host memory. The GPUs run in lockstep (a reduce-scatter after
+stashed to host memory; a pack's recompute waits for its output gradient (no
+``overlap_recompute``), as activation checkpointing recomputes when autograd's
+backward reaches the checkpoint. The GPUs run in lockstep (a reduce-scatter after
 every microbatch), so each one must have the same number of microbatches.
 :func:`choose_plan` uses one layer per pack, as ZeRO fetches parameters
 module by module and checkpoints every layer.
@@ -33,20 +35,28 @@ the host links carry k times ZeRO's parameter traffic and the peer links
 none of it; parameters cross at the spec's dtype (no fp16 copy of fp32
 masters); shards are whole layers, not flat partitions; the update runs once
 per minibatch (no one-step delayed update). On one GPU the schedule is the
-one of :mod:`.virtual_memory`.
+one of :mod:`.harmony_no_grouping`.
 """
 
 from __future__ import annotations
 
+from ..costs.hardware import Hardware
+from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..graph import TaskGraph
-from ..costs.hardware import Hardware
 from ..plan import Plan
-from ..costs.spec import ModelSpec
 from .builder import BwdGroup, GraphBuilder
-from .common import (check_one_microbatch_size, microbatch_ops,
-                     offloaded_bytes, pack_sequence, reduce_scatter_out, replica_microbatches, replica_shares,
-                     reuse_gradient_buffers, volume)
+from .common import (
+    check_one_microbatch_size,
+    microbatch_ops,
+    offloaded_bytes,
+    pack_sequence,
+    reduce_scatter_out,
+    replica_microbatches,
+    replica_shares,
+    reuse_gradient_buffers,
+    volume,
+)
 
 NAME = "zero-offload"
 #: what it is to the workbench: "harmony" (Harmony's own placements), "ablation" (Harmony
@@ -70,23 +80,30 @@ def microbatches_per_gpu(plan: Plan) -> int:
     if len(set(counts)) > 1:
         shares = [b - a for a, b in replica_shares(plan.minibatch, plan.n_gpus)]
         raise HarmonyError(
-            f"zero-offload runs its GPUs in lockstep (a gradient reduce-scatter after every microbatch), so every "
-            f"GPU needs the same number of microbatches; minibatch {plan.minibatch} over {plan.n_gpus} GPUs gives "
-            f"{shares} samples, i.e. {counts} microbatches of {plan.fwd_microbatch}: use a minibatch that is a "
-            f"multiple of n_gpus x microbatch ({plan.n_gpus * plan.fwd_microbatch})"
+            "zero-offload runs its GPUs in lockstep (a gradient reduce-scatter after every "
+            "microbatch), so every GPU needs the same number of microbatches; minibatch "
+            f"{plan.minibatch} over {plan.n_gpus} GPUs gives {shares} samples, i.e. {counts} "
+            f"microbatches of {plan.fwd_microbatch}: use a minibatch that is a multiple of n_gpus "
+            f"x microbatch ({plan.n_gpus * plan.fwd_microbatch})"
         )
     return counts[0]
 
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
     # tied gradients split per microbatch unless they are reduced across GPUs
-    b = GraphBuilder(spec, hw, plan, model, split_ties=plan.n_gpus == 1)
+    b = GraphBuilder(spec, hw, plan, model, split_ties=plan.n_gpus == 1, overlap_recompute=False)
     offload = plan.option("offload_activations")
     per_replica = replica_microbatches(plan)
     # lockstep: microbatch by microbatch, step by step, GPU by GPU
-    b.run([op for m in range(microbatches_per_gpu(plan)) for i in range(len(pack_sequence(plan)))
-           for r, mbs in enumerate(per_replica)
-           for op in microbatch_ops(plan, mbs[m], m, lambda _, r=r: r, lambda _: offload, [i])])
+    b.run(
+        [
+            op
+            for m in range(microbatches_per_gpu(plan))
+            for i in range(len(pack_sequence(plan)))
+            for r, mbs in enumerate(per_replica)
+            for op in microbatch_ops(plan, mbs[m], m, lambda _, r=r: r, lambda _: offload, [i])
+        ]
+    )
     # one reduce-scatter per pack and microbatch, over the GPUs' gradients of that microbatch
     exchanges: dict[tuple[int, int], list[BwdGroup]] = {}
     for g in b.bwd_groups:
@@ -107,5 +124,11 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
 
 def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
     m, k = microbatches_per_gpu(plan), plan.n_gpus
-    return volume(spec, plan, weight_passes=k * m, grad_passes=m, via_host=offloaded_bytes(spec, plan),
-                  reduce=m * (k - 1) * spec.grad_bytes())
+    return volume(
+        spec,
+        plan,
+        weight_passes=k * m,
+        grad_passes=m,
+        via_host=offloaded_bytes(spec, plan),
+        reduce=m * (k - 1) * spec.grad_bytes(),
+    )

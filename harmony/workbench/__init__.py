@@ -1,5 +1,6 @@
 """The workbench: what people touch on top of the library. Experiments (one
-function per figure, simulated or measured), charts with one palette,
-interactive widgets for JupyterLab, the ``harmony reproduce`` runner, text
+function per figure, simulated or measured), charts with one palette
+(:mod:`.palette`), interactive widgets for JupyterLab, the lessons' helpers
+(:mod:`.lessons`), the ``harmony reproduce`` runner, text
 reports, ``harmony train`` and PyTorch's own offload recipe as a baseline.
 Nothing in :mod:`harmony` below this package imports it."""

@@ -35,11 +35,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..costs.spec import ModelSpec
 from ..engine.devices import EmulatedDevice, Ledger, LinkPacer
 from ..engine.reference_loop import as_args
 from ..errors import OutOfMemoryError
 from ..plan import split_samples
-from ..costs.spec import ModelSpec
 
 #: out of device memory: the emulated ledger's error, or the CUDA allocator's
 OOM = (OutOfMemoryError, torch.OutOfMemoryError)
@@ -83,18 +83,35 @@ class TorchOffload:
     where saved = the inputs of every layer for every sample of the minibatch
     (``sum(spec.input_bytes(i, minibatch))``)."""
 
-    def __init__(self, model: nn.Sequential, optimizer: Callable, loss_fn: Callable, device,
-                 microbatch_size: int, spec: ModelSpec | None = None, autocast: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: nn.Sequential,
+        optimizer: Callable,
+        loss_fn: Callable,
+        device,
+        microbatch_size: int,
+        spec: ModelSpec | None = None,
+        autocast: torch.dtype | None = None,
+    ):
         self.emulated = isinstance(device, EmulatedDevice)
         self.torch_device = torch.device("cpu" if self.emulated else device)
         self.pin = not self.emulated
         self.rates = {"h2d": device.h2d_rate, "d2h": device.d2h_rate} if self.emulated else {}
         self.pacer = LinkPacer(self.rates) if self.emulated else None
         self.ledger = Ledger("gpu0", device.capacity if self.emulated else None)
-        self.loss_fn, self.microbatch_size, self.spec, self.autocast = loss_fn, microbatch_size, spec, autocast
-        self.layers = copy.deepcopy(model).to(self.torch_device)  # on the emulated device: a copy in host memory
+        self.loss_fn, self.microbatch_size, self.spec, self.autocast = (
+            loss_fn,
+            microbatch_size,
+            spec,
+            autocast,
+        )
+        self.layers = copy.deepcopy(model).to(
+            self.torch_device
+        )  # on the emulated device: a copy in host memory
         self.params = list(self.layers.parameters())
-        self.ledger.charge(nbytes(self.params) * 2 + nbytes(self.layers.buffers()), "weights and gradients")
+        self.ledger.charge(
+            nbytes(self.params) * 2 + nbytes(self.layers.buffers()), "weights and gradients"
+        )
         self.master = list(model.parameters())
         if self.pin:
             for p in self.master:
@@ -108,7 +125,11 @@ class TorchOffload:
     @property
     def peak_memory(self) -> float:
         """Peak device bytes of the last step."""
-        return self.ledger.peak if self.emulated else torch.cuda.max_memory_allocated(self.torch_device)
+        return (
+            self.ledger.peak
+            if self.emulated
+            else torch.cuda.max_memory_allocated(self.torch_device)
+        )
 
     def step(self, inputs, target: torch.Tensor) -> float:
         """One synchronous step over the minibatch; returns its loss."""
@@ -121,9 +142,13 @@ class TorchOffload:
         loss = 0.0
         try:
             for a, b in split_samples(total, self.microbatch_size):
-                loss += self._microbatch(tuple(t[a:b] for t in inputs), target[a:b], (b - a) / total)
+                loss += self._microbatch(
+                    tuple(t[a:b] for t in inputs), target[a:b], (b - a) / total
+                )
         except BaseException:
-            self.layers.zero_grad(set_to_none=True)  # a failed step leaves no half-accumulated gradient
+            self.layers.zero_grad(
+                set_to_none=True
+            )  # a failed step leaves no half-accumulated gradient
             raise
         finally:
             self._release(self.transient)
@@ -137,11 +162,14 @@ class TorchOffload:
         self._charge(nbytes(h) + nbytes(y), "microbatch")
         self.output_bytes: list[int] = []
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        autocast = torch.autocast(self.torch_device.type, dtype=self.autocast, enabled=self.autocast is not None)
+        autocast = torch.autocast(
+            self.torch_device.type, dtype=self.autocast, enabled=self.autocast is not None
+        )
         with hooks, autocast:
             for i, layer in enumerate(self.layers):
                 self.current = i
                 if i == len(self.layers) - 1:
+
                     def fn(*args, layer=layer):
                         return self.loss_fn(*as_args(layer(*args)), y)
                 else:
@@ -204,7 +232,8 @@ class TorchOffload:
         return out
 
     def _paced(self, route: str, t: torch.Tensor, started: float) -> None:
-        """Count a copy's bytes; on the emulated device, sleep until the link would have carried them."""
+        """Count a copy's bytes; on the emulated device, sleep until the link would have carried
+        them."""
         n = nbytes([t])
         self.moved[route] += n
         if self.pacer is not None:

@@ -25,9 +25,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -81,9 +83,16 @@ def load_experiment(path: Path) -> Experiment:
     for mode in ("quick", "full"):
         if not isinstance(data[mode] or {}, dict):
             raise HarmonyError(f"{path}: {mode!r} must be a mapping of notebook parameters")
-    return Experiment(name=path.stem, source=path, notebook=(path.parent.parent / data["notebook"]).resolve(),
-                      claim=str(data["claim"]).strip(), paper=str(data["paper"]).strip(),
-                      summary=str(data["summary"]), quick=dict(data["quick"] or {}), full=dict(data["full"] or {}))
+    return Experiment(
+        name=path.stem,
+        source=path,
+        notebook=(path.parent.parent / data["notebook"]).resolve(),
+        claim=str(data["claim"]).strip(),
+        paper=str(data["paper"]).strip(),
+        summary=str(data["summary"]),
+        quick=dict(data["quick"] or {}),
+        full=dict(data["full"] or {}),
+    )
 
 
 def load_experiments(directory: Path | None = None) -> dict[str, Experiment]:
@@ -93,16 +102,20 @@ def load_experiments(directory: Path | None = None) -> dict[str, Experiment]:
 
 
 def select(experiments: dict[str, Experiment], names: Sequence[str] | None) -> list[Experiment]:
-    """The experiments named (exact name or a unique prefix such as ``"10"``), in order; all if None."""
+    """The experiments named (exact name or a unique prefix such as ``"10"``), in order; all if
+    None."""
     if not names:
         return list(experiments.values())
     chosen = []
     for name in names:
-        hits = [e for n, e in experiments.items() if n == name] or \
-               [e for n, e in experiments.items() if n.startswith(name)]
+        hits = [e for n, e in experiments.items() if n == name] or [
+            e for n, e in experiments.items() if n.startswith(name)
+        ]
         if len(hits) != 1:
             why = "matches several" if hits else "is not one of"
-            raise HarmonyError(f"experiment {name!r} {why} the experiments: {', '.join(experiments)}")
+            raise HarmonyError(
+                f"experiment {name!r} {why} the experiments: {', '.join(experiments)}"
+            )
         if hits[0] not in chosen:
             chosen.append(hits[0])
     return chosen
@@ -110,7 +123,10 @@ def select(experiments: dict[str, Experiment], names: Sequence[str] | None) -> l
 
 def list_experiments(directory: Path | None = None) -> str:
     """One line per experiment: name, notebook, the paper's claim."""
-    return "\n".join(f"{e.name:24s} {e.notebook.name:28s} {e.claim}" for e in load_experiments(directory).values())
+    return "\n".join(
+        f"{e.name:24s} {e.notebook.name:28s} {e.claim}"
+        for e in load_experiments(directory).values()
+    )
 
 
 # ---- what makes a run the same run ---------------------------------------------------
@@ -181,12 +197,16 @@ def _table(outcomes: Sequence[Outcome], markdown: bool = False) -> str:
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
-        claims = [f"- **{o.name}** ({o.mode}): {o.claim}" + (f" — failed: {o.error}" if o.error else "")
-                  for o in outcomes]
+        claims = [
+            f"- **{o.name}** ({o.mode}): {o.claim}" + (f" — failed: {o.error}" if o.error else "")
+            for o in outcomes
+        ]
         return "\n".join(lines + [""] + claims) + "\n"
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     fmt = "  ".join(f"{{:{w}s}}" for w in widths)
-    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [
+        fmt.format(*r) for r in rows
+    ]
     for o in outcomes:
         if o.status == "failed":
             lines.append(f"FAILED {o.name}: {o.error} (see {o.run_dir})")
@@ -260,16 +280,52 @@ def check_kernel(kernel_name: str = KERNEL) -> str | None:
     except NoSuchKernel:
         return f"no Jupyter kernel named {kernel_name!r}: pip install ipykernel"
     exe = spec.argv[0] if spec.argv else ""
-    if exe in ("python", f"python{sys.version_info[0]}", f"python{sys.version_info[0]}.{sys.version_info[1]}"):
+    if exe in (
+        "python",
+        f"python{sys.version_info[0]}",
+        f"python{sys.version_info[0]}.{sys.version_info[1]}",
+    ):
         return None  # jupyter_client starts this very interpreter
     if Path(exe).resolve() != Path(sys.executable).resolve():
-        return (f"Jupyter kernel {kernel_name!r} runs {exe}, not this Python ({sys.executable}); "
-                "notebooks may not find harmony")
+        return (
+            f"Jupyter kernel {kernel_name!r} runs {exe}, not this Python ({sys.executable}); "
+            "notebooks may not find harmony"
+        )
     return None
 
 
-def run_experiment(exp: Experiment, full: bool, out: Path, runs_dir: Path, force: bool = False,
-                   kernel_name: str = KERNEL, timeout: float | None = None) -> Outcome:
+@lru_cache(maxsize=None)
+def kernel_manager_class() -> type:
+    """The kernel manager batch runs use: its kernels listen on local (IPC)
+    sockets in the private Jupyter runtime folder instead of TCP ports, so
+    ipykernel has no unencrypted TCP traffic to warn about ("Kernel is
+    running over TCP without encryption", once per notebook) and nothing else
+    on the machine can reach them. Windows has no IPC transport: TCP there."""
+    from jupyter_client.manager import AsyncKernelManager
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    class LocalKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            if os.name != "nt":
+                runtime = Path(jupyter_runtime_dir())
+                runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+                # short: a socket path has to fit in about 100 bytes
+                ip = str(runtime / f"k-{uuid.uuid4().hex[:12]}")
+                kwargs = {"transport": "ipc", "ip": ip, **kwargs}
+            super().__init__(**kwargs)
+
+    return LocalKernelManager
+
+
+def run_experiment(
+    exp: Experiment,
+    full: bool,
+    out: Path,
+    runs_dir: Path,
+    force: bool = False,
+    kernel_name: str = KERNEL,
+    timeout: float | None = None,
+) -> Outcome:
     """Run (or skip) one experiment; never raises for a failing notebook."""
     mode = "full" if full else "quick"
     run_dir = (runs_dir / exp.name).resolve()
@@ -285,9 +341,18 @@ def run_experiment(exp: Experiment, full: bool, out: Path, runs_dir: Path, force
             stamp = json.loads(stamp_path.read_text())
         except ValueError:
             stamp = {}
-        if stamp.get("hash") == digest and stamp.get("status") == "ok" and (run_dir / "results.json").exists():
-            return Outcome(**base, ours=_our_number(exp, run_dir), status="skipped",
-                           seconds=float(stamp.get("seconds", 0.0)), files=_copy_outputs(exp, run_dir, out))
+        if (
+            stamp.get("hash") == digest
+            and stamp.get("status") == "ok"
+            and (run_dir / "results.json").exists()
+        ):
+            return Outcome(
+                **base,
+                ours=_our_number(exp, run_dir),
+                status="skipped",
+                seconds=float(stamp.get("seconds", 0.0)),
+                files=_copy_outputs(exp, run_dir, out),
+            )
 
     import papermill as pm
 
@@ -297,10 +362,17 @@ def run_experiment(exp: Experiment, full: bool, out: Path, runs_dir: Path, force
     t0 = time.perf_counter()
     error = ""
     try:
-        pm.execute_notebook(str(exp.notebook), str(run_dir / f"{exp.name}.ipynb"),
-                            parameters={**params, "out_dir": str(run_dir)}, kernel_name=kernel_name,
-                            cwd=str(exp.root), progress_bar=False, log_output=False,
-                            execution_timeout=timeout)
+        pm.execute_notebook(
+            str(exp.notebook),
+            str(run_dir / f"{exp.name}.ipynb"),
+            parameters={**params, "out_dir": str(run_dir)},
+            kernel_name=kernel_name,
+            cwd=str(exp.root),
+            progress_bar=False,
+            log_output=False,
+            execution_timeout=timeout,
+            kernel_manager_class=kernel_manager_class(),
+        )
         if not (run_dir / "results.json").exists():
             error = "the notebook wrote no results.json into out_dir"
     except Exception as e:  # a failing notebook must not stop the others
@@ -309,9 +381,22 @@ def run_experiment(exp: Experiment, full: bool, out: Path, runs_dir: Path, force
     status = "failed" if error else "ok"
     files = [] if error else _copy_outputs(exp, run_dir, out)
     ours = _our_number(exp, run_dir)
-    stamp_path.write_text(json.dumps({"hash": digest, "status": status, "mode": mode, "params": params,
-                                      "seconds": seconds, "ours": ours, "error": error,
-                                      "finished": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2, default=str))
+    stamp_path.write_text(
+        json.dumps(
+            {
+                "hash": digest,
+                "status": status,
+                "mode": mode,
+                "params": params,
+                "seconds": seconds,
+                "ours": ours,
+                "error": error,
+                "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+            },
+            indent=2,
+            default=str,
+        )
+    )
     return Outcome(**base, ours=ours, status=status, seconds=seconds, error=error, files=files)
 
 
@@ -332,9 +417,18 @@ def _write_summary(out: Path, outcomes: list[Outcome]) -> None:
     (out / "summary.md").write_text(_table([Outcome(**r) for r in rows], markdown=True))
 
 
-def reproduce(names: list[str] | None, full: bool, out: Path, force: bool = False, *,
-              experiments_dir: Path | None = None, runs_dir: Path | None = None, progress: bool = True,
-              kernel_name: str = KERNEL, timeout: float | None = None) -> Report:
+def reproduce(
+    names: list[str] | None,
+    full: bool,
+    out: Path,
+    force: bool = False,
+    *,
+    experiments_dir: Path | None = None,
+    runs_dir: Path | None = None,
+    progress: bool = True,
+    kernel_name: str = KERNEL,
+    timeout: float | None = None,
+) -> Report:
     """Run the experiments ``names`` (all if None; a unique prefix such as
     ``"10"`` works) in quick or ``full`` mode, copy their figures and data into
     ``out``, print and return the summary. ``runs_dir`` defaults to
@@ -355,9 +449,14 @@ def reproduce(names: list[str] | None, full: bool, out: Path, force: bool = Fals
     bar = tqdm(chosen, desc="experiments", unit="exp", disable=not progress, file=sys.stderr)
     for exp in bar:
         bar.set_postfix_str(exp.name)
-        o = run_experiment(exp, full, out, runs_dir, force=force, kernel_name=kernel_name, timeout=timeout)
+        o = run_experiment(
+            exp, full, out, runs_dir, force=force, kernel_name=kernel_name, timeout=timeout
+        )
         outcomes.append(o)
-        bar.write(f"{o.name}: {o.status} ({o.seconds:.1f} s){': ' + o.error if o.error else ''}", file=sys.stderr)
+        bar.write(
+            f"{o.name}: {o.status} ({o.seconds:.1f} s){': ' + o.error if o.error else ''}",
+            file=sys.stderr,
+        )
     bar.close()
     report = Report(outcomes)
     _write_summary(out, outcomes)

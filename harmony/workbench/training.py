@@ -20,9 +20,9 @@ from ..costs import zoo
 from ..engine import EmulatedDevice, EmulatedServer, Engine
 from ..engine.checkpoint import CheckpointDir
 from ..engine.distributed import init_from_env
+from ..engine.optim import FlatAdamW
 from ..engine.reference_loop import layer_seed
 from ..errors import HarmonyError
-from ..engine.optim import FlatAdamW
 from ..plan import Plan
 
 
@@ -49,7 +49,9 @@ def loss_for(name: str):
     return lm_loss if name.startswith("gpt2") else nn.functional.cross_entropy
 
 
-def synthetic_batch(name: str, minibatch: int, step: int, rank: int = 0, seed: int = 0, **overrides):
+def synthetic_batch(
+    name: str, minibatch: int, step: int, rank: int = 0, seed: int = 0, **overrides
+):
     """Random inputs and labels of the right kinds, the same for the same (seed, step, rank)."""
     with torch.random.fork_rng():
         torch.manual_seed(layer_seed(seed, step, rank, 7))
@@ -70,10 +72,23 @@ class TrainResult:
     engine: Engine
 
 
-def train(name: str, steps: int, minibatch: int, device, plan: Plan | str = "auto", lr: float = 1e-3,
-          seed: int = 0, timeout_s: float = 60.0, log=print, checkpoints: CheckpointDir | None = None,
-          checkpoint_every: int = 0, resume: bool = False, precision: str = "fp32", nonfinite: str = "raise",
-          **overrides) -> TrainResult:
+def train(
+    name: str,
+    steps: int,
+    minibatch: int,
+    device,
+    plan: Plan | str = "auto",
+    lr: float = 1e-3,
+    seed: int = 0,
+    timeout_s: float = 60.0,
+    log=print,
+    checkpoints: CheckpointDir | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    precision: str = "fp32",
+    nonfinite: str = "raise",
+    **overrides,
+) -> TrainResult:
     """Train ``name`` until ``steps`` synthetic minibatches (per server) are done.
 
     With ``checkpoints``, a checkpoint is written every ``checkpoint_every``
@@ -88,8 +103,17 @@ def train(name: str, steps: int, minibatch: int, device, plan: Plan | str = "aut
     rank = torch.distributed.get_rank() if distributed else 0
     model = build_model(name, seed, **overrides)
     optimizer, loss_fn = (lambda ps: FlatAdamW(ps, lr=lr)), loss_for(name)
-    engine = Engine(model, optimizer, loss_fn, device=device, minibatch_size=minibatch, plan=plan, seed=seed,
-                    precision=precision, nonfinite=nonfinite)
+    engine = Engine(
+        model,
+        optimizer,
+        loss_fn,
+        device=device,
+        minibatch_size=minibatch,
+        plan=plan,
+        seed=seed,
+        precision=precision,
+        nonfinite=nonfinite,
+    )
     found = checkpoints.latest(log) if resume else None
     if found:  # the checkpoint's plan, unless one was given
         path, state = found
@@ -110,14 +134,19 @@ def train(name: str, steps: int, minibatch: int, device, plan: Plan | str = "aut
         losses.append(loss)
         if rank == 0:
             log(f"step {step}: loss {loss:.6f}")
-            if checkpoints is not None and checkpoint_every and ((step + 1) % checkpoint_every == 0
-                                                                 or step + 1 == steps):
+            if (
+                checkpoints is not None
+                and checkpoint_every
+                and ((step + 1) % checkpoint_every == 0 or step + 1 == steps)
+            ):
                 log(f"checkpoint {checkpoints.save(engine.state_dict(), engine.step_count)}")
     rate = timed * minibatch / (time.perf_counter() - t0) if timed else float("nan")
     return TrainResult(losses, rate, engine)
 
 
-def device_from_args(gpus: int, memory: str, h2d: str, d2h: str, uplink: str | None, p2p: str | None):
+def device_from_args(
+    gpus: int, memory: str, h2d: str, d2h: str, uplink: str | None, p2p: str | None
+):
     if gpus < 1:
         raise HarmonyError(f"--gpus must be >= 1, got {gpus}")
     if gpus == 1:

@@ -22,5 +22,17 @@ from .configs import Batch, BertConfig, GPT2Config, ResNetConfig, VGGConfig
 from .cost_model import spec
 from .registry import MODELS, ZooEntry, build, config_of, example_input, forward
 
-__all__ = ["Batch", "BertConfig", "GPT2Config", "MODELS", "ResNetConfig", "VGGConfig", "ZooEntry",
-           "build", "config_of", "example_input", "forward", "spec"]
+__all__ = [
+    "Batch",
+    "BertConfig",
+    "GPT2Config",
+    "MODELS",
+    "ResNetConfig",
+    "VGGConfig",
+    "ZooEntry",
+    "build",
+    "config_of",
+    "example_input",
+    "forward",
+    "spec",
+]

@@ -48,26 +48,34 @@ def _check_fields(config) -> None:
         v = getattr(config, f.name)
         kind = str(f.type)
         if kind == "int":
-            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-                   f"{name}.{f.name} must be an integer >= 1, got {v!r}")
+            _check(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                f"{name}.{f.name} must be an integer >= 1, got {v!r}",
+            )
         elif kind == "float":
-            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-                   f"{name}.{f.name} must be a number, got {v!r}")
+            _check(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                f"{name}.{f.name} must be a number, got {v!r}",
+            )
             if f.name == "dropout":
                 _check(0 <= v < 1, f"{name}.dropout must be in [0, 1), got {v!r}")
             else:
                 _check(v > 0, f"{name}.{f.name} must be > 0, got {v!r}")
             object.__setattr__(config, f.name, float(v))
         elif kind.startswith("tuple"):
-            _check(isinstance(v, (list, tuple)) and len(v) >= 1
-                   and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v),
-                   f"{name}.{f.name} must be a list of integers >= 1, got {v!r}")
+            _check(
+                isinstance(v, (list, tuple))
+                and len(v) >= 1
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v),
+                f"{name}.{f.name} must be a list of integers >= 1, got {v!r}",
+            )
             object.__setattr__(config, f.name, tuple(v))
 
 
 @dataclass(frozen=True)
 class GPT2Config:
-    """A GPT-2 language model. vLayers: embeddings, ``n_layer`` blocks, final LayerNorm, LM head, loss."""
+    """A GPT-2 language model. vLayers: embeddings, ``n_layer`` blocks, final LayerNorm, LM head,
+    loss."""
 
     hidden: int
     heads: int
@@ -81,15 +89,23 @@ class GPT2Config:
 
     def __post_init__(self):
         _check_fields(self)
-        _check(self.hidden % self.heads == 0, f"hidden {self.hidden} is not a multiple of heads {self.heads}")
-        _check(self.seq_len <= self.max_position,
-               f"seq_len {self.seq_len} exceeds max_position {self.max_position}; raise max_position too")
+        _check(
+            self.hidden % self.heads == 0,
+            f"hidden {self.hidden} is not a multiple of heads {self.heads}",
+        )
+        _check(
+            self.seq_len <= self.max_position,
+            f"seq_len {self.seq_len} exceeds max_position {self.max_position}; raise "
+            "max_position too",
+        )
 
     def layers(self) -> list[nn.Module]:
         h = self.hidden
         chain = [GPT2Embeddings(self.vocab, self.max_position, h, self.dropout)]
-        chain += [GPT2Layer(h, self.heads, self.max_position, self.dropout, self.ln_eps)
-                  for _ in range(self.n_layer)]
+        chain += [
+            GPT2Layer(h, self.heads, self.max_position, self.dropout, self.ln_eps)
+            for _ in range(self.n_layer)
+        ]
         chain += [GPT2LayerNorm(h, eps=self.ln_eps), GPT2LMHead(h, self.vocab), CrossEntropyLoss()]
         for layer in chain:
             init_transformer(layer)
@@ -120,16 +136,24 @@ class BertConfig:
 
     def __post_init__(self):
         _check_fields(self)
-        _check(self.hidden % self.heads == 0, f"hidden {self.hidden} is not a multiple of heads {self.heads}")
-        _check(self.seq_len <= self.max_position,
-               f"seq_len {self.seq_len} exceeds max_position {self.max_position}; raise max_position too")
+        _check(
+            self.hidden % self.heads == 0,
+            f"hidden {self.hidden} is not a multiple of heads {self.heads}",
+        )
+        _check(
+            self.seq_len <= self.max_position,
+            f"seq_len {self.seq_len} exceeds max_position {self.max_position}; raise "
+            "max_position too",
+        )
         _check(self.n_layer >= 1, "BERT needs at least one encoder layer")
 
     def layers(self) -> list[nn.Module]:
         h, p, eps = self.hidden, self.dropout, self.ln_eps
         chain = [BertEmbeddings(self.vocab, self.max_position, self.type_vocab, h, p, eps)]
-        chain += [BertLayer(h, self.heads, self.intermediate, p, eps, pass_mask=i < self.n_layer - 1)
-                  for i in range(self.n_layer)]
+        chain += [
+            BertLayer(h, self.heads, self.intermediate, p, eps, pass_mask=i < self.n_layer - 1)
+            for i in range(self.n_layer)
+        ]
         chain += [BertPooler(h), BertClassifier(h, self.num_labels, p), CrossEntropyLoss()]
         for layer in chain:
             init_transformer(layer)
@@ -160,9 +184,11 @@ class VGGConfig:
     def __post_init__(self):
         _check_fields(self)
         stages = len(self.widths)
-        _check(len(self.convs_per_stage) == stages, "convs_per_stage and widths need the same length")
+        _check(
+            len(self.convs_per_stage) == stages, "convs_per_stage and widths need the same length"
+        )
         _check(min(self.convs_per_stage) >= 1, "every stage needs at least one convolution")
-        _check(self.image_size % 2 ** stages == 0, f"image_size must be a multiple of {2 ** stages}")
+        _check(self.image_size % 2**stages == 0, f"image_size must be a multiple of {2**stages}")
 
     def layers(self) -> list[nn.Module]:
         chain, channels = [], 3
@@ -185,7 +211,8 @@ class VGGConfig:
 
 @dataclass(frozen=True)
 class ResNetConfig:
-    """A ResNet of BasicBlocks with BatchNorm. vLayers: stem, every block, head (avgpool + fc), loss."""
+    """A ResNet of BasicBlocks with BatchNorm. vLayers: stem, every block, head (avgpool + fc),
+    loss."""
 
     blocks_per_stage: tuple[int, ...] = (128, 128, 128, 128)
     widths: tuple[int, ...] = (64, 128, 256, 512)
@@ -196,9 +223,15 @@ class ResNetConfig:
     def __post_init__(self):
         _check_fields(self)
         stages = len(self.widths)
-        _check(len(self.blocks_per_stage) == stages, "blocks_per_stage and widths need the same length")
+        _check(
+            len(self.blocks_per_stage) == stages,
+            "blocks_per_stage and widths need the same length",
+        )
         _check(min(self.blocks_per_stage) >= 1, "every stage needs at least one block")
-        _check(self.image_size % 2 ** (stages + 1) == 0, f"image_size must be a multiple of {2 ** (stages + 1)}")
+        _check(
+            self.image_size % 2 ** (stages + 1) == 0,
+            f"image_size must be a multiple of {2 ** (stages + 1)}",
+        )
 
     def layers(self) -> list[nn.Module]:
         chain, inplanes = [ResNetStem(self.widths[0])], self.widths[0]
@@ -217,5 +250,3 @@ class ResNetConfig:
 def _image_batch(batch: int, size: int, num_classes: int, device) -> Batch:
     images = torch.randn(batch, 3, size, size, device=device)
     return (images,), torch.randint(0, num_classes, (batch,), device=device)
-
-

@@ -16,7 +16,9 @@ from .registry import config_of
 
 
 # ---- the analytic cost model -------------------------------------------------
-def spec(name: str, optimizer: str | None = None, dtype: str = "float32", **overrides) -> ModelSpec:
+def spec(
+    name: str, optimizer: str | None = None, dtype: str = "float32", **overrides
+) -> ModelSpec:
     """The cost model of ``name``, measured on ``meta`` tensors.
 
     Weights and activations are in ``dtype``. The optimizer defaults to the
@@ -31,7 +33,9 @@ def spec(name: str, optimizer: str | None = None, dtype: str = "float32", **over
     costs = []
     for i, layer in enumerate(chain):
         is_loss = i == len(chain) - 1
-        m = _measure_cached(layer, x + (target,) if is_loss else x, grad_inputs=i > 0, dtype=torch_dtype)
+        m = _measure_cached(
+            layer, x + (target,) if is_loss else x, grad_inputs=i > 0, dtype=torch_dtype
+        )
         costs.append(_layer_cost(layer, x, m))
         x = tuple(torch.empty(shape, dtype=dt, device="meta") for shape, dt in m.out_specs)
     label = name + "".join(f", {k}={v}" for k, v in sorted(overrides.items()))
@@ -63,8 +67,9 @@ class _Measured:
 _MEASURED: dict[tuple, _Measured] = {}
 
 
-def _measure_cached(layer: nn.Module, args: tuple[torch.Tensor, ...], grad_inputs: bool,
-                    dtype: torch.dtype) -> _Measured:
+def _measure_cached(
+    layer: nn.Module, args: tuple[torch.Tensor, ...], grad_inputs: bool, dtype: torch.dtype
+) -> _Measured:
     # repr() names the class and every size of the layer (extra_repr adds what
     # the submodules' reprs do not show); repr() omits the weights' dtype, and
     # integer arguments (token ids) do not carry it either.
@@ -80,7 +85,9 @@ def _layer_cost(layer: nn.Module, inputs: tuple[torch.Tensor, ...], m: _Measured
         param_numel=m.param_numel,
         buffer_numel=m.buffer_numel,
         input_numel_per_sample=float(sum(t.numel() for t in inputs if t.is_floating_point())),
-        input_fixed_bytes_per_sample=float(sum(_nbytes(t) for t in inputs if not t.is_floating_point())),
+        input_fixed_bytes_per_sample=float(
+            sum(_nbytes(t) for t in inputs if not t.is_floating_point())
+        ),
         fwd_flops_per_sample=float(m.fwd_flops),
         bwd_flops_per_sample=float(m.bwd_flops),
         fwd_extra=Curve.linear(m.fwd_extra),
@@ -131,7 +138,9 @@ def _forward_costs(layer, args) -> tuple[int, int, tuple[torch.Tensor, ...]]:
     known = _storages(args) | _storages(_weights(layer)) | _storages(outputs)
     temporaries = {_storage_id(t): t.untyped_storage().nbytes() for t in ops.tensors}
     largest = max((b for s, b in temporaries.items() if s not in known), default=0)
-    produced = {_storage_id(t): _nbytes(t) for t in outputs if _storage_id(t) not in _storages(args)}
+    produced = {
+        _storage_id(t): _nbytes(t) for t in outputs if _storage_id(t) not in _storages(args)
+    }
     return flops.get_total_flops(), sum(produced.values()) + largest, outputs
 
 
@@ -153,7 +162,9 @@ def _backward_costs(layer, args, grad_inputs: bool) -> tuple[int, int]:
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
     known = _storages(args) | _storages(_weights(layer))
     saved_bytes = sum(b for s, b in saved.items() if s not in known)
-    grad_bytes = sum(_nbytes(t) for t in outputs) + sum(_nbytes(t) for t in args if t.requires_grad)
+    grad_bytes = sum(_nbytes(t) for t in outputs) + sum(
+        _nbytes(t) for t in args if t.requires_grad
+    )
     layer.zero_grad(set_to_none=True)
     return flops.get_total_flops(), saved_bytes + grad_bytes
 

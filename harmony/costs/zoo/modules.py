@@ -39,7 +39,8 @@ def init_transformer(module: nn.Module) -> None:
 
 
 class CrossEntropyLoss(nn.Module):
-    """The loss vLayer: mean cross-entropy of logits [..., classes] against integer targets [...]."""
+    """The loss vLayer: mean cross-entropy of logits [..., classes] against integer targets
+    [...]."""
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, -2), target.flatten())
@@ -144,13 +145,17 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, ids, token_types, mask):
         positions = torch.arange(ids.shape[1], device=ids.device)
-        x = (self.word_embeddings(ids) + self.position_embeddings(positions)
-             + self.token_type_embeddings(token_types))
+        x = (
+            self.word_embeddings(ids)
+            + self.position_embeddings(positions)
+            + self.token_type_embeddings(token_types)
+        )
         return self.dropout(self.LayerNorm(x)), mask
 
 
 class BertAttention(nn.Module):
-    """Self-attention with separate q, k, v projections, then dense, dropout, residual LayerNorm."""
+    """Self-attention with separate q, k, v projections, then dense, dropout, residual
+    LayerNorm."""
 
     def __init__(self, hidden, heads, dropout, eps):
         super().__init__()
@@ -167,7 +172,9 @@ class BertAttention(nn.Module):
         return f"heads={self.heads}"
 
     def forward(self, x, mask):
-        y = _attention(self.query(x), self.key(x), self.value(x), self.heads, mask, self.attn_dropout)
+        y = _attention(
+            self.query(x), self.key(x), self.value(x), self.heads, mask, self.attn_dropout
+        )
         return self.LayerNorm(x + self.dropout(self.dense(y)))
 
 
@@ -241,7 +248,9 @@ class LinearLayer(nn.Module):
     def __init__(self, in_features: int, out_features: int, hidden: bool, dropout: float):
         super().__init__()
         self.fc = nn.Linear(in_features, out_features)
-        self.act = nn.Sequential(nn.ReLU(inplace=True), nn.Dropout(dropout)) if hidden else nn.Identity()
+        self.act = (
+            nn.Sequential(nn.ReLU(inplace=True), nn.Dropout(dropout)) if hidden else nn.Identity()
+        )
 
     def forward(self, x):
         return self.act(self.fc(x.flatten(1)))
@@ -274,8 +283,11 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(planes)
         self.downsample = (
-            nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes))
-            if stride != 1 or inplanes != planes else nn.Identity()
+            nn.Sequential(
+                nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes)
+            )
+            if stride != 1 or inplanes != planes
+            else nn.Identity()
         )
 
     def forward(self, x):
@@ -292,5 +304,3 @@ class ResNetHead(nn.Module):
 
     def forward(self, x):
         return self.fc(x.mean(dim=(2, 3)))
-
-

@@ -34,26 +34,65 @@ def _gpt2(blocks: int, hidden: int = 4096, heads: int = 32) -> GPT2Config:
 MODELS: dict[str, ZooEntry] = {
     e.name: e
     for e in [
-        ZooEntry("gpt2-tiny", GPT2Config(hidden=64, heads=4, n_layer=2, vocab=256, max_position=32, seq_len=32),
-                 "GPT-2 shape at toy size, for tests"),
-        ZooEntry("gpt2-medium", _gpt2(24, 1024, 16), "GPT-2 medium, 24 x 1024, untied LM head (406 M)"),
+        ZooEntry(
+            "gpt2-tiny",
+            GPT2Config(hidden=64, heads=4, n_layer=2, vocab=256, max_position=32, seq_len=32),
+            "GPT-2 shape at toy size, for tests",
+        ),
+        ZooEntry(
+            "gpt2-medium", _gpt2(24, 1024, 16), "GPT-2 medium, 24 x 1024, untied LM head (406 M)"
+        ),
         ZooEntry("gpt2-xl", _gpt2(48, 1600, 25), "GPT-2 XL, 48 x 1600, untied LM head (1.64 B)"),
         ZooEntry("gpt2-10b", _gpt2(50), "Harmony's GPT-2 10B: 50 blocks of hidden 4096"),
         ZooEntry("gpt2-20b", _gpt2(100), "Harmony's GPT-2 20B: 100 blocks of hidden 4096"),
         ZooEntry("gpt2-30b", _gpt2(150), "Harmony's GPT-2 30B: 150 blocks of hidden 4096"),
         ZooEntry("gpt2-40b", _gpt2(200), "Harmony's GPT-2 40B: 200 blocks of hidden 4096"),
-        ZooEntry("bert-tiny", BertConfig(hidden=64, heads=4, n_layer=2, intermediate=256, vocab=256,
-                                         max_position=32, seq_len=32), "BERT shape at toy size, for tests"),
+        ZooEntry(
+            "bert-tiny",
+            BertConfig(
+                hidden=64,
+                heads=4,
+                n_layer=2,
+                intermediate=256,
+                vocab=256,
+                max_position=32,
+                seq_len=32,
+            ),
+            "BERT shape at toy size, for tests",
+        ),
         ZooEntry("bert-large", BertConfig(), "BERT-Large, seq 512, 2-way classifier (335 M)"),
-        ZooEntry("bert-96", BertConfig(n_layer=96), "Harmony's BERT-96: 96 BERT-Large layers, seq 512"),
-        ZooEntry("vgg-tiny", VGGConfig(convs_per_stage=(1, 1, 2, 2, 2), widths=(8, 16, 32, 32, 32),
-                                       image_size=32, fc_hidden=64, num_classes=10),
-                 "VGG shape at toy size, for tests"),
-        ZooEntry("vgg416", VGGConfig(), "Harmony's VGG416: 413 convolutions + 3 FC, 224x224 inputs"),
-        ZooEntry("resnet-tiny", ResNetConfig(blocks_per_stage=(1, 1, 1, 1), widths=(8, 16, 32, 64),
-                                             image_size=64, num_classes=10),
-                 "ResNet shape at toy size, for tests"),
-        ZooEntry("resnet1026", ResNetConfig(), "Harmony's ResNet1026: 4 x 128 BasicBlocks, 224x224 inputs"),
+        ZooEntry(
+            "bert-96", BertConfig(n_layer=96), "Harmony's BERT-96: 96 BERT-Large layers, seq 512"
+        ),
+        ZooEntry(
+            "vgg-tiny",
+            VGGConfig(
+                convs_per_stage=(1, 1, 2, 2, 2),
+                widths=(8, 16, 32, 32, 32),
+                image_size=32,
+                fc_hidden=64,
+                num_classes=10,
+            ),
+            "VGG shape at toy size, for tests",
+        ),
+        ZooEntry(
+            "vgg416", VGGConfig(), "Harmony's VGG416: 413 convolutions + 3 FC, 224x224 inputs"
+        ),
+        ZooEntry(
+            "resnet-tiny",
+            ResNetConfig(
+                blocks_per_stage=(1, 1, 1, 1),
+                widths=(8, 16, 32, 64),
+                image_size=64,
+                num_classes=10,
+            ),
+            "ResNet shape at toy size, for tests",
+        ),
+        ZooEntry(
+            "resnet1026",
+            ResNetConfig(),
+            "Harmony's ResNet1026: 4 x 128 BasicBlocks, 224x224 inputs",
+        ),
     ]
 }
 
@@ -66,7 +105,9 @@ def config_of(name: str, overrides: dict) -> Any:
     known = {f.name for f in fields(config)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise HarmonyError(f"{name} has no setting {', '.join(unknown)}; use one of {', '.join(sorted(known))}")
+        raise HarmonyError(
+            f"{name} has no setting {', '.join(unknown)}; use one of {', '.join(sorted(known))}"
+        )
     return replace(config, **overrides)
 
 
@@ -86,7 +127,9 @@ def example_input(name: str, batch: int, device="cpu", **overrides) -> Batch:
     return config_of(name, overrides).example_input(batch, device)
 
 
-def forward(layers: list[nn.Module], inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+def forward(
+    layers: list[nn.Module], inputs: tuple[torch.Tensor, ...], target: torch.Tensor
+) -> torch.Tensor:
     """Run a chain from :func:`build` on a batch from :func:`example_input` and return the loss."""
     x = inputs
     for layer in layers[:-1]:

@@ -23,7 +23,22 @@ from .optimizer_state import adopt_state, drop_state, export_state
 from .placement import KINDS, PackBytes, Placement, place_state
 from .staging import StagedState
 
-__all__ = ["DiskBandwidth", "DiskTier", "DiskTierError", "HostBudget", "HostBudgetError", "KINDS",
-           "NVME_PCIE4", "PackBytes", "Placement", "StagedState", "adopt_state", "drop_state",
-           "export_state", "machine_host_bytes", "measure_disk_bandwidth", "pack_name",
-           "place_state"]
+__all__ = [
+    "DiskBandwidth",
+    "DiskTier",
+    "DiskTierError",
+    "HostBudget",
+    "HostBudgetError",
+    "KINDS",
+    "NVME_PCIE4",
+    "PackBytes",
+    "Placement",
+    "StagedState",
+    "adopt_state",
+    "drop_state",
+    "export_state",
+    "machine_host_bytes",
+    "measure_disk_bandwidth",
+    "pack_name",
+    "place_state",
+]

@@ -33,10 +33,13 @@ class DiskBandwidth:
     first_write: float | None = None
 
     def __str__(self) -> str:
-        first = ("" if self.first_write is None
-                 else f" (new file {format_bytes(self.first_write)}/s)")
-        return (f"read {format_bytes(self.read)}/s, write {format_bytes(self.write)}/s{first} "
-                f"({self.source})")
+        first = (
+            "" if self.first_write is None else f" (new file {format_bytes(self.first_write)}/s)"
+        )
+        return (
+            f"read {format_bytes(self.read)}/s, write {format_bytes(self.write)}/s{first} "
+            f"({self.source})"
+        )
 
 
 #: A PCIe 4.0 x4 NVMe SSD, as its spec sheet gives it: sequential read up to
@@ -44,13 +47,19 @@ class DiskBandwidth:
 #: typical figures of that generation). Peak figures at a deep queue: a run's
 #: large sequential requests on several threads come near them; writes slow
 #: down once a drive's SLC cache is full.
-NVME_PCIE4 = DiskBandwidth(read=7.0e9, write=5.0e9,
-                           source="PCIe 4.0 NVMe spec sheet (Samsung 980 PRO 1 TB)")
+NVME_PCIE4 = DiskBandwidth(
+    read=7.0e9, write=5.0e9, source="PCIe 4.0 NVMe spec sheet (Samsung 980 PRO 1 TB)"
+)
 
 
-def measure_disk_bandwidth(directory: str | Path = ".", size: str | int = "256MB", *,
-                           threads: int = 4, chunk: int = CHUNK,
-                           direct: bool = True) -> DiskBandwidth:
+def measure_disk_bandwidth(
+    directory: str | Path = ".",
+    size: str | int = "256MB",
+    *,
+    threads: int = 4,
+    chunk: int = CHUNK,
+    direct: bool = True,
+) -> DiskBandwidth:
     """Sequential write then read bandwidth of ``directory``'s filesystem,
     bytes/s, through the disk tier's own I/O path (``threads`` requests of
     ``chunk`` bytes in flight, no checksums; ``direct``: with ``O_DIRECT``
@@ -68,7 +77,7 @@ def measure_disk_bandwidth(directory: str | Path = ".", size: str | int = "256MB
     check_room(directory, nbytes, "the bandwidth probe file")
     pattern = torch.randint(0, 256, (min(nbytes, _PATTERN),), dtype=torch.uint8)
     view = byte_view(pattern)
-    pieces = [(at, view[:min(len(view), nbytes - at)]) for at in range(0, nbytes, len(view))]
+    pieces = [(at, view[: min(len(view), nbytes - at)]) for at in range(0, nbytes, len(view))]
     path = directory / f".bandwidth-probe-{os.getpid()}"
     io = ChunkIO(threads, chunk, direct=direct)
     try:
@@ -91,6 +100,9 @@ def measure_disk_bandwidth(directory: str | Path = ".", size: str | int = "256MB
         io.close()
         path.unlink(missing_ok=True)
     where = f"measured in {directory}, {format_bytes(nbytes)} file"
-    return DiskBandwidth(read=nbytes / read_s, write=nbytes / write_s[1],
-                         first_write=nbytes / write_s[0],
-                         source=where + ("" if direct else ", through the page cache"))
+    return DiskBandwidth(
+        read=nbytes / read_s,
+        write=nbytes / write_s[1],
+        first_write=nbytes / write_s[0],
+        source=where + ("" if direct else ", through the page cache"),
+    )

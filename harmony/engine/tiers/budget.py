@@ -48,8 +48,10 @@ class HostBudget:
         if capacity is None:
             capacity = machine_host_bytes()
             if capacity is None:
-                raise HostBudgetError("cannot tell how much host memory this machine has: "
-                                      "give the budget, e.g. HostBudget('16GB')")
+                raise HostBudgetError(
+                    "cannot tell how much host memory this machine has: "
+                    "give the budget, e.g. HostBudget('16GB')"
+                )
         self.capacity = parse_bytes(capacity, "host memory budget")
         self.allocations: dict[str, int] = {}
         self.in_use = 0
@@ -64,13 +66,15 @@ class HostBudget:
         """Take ``nbytes`` under ``name`` (a name not charged now)."""
         nbytes = int(nbytes)
         if nbytes < 0:
-            raise HostBudgetError(f"host memory budget: {name} asks for {nbytes} bytes; "
-                                  "sizes are >= 0")
+            raise HostBudgetError(
+                f"host memory budget: {name} asks for {nbytes} bytes; sizes are >= 0"
+            )
         with self._lock:
             if name in self.allocations:
                 raise HostBudgetError(
                     f"host memory budget: {name!r} is already charged "
-                    f"({format_bytes(self.allocations[name])}); release it first")
+                    f"({format_bytes(self.allocations[name])}); release it first"
+                )
             if self.in_use + nbytes > self.capacity:
                 largest = sorted(self.allocations.items(), key=lambda kv: -kv[1])[:3]
                 held = ", ".join(f"{k} {format_bytes(v)}" for k, v in largest) or "nothing"
@@ -79,7 +83,8 @@ class HostBudget:
                     f"{format_bytes(self.capacity - self.in_use)} of "
                     f"{format_bytes(self.capacity)} are free (largest held: {held}). Give a "
                     "larger budget if the machine has the memory, or move more state to the "
-                    "disk tier (place_state with this budget).")
+                    "disk tier (place_state with this budget)."
+                )
             self.allocations[name] = nbytes
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
@@ -113,5 +118,7 @@ class HostBudget:
             raise
 
     def __repr__(self) -> str:
-        return (f"HostBudget({format_bytes(self.in_use)} of {format_bytes(self.capacity)} in use, "
-                f"peak {format_bytes(self.peak)}, {len(self.allocations)} allocations)")
+        return (
+            f"HostBudget({format_bytes(self.in_use)} of {format_bytes(self.capacity)} in use, "
+            f"peak {format_bytes(self.peak)}, {len(self.allocations)} allocations)"
+        )

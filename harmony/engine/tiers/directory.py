@@ -21,12 +21,16 @@ def usable_directory(directory: str | Path, create: bool) -> Path:
         raise DiskTierError(f"disk tier {path} is a file; give a directory")
     if not path.exists():
         if not create:
-            raise DiskTierError(f"disk tier {path} does not exist: nothing to resume "
-                                "(DiskTier.create starts a run)")
+            raise DiskTierError(
+                f"disk tier {path} does not exist: nothing to resume "
+                "(DiskTier.create starts a run)"
+            )
         if not path.parent.is_dir():
-            raise DiskTierError(f"disk tier {path} does not exist, nor does its parent "
-                                f"{path.parent}: create the parent directory first (the tier "
-                                "makes only the last level)")
+            raise DiskTierError(
+                f"disk tier {path} does not exist, nor does its parent "
+                f"{path.parent}: create the parent directory first (the tier "
+                "makes only the last level)"
+            )
         try:
             path.mkdir()
         except OSError as err:
@@ -44,9 +48,11 @@ def usable_directory(directory: str | Path, create: bool) -> Path:
         finally:
             os.close(fd)
     except OSError as err:
-        raise DiskTierError(f"disk tier {path} is not writable ({err.strerror}): give a "
-                            "directory this process can write, on a filesystem mounted "
-                            "read-write") from None
+        raise DiskTierError(
+            f"disk tier {path} is not writable ({err.strerror}): give a "
+            "directory this process can write, on a filesystem mounted "
+            "read-write"
+        ) from None
     finally:
         probe.unlink(missing_ok=True)
     return path
@@ -56,6 +62,8 @@ def check_room(directory: Path, need: int, what: str) -> None:
     """Refuse a filesystem without ``need`` bytes free, saying what and how much."""
     free = shutil.disk_usage(directory).free
     if need > free:
-        raise DiskTierError(f"disk tier {directory}: {what} needs {format_bytes(need)} on disk "
-                            f"but the filesystem has {format_bytes(free)} free: free space or "
-                            "give a directory on a larger disk")
+        raise DiskTierError(
+            f"disk tier {directory}: {what} needs {format_bytes(need)} on disk "
+            f"but the filesystem has {format_bytes(free)} free: free space or "
+            "give a directory on a larger disk"
+        )

@@ -44,8 +44,21 @@ from ...costs.hardware import format_bytes, parse_rate
 from ...errors import HarmonyError
 from .budget import HostBudget
 from .directory import check_room, usable_directory
-from .files import (CHUNK, PAGE, ChunkIO, DiskTierError, Entry, byte_view, fsync_dir,
-                    header_bytes, layout_of, no_space, round_up, segments, write_atomic)
+from .files import (
+    CHUNK,
+    PAGE,
+    ChunkIO,
+    DiskTierError,
+    Entry,
+    byte_view,
+    fsync_dir,
+    header_bytes,
+    layout_of,
+    no_space,
+    round_up,
+    segments,
+    write_atomic,
+)
 from .staging import StagedState, Staging
 
 MANIFEST = "manifest.json"
@@ -60,10 +73,12 @@ Pack = int | tuple[int, ...]
 def pack_name(pack: Pack) -> str:
     """``3`` -> ``"3"``; ``(3, 1)`` (pack 3, data-parallel shard 1) -> ``"3-1"``."""
     parts = pack if isinstance(pack, tuple) else (pack,)
-    if not parts or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0
-                            for p in parts):
-        raise DiskTierError(f"a pack is a number >= 0 or a tuple of them, e.g. 3 or (3, 1); "
-                            f"got {pack!r}")
+    if not parts or not all(
+        isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in parts
+    ):
+        raise DiskTierError(
+            f"a pack is a number >= 0 or a tuple of them, e.g. 3 or (3, 1); got {pack!r}"
+        )
     return "-".join(str(p) for p in parts)
 
 
@@ -84,9 +99,18 @@ class DiskTier:
     bypass the page cache where the filesystem allows (see
     :mod:`harmony.engine.tiers.files`)."""
 
-    def __init__(self, directory: Path, manifest: dict, *, budget: HostBudget | None = None,
-                 read_rate: str | float | None = None, write_rate: str | float | None = None,
-                 threads: int = 4, chunk: int = CHUNK, direct: bool = True):
+    def __init__(
+        self,
+        directory: Path,
+        manifest: dict,
+        *,
+        budget: HostBudget | None = None,
+        read_rate: str | float | None = None,
+        write_rate: str | float | None = None,
+        threads: int = 4,
+        chunk: int = CHUNK,
+        direct: bool = True,
+    ):
         self.directory = directory
         self.step: int | None = manifest["step"]  # the last committed step
         self.ignored: list[str] = []  # slots that open did not use, and why
@@ -94,8 +118,10 @@ class DiskTier:
         self._pending: dict[str, tuple[int, dict]] = {}  # key -> (slot, record), not committed
         self._busy: set[str] = set()  # keys being read or written
         self._lock = threading.Lock()
-        rates = [parse_rate(r, f"disk {how} bandwidth") if r else None
-                 for r, how in ((read_rate, "read"), (write_rate, "write"))]
+        rates = [
+            parse_rate(r, f"disk {how} bandwidth") if r else None
+            for r, how in ((read_rate, "read"), (write_rate, "write"))
+        ]
         self.io = ChunkIO(threads, chunk, *rates, direct=direct)
         self._budget, self._io_name = budget, f"disk tier {directory} I/O buffers"
         self._staging = Staging(budget, f"disk tier {directory}")
@@ -115,15 +141,23 @@ class DiskTier:
         first commit."""
         directory = usable_directory(directory, create=True)
         if (directory / MANIFEST).exists():
-            raise DiskTierError(f"disk tier {directory} already holds a run ({MANIFEST}): "
-                                "DiskTier.open resumes it; give an empty directory to start a "
-                                "new one")
+            raise DiskTierError(
+                f"disk tier {directory} already holds a run ({MANIFEST}): "
+                "DiskTier.open resumes it; give an empty directory to start a "
+                "new one"
+            )
         _check_state_room(directory, state_bytes)
         return cls(directory, {"step": None, "entries": {}}, **options)
 
     @classmethod
-    def open(cls, directory: str | Path, *, expect_step: int | None = None,
-             state_bytes: int = 0, **options) -> "DiskTier":
+    def open(
+        cls,
+        directory: str | Path,
+        *,
+        expect_step: int | None = None,
+        state_bytes: int = 0,
+        **options,
+    ) -> "DiskTier":
         """The state committed in ``directory``, as of ``expect_step`` (default:
         the last committed step; give the step of the engine checkpoint being
         resumed, so both agree). The chosen slots are checked against their
@@ -149,25 +183,29 @@ class DiskTier:
             raise DiskTierError(
                 f"disk tier {self.directory} was last committed at step {committed}, and step "
                 f"{step!r} was asked for: the tier commits before the engine checkpoints, so a "
-                "checkpoint newer than the tier belongs to another run or another directory")
+                "checkpoint newer than the tier belongs to another run or another directory"
+            )
         for key, entry in list(self._entries.items()):
             if entry["created"] > step:  # this state did not exist yet at that step
-                self.ignored.append(f"{key}: first written at step {entry['created']}, "
-                                    f"after step {step}")
+                self.ignored.append(
+                    f"{key}: first written at step {entry['created']}, after step {step}"
+                )
                 del self._entries[key]
                 continue
             slots = entry["slots"]
             for i, rec in enumerate(slots):
                 if rec is not None and rec["step"] > step:
-                    self.ignored.append(f"{key} slot {i}: holds step {rec['step']}, newer than "
-                                        f"step {step}")
+                    self.ignored.append(
+                        f"{key} slot {i}: holds step {rec['step']}, newer than step {step}"
+                    )
                     slots[i] = None
             kept = [i for i, rec in enumerate(slots) if rec is not None]
             if not kept:
                 raise DiskTierError(
                     f"disk tier {self.directory}: the state of {key} as of step {step} is gone "
                     f"(the tier keeps the last two writes of each pack and the manifest is at "
-                    f"step {committed}); resume from the engine checkpoint of step {committed}")
+                    f"step {committed}); resume from the engine checkpoint of step {committed}"
+                )
             entry["current"] = max(kept, key=lambda i: slots[i]["step"])
             self._verify(key, entry["current"], slots[entry["current"]], step)
         self.step = step
@@ -180,12 +218,15 @@ class DiskTier:
             with open(path, "rb") as f:
                 found = f.read(len(header))
         except OSError as err:
-            raise DiskTierError(f"disk tier: cannot read {path} ({err.strerror}), which holds "
-                                f"{what}") from None
+            raise DiskTierError(
+                f"disk tier: cannot read {path} ({err.strerror}), which holds {what}"
+            ) from None
         if found != header:
-            raise DiskTierError(f"disk tier: {path} does not hold what the manifest says "
-                                f"({what}): it was overwritten or damaged; the state of step "
-                                f"{step} is lost")
+            raise DiskTierError(
+                f"disk tier: {path} does not hold what the manifest says "
+                f"({what}): it was overwritten or damaged; the state of step "
+                f"{step} is lost"
+            )
         self._load(key, slot, rec, [], verify=True, what=what)  # the checksums only
 
     # ---- per step -----------------------------------------------------------------
@@ -194,8 +235,13 @@ class DiskTier:
         with self._lock:
             return key in self._pending or key in self._entries
 
-    def read(self, pack: Pack, kind: str, into: Mapping[str, torch.Tensor] | None = None,
-             verify: bool = False) -> StagedState:
+    def read(
+        self,
+        pack: Pack,
+        kind: str,
+        into: Mapping[str, torch.Tensor] | None = None,
+        verify: bool = False,
+    ) -> StagedState:
         """The tensors of (``pack``, ``kind``): the latest written, committed or
         not. Into the tier's staging buffers (release the result when done),
         or into ``into``'s tensors (same names, dtypes and shapes). ``verify``:
@@ -208,8 +254,10 @@ class DiskTier:
                 entry = self._entries[key]
                 slot, rec = entry["current"], entry["slots"][entry["current"]]
             else:
-                raise DiskTierError(f"disk tier {self.directory} holds no {kind!r} state of pack "
-                                    f"{pack_name(pack)}: write it first")
+                raise DiskTierError(
+                    f"disk tier {self.directory} holds no {kind!r} state of pack "
+                    f"{pack_name(pack)}: write it first"
+                )
             self._claim(key)
         try:
             return self._read(key, slot, rec, into, verify, key)
@@ -217,21 +265,32 @@ class DiskTier:
             with self._lock:
                 self._busy.discard(key)
 
-    def _read(self, key: str, slot: int, rec: dict, into: Mapping[str, torch.Tensor] | None,
-              verify: bool, what: str) -> StagedState:
+    def _read(
+        self,
+        key: str,
+        slot: int,
+        rec: dict,
+        into: Mapping[str, torch.Tensor] | None,
+        verify: bool,
+        what: str,
+    ) -> StagedState:
         layout = tuple(Entry.from_json(e) for e in rec["layout"])
         size = rec["nbytes"]
         give_back = None
         if into is None:
             flat = self._staging.take(size)
-            tensors = {e.name: flat[e.offset:e.offset + e.nbytes].view(e.torch_dtype).view(e.shape)
-                       for e in layout}
+            tensors = {
+                e.name: flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype).view(e.shape)
+                for e in layout
+            }
             pieces = [(0, byte_view(flat))] if size else []
             give_back = functools.partial(self._staging.give, flat)
         else:
             if set(into) != {e.name for e in layout}:
-                raise DiskTierError(f"disk tier: {key} holds {sorted(e.name for e in layout)}; "
-                                    f"the tensors to read into are {sorted(into)}")
+                raise DiskTierError(
+                    f"disk tier: {key} holds {sorted(e.name for e in layout)}; "
+                    f"the tensors to read into are {sorted(into)}"
+                )
             tensors = dict(into)
             pieces = segments(layout, size, into, for_read=True)
         try:
@@ -242,23 +301,24 @@ class DiskTier:
             raise
         return StagedState(tensors, give_back)
 
-    def _load(self, key: str, slot: int, rec: dict, pieces: list, verify: bool,
-              what: str) -> None:
+    def _load(self, key: str, slot: int, rec: dict, pieces: list, verify: bool, what: str) -> None:
         """Read the payload of ``slot`` into ``pieces``, checking its checksums if
         ``verify``."""
         path = self._path(key, slot)
         try:
             fd = self.io.open(path, write=False)
             try:
-                crcs = self.io.read(fd, len(_header(key, rec)), pieces, rec["nbytes"], verify,
-                                    rec["chunk"])
+                crcs = self.io.read(
+                    fd, len(_header(key, rec)), pieces, rec["nbytes"], verify, rec["chunk"]
+                )
             finally:
                 os.close(fd)
         except OSError as err:
             raise DiskTierError(f"disk tier: cannot read {path} ({err.strerror})") from None
         if verify and [f"{c:08x}" for c in crcs] != rec["crcs"]:
-            raise DiskTierError(f"disk tier: {path} is damaged: its checksums do not match "
-                                f"the manifest's ({what})")
+            raise DiskTierError(
+                f"disk tier: {path} is damaged: its checksums do not match the manifest's ({what})"
+            )
 
     def write(self, pack: Pack, kind: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Write the tensors of (``pack``, ``kind``) (contiguous host tensors, by
@@ -267,8 +327,12 @@ class DiskTier:
         key = _key(pack, kind)
         layout, size = layout_of(tensors)
         pieces = segments(layout, size, tensors, for_read=False)
-        rec = {"layout": [e.to_json() for e in layout], "nbytes": size, "chunk": self.io.chunk,
-               "crcs": ["0" * 8] * -(-size // self.io.chunk)}  # placeholders of the final width
+        rec = {
+            "layout": [e.to_json() for e in layout],
+            "nbytes": size,
+            "chunk": self.io.chunk,
+            "crcs": ["0" * 8] * -(-size // self.io.chunk),
+        }  # placeholders of the final width
         with self._lock:
             self._claim(key)
             if key in self._pending:
@@ -295,10 +359,14 @@ class DiskTier:
             free = shutil.disk_usage(self.directory).free
             why = err.strerror
             if no_space(err):
-                why = (f"no space left: it needs {format_bytes(offset + size)} and "
-                       f"{format_bytes(free)} are free")
-            raise DiskTierError(f"disk tier: cannot write {path} ({why}); the committed state "
-                                f"of step {self.step} is intact") from None
+                why = (
+                    f"no space left: it needs {format_bytes(offset + size)} and "
+                    f"{format_bytes(free)} are free"
+                )
+            raise DiskTierError(
+                f"disk tier: cannot write {path} ({why}); the committed state "
+                f"of step {self.step} is intact"
+            ) from None
         finally:
             with self._lock:
                 self._busy.discard(key)
@@ -308,18 +376,24 @@ class DiskTier:
     def commit(self, step: int) -> None:
         """Make the writes since the last commit the state of ``step`` (a number
         larger than the last committed one), atomically."""
-        if (not isinstance(step, int) or isinstance(step, bool)
-                or (self.step is not None and step <= self.step)):
-            raise DiskTierError(f"disk tier: commit(step) needs a step after {self.step}, "
-                                f"got {step!r}")
+        if (
+            not isinstance(step, int)
+            or isinstance(step, bool)
+            or (self.step is not None and step <= self.step)
+        ):
+            raise DiskTierError(
+                f"disk tier: commit(step) needs a step after {self.step}, got {step!r}"
+            )
         with self._lock:
             if self._busy:
-                raise DiskTierError(f"disk tier: commit while {sorted(self._busy)} are being "
-                                    "read or written")
+                raise DiskTierError(
+                    f"disk tier: commit while {sorted(self._busy)} are being read or written"
+                )
             entries = json.loads(json.dumps(self._entries))  # a copy, changed once on disk
             for key, (slot, rec) in self._pending.items():
-                entry = entries.setdefault(key, {"created": step, "current": slot,
-                                                 "slots": [None] * SLOTS})
+                entry = entries.setdefault(
+                    key, {"created": step, "current": slot, "slots": [None] * SLOTS}
+                )
                 entry["slots"][slot] = {**rec, "step": step}
                 entry["current"] = slot
             manifest = {"format": FORMAT, "step": step, "entries": entries}
@@ -331,8 +405,9 @@ class DiskTier:
         the committed state again, and the next writes reuse the same slots."""
         with self._lock:
             if self._busy:
-                raise DiskTierError(f"disk tier: discard while {sorted(self._busy)} are being "
-                                    "read or written")
+                raise DiskTierError(
+                    f"disk tier: discard while {sorted(self._busy)} are being read or written"
+                )
             self._pending = {}
 
     # ---- bookkeeping ----------------------------------------------------------------
@@ -368,21 +443,23 @@ class DiskTier:
         return self.directory / f"pack-{name}.{kind}.{slot}"
 
     def __repr__(self) -> str:
-        return (f"DiskTier({str(self.directory)!r}, step={self.step}, "
-                f"{len(self._entries)} (pack, kind))")
+        return (
+            f"DiskTier({str(self.directory)!r}, step={self.step}, "
+            f"{len(self._entries)} (pack, kind))"
+        )
 
 
 def _key(pack: Pack, kind: str) -> str:
     if not isinstance(kind, str) or not _KIND.match(kind):
-        raise DiskTierError(f"a state kind is a lower-case name such as 'optimizer'; "
-                            f"got {kind!r}")
+        raise DiskTierError(f"a state kind is a lower-case name such as 'optimizer'; got {kind!r}")
     return f"{pack_name(pack)}/{kind}"
 
 
 def _header(key: str, rec: dict) -> bytes:
     name, kind = key.split("/")
-    return header_bytes({"pack": name, "kind": kind,
-                         **{k: v for k, v in rec.items() if k != "step"}})
+    return header_bytes(
+        {"pack": name, "kind": kind, **{k: v for k, v in rec.items() if k != "step"}}
+    )
 
 
 def _check_state_room(directory: Path, state_bytes: int) -> None:
@@ -390,8 +467,9 @@ def _check_state_room(directory: Path, state_bytes: int) -> None:
     if state_bytes < 0:
         raise DiskTierError(f"disk tier: state_bytes must be >= 0, got {state_bytes}")
     have = sum(p.stat().st_size for p in directory.iterdir() if _SLOT_FILE.match(p.name))
-    what = (f"the state ({format_bytes(state_bytes)} x {SLOTS} slots, double buffered"
-            + (f", less the {format_bytes(have)} its files there take)" if have else ")"))
+    what = f"the state ({format_bytes(state_bytes)} x {SLOTS} slots, double buffered" + (
+        f", less the {format_bytes(have)} its files there take)" if have else ")"
+    )
     check_room(directory, SLOTS * state_bytes - have, what)
 
 
@@ -400,8 +478,10 @@ def _read_manifest(directory: Path) -> dict:
     try:
         manifest = json.loads(path.read_bytes())
     except FileNotFoundError:
-        raise DiskTierError(f"disk tier {directory} has no committed state (no {MANIFEST}): "
-                            "DiskTier.create starts a run there") from None
+        raise DiskTierError(
+            f"disk tier {directory} has no committed state (no {MANIFEST}): "
+            "DiskTier.create starts a run there"
+        ) from None
     except (OSError, ValueError) as err:
         raise DiskTierError(f"disk tier: cannot read {path} ({err}); it is damaged") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

@@ -108,13 +108,16 @@ def layout_of(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[Entry, ...], i
 def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous host tensor, without a copy."""
     if not t.is_contiguous():
-        raise DiskTierError(f"the disk tier moves contiguous tensors; got one of shape "
-                            f"{tuple(t.shape)} and strides {t.stride()}: pass t.contiguous()")
+        raise DiskTierError(
+            f"the disk tier moves contiguous tensors; got one of shape "
+            f"{tuple(t.shape)} and strides {t.stride()}: pass t.contiguous()"
+        )
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def segments(layout: tuple[Entry, ...], size: int, tensors: Mapping[str, torch.Tensor],
-             for_read: bool) -> list[tuple[int, memoryview]]:
+def segments(
+    layout: tuple[Entry, ...], size: int, tensors: Mapping[str, torch.Tensor], for_read: bool
+) -> list[tuple[int, memoryview]]:
     """The payload as (offset, bytes) pieces in order: each tensor's bytes and
     the padding after it (zeros to write, or scratch to read padding into)."""
     out, at = [], 0
@@ -126,8 +129,10 @@ def segments(layout: tuple[Entry, ...], size: int, tensors: Mapping[str, torch.T
             t = tensors[e.name]
             if t.dtype != e.torch_dtype or tuple(t.shape) != e.shape:
                 got = str(t.dtype).removeprefix("torch.")
-                raise DiskTierError(f"the disk tier holds {e.name!r} as {e.dtype} "
-                                    f"{list(e.shape)}; got a {got} {list(t.shape)} tensor")
+                raise DiskTierError(
+                    f"the disk tier holds {e.name!r} as {e.dtype} "
+                    f"{list(e.shape)}; got a {got} {list(t.shape)} tensor"
+                )
             out.append((e.offset, byte_view(t)))
         at = e.offset + e.nbytes
     if size > at:
@@ -145,7 +150,7 @@ def aligned(nbytes: int) -> np.ndarray:
     """``nbytes`` of memory starting at a page boundary, as direct I/O needs."""
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
     start = -raw.ctypes.data % PAGE
-    return raw[start:start + nbytes]
+    return raw[start : start + nbytes]
 
 
 class ChunkIO:
@@ -155,11 +160,19 @@ class ChunkIO:
     GPU links do, so a laptop can study a slow disk). ``direct``: try
     ``O_DIRECT`` (see the module docstring)."""
 
-    def __init__(self, threads: int = 4, chunk: int = CHUNK, read_rate: float | None = None,
-                 write_rate: float | None = None, *, direct: bool = True):
+    def __init__(
+        self,
+        threads: int = 4,
+        chunk: int = CHUNK,
+        read_rate: float | None = None,
+        write_rate: float | None = None,
+        *,
+        direct: bool = True,
+    ):
         if chunk <= 0 or chunk % PAGE:
-            raise DiskTierError(f"the disk tier's chunk must be a positive multiple of {PAGE} "
-                                f"bytes, got {chunk}")
+            raise DiskTierError(
+                f"the disk tier's chunk must be a positive multiple of {PAGE} bytes, got {chunk}"
+            )
         self.chunk, self.threads = chunk, max(1, threads)
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.rates = {"read": read_rate, "write": write_rate}
@@ -189,15 +202,28 @@ class ChunkIO:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
-    def write(self, fd: int, offset: int, pieces: list[tuple[int, memoryview]], size: int,
-              checksum: bool = True) -> list[int] | None:
+    def write(
+        self,
+        fd: int,
+        offset: int,
+        pieces: list[tuple[int, memoryview]],
+        size: int,
+        checksum: bool = True,
+    ) -> list[int] | None:
         """Write the payload ``pieces`` (``size`` bytes, zeros after it up to a
         multiple of :data:`PAGE`) at ``offset``; with ``checksum``, returns the
         CRC-32 of each chunk."""
         return self._run(fd, offset, pieces, size, "write", checksum, self.chunk)
 
-    def read(self, fd: int, offset: int, pieces: list[tuple[int, memoryview]], size: int,
-             checksum: bool, chunk: int | None = None) -> list[int] | None:
+    def read(
+        self,
+        fd: int,
+        offset: int,
+        pieces: list[tuple[int, memoryview]],
+        size: int,
+        checksum: bool,
+        chunk: int | None = None,
+    ) -> list[int] | None:
         """Read a payload of ``size`` bytes at ``offset`` into ``pieces`` (none: only
         to check it); with ``checksum``, returns the CRC-32 of each ``chunk``
         bytes (default: this object's chunk; give the one the payload was
@@ -212,16 +238,26 @@ class ChunkIO:
 
     def _run(self, fd, offset, pieces, size, how, checksum, chunk):
         starts = [s for s, _ in pieces]
-        jobs = [self.pool.submit(self._chunk, fd, offset + a, min(size, a + chunk) - a,
-                                 _pieces(pieces, starts, a, min(size, a + chunk)), how, checksum)
-                for a in range(0, size, chunk)]
+        jobs = [
+            self.pool.submit(
+                self._chunk,
+                fd,
+                offset + a,
+                min(size, a + chunk) - a,
+                _pieces(pieces, starts, a, min(size, a + chunk)),
+                how,
+                checksum,
+            )
+            for a in range(0, size, chunk)
+        ]
         wait(jobs)  # all of them, so none still touches the buffers when a failure is raised
         crcs = [job.result() for job in jobs]
         self.bytes[how] += size
         return crcs if checksum else None
 
-    def _chunk(self, fd: int, offset: int, nbytes: int, pieces: list[memoryview], how: str,
-               checksum: bool) -> int | None:
+    def _chunk(
+        self, fd: int, offset: int, nbytes: int, pieces: list[memoryview], how: str, checksum: bool
+    ) -> int | None:
         """Move ``nbytes`` at ``offset`` through this thread's aligned buffer,
         from or to ``pieces``."""
         started = time.perf_counter()
@@ -230,7 +266,7 @@ class ChunkIO:
         if how == "write":
             at = 0
             for p in pieces:  # numpy copies without the GIL
-                np.copyto(buffer[at:at + len(p)], np.frombuffer(p, dtype=np.uint8))
+                np.copyto(buffer[at : at + len(p)], np.frombuffer(p, dtype=np.uint8))
                 at += len(p)
             buffer[nbytes:span] = 0
             _transfer(fd, memoryview(buffer[:span]), offset, write=True)
@@ -238,7 +274,7 @@ class ChunkIO:
             _transfer(fd, memoryview(buffer[:span]), offset, write=False)
             at = 0
             for p in pieces:
-                np.copyto(np.frombuffer(p, dtype=np.uint8), buffer[at:at + len(p)])
+                np.copyto(np.frombuffer(p, dtype=np.uint8), buffer[at : at + len(p)])
                 at += len(p)
         crc = zlib.crc32(buffer[:nbytes]) if checksum else None  # releases the GIL
         if _FADVISE:  # without O_DIRECT: drop the pages (after a write: start their write-back)
@@ -255,8 +291,9 @@ class ChunkIO:
         return buffer
 
 
-def _pieces(pieces: list[tuple[int, memoryview]], starts: list[int], a: int,
-            b: int) -> list[memoryview]:
+def _pieces(
+    pieces: list[tuple[int, memoryview]], starts: list[int], a: int, b: int
+) -> list[memoryview]:
     """The parts of ``pieces`` that cover payload bytes ``[a, b)``."""
     out = []
     i = max(0, bisect.bisect_right(starts, a) - 1)

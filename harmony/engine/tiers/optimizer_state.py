@@ -20,8 +20,10 @@ def export_state(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     for i, p in enumerate(optimizer_params(opt)):
         for name, value in sorted(opt.state.get(p, {}).items()):
             if not isinstance(value, torch.Tensor):
-                raise HarmonyError(f"{type(opt).__name__} keeps {name}={value!r}, not a tensor: "
-                                   "only tensor state can live in a tier")
+                raise HarmonyError(
+                    f"{type(opt).__name__} keeps {name}={value!r}, not a tensor: "
+                    "only tensor state can live in a tier"
+                )
             out[f"{i}.{name}"] = value
     return out
 
@@ -33,9 +35,11 @@ def adopt_state(opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor])
     for key, t in tensors.items():
         index, _, name = key.partition(".")
         if not index.isdigit() or int(index) >= len(params) or not name:
-            raise HarmonyError(f"state tensor {key!r} names no parameter of this "
-                               f"{type(opt).__name__} ({len(params)} parameters): it is another "
-                               "optimizer's state")
+            raise HarmonyError(
+                f"state tensor {key!r} names no parameter of this "
+                f"{type(opt).__name__} ({len(params)} parameters): it is another "
+                "optimizer's state"
+            )
         opt.state[params[int(index)]][name] = t
 
 

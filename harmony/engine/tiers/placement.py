@@ -71,8 +71,13 @@ class Placement:
         return self.read_bytes_per_step / read_rate + self.write_bytes_per_step / write_rate
 
 
-def place_state(packs: Sequence[PackBytes], budget: HostBudget | str | int, *, reserve: str | int,
-                weight_reads: int = 1) -> Placement:
+def place_state(
+    packs: Sequence[PackBytes],
+    budget: HostBudget | str | int,
+    *,
+    reserve: str | int,
+    weight_reads: int = 1,
+) -> Placement:
     """The placement of ``packs`` (in layer order) that fits ``budget`` (bytes, a
     size such as ``"24GiB"``, or a :class:`HostBudget`: its free bytes) less
     ``reserve`` (the engine's stashes, buffer pools and the like; see
@@ -114,9 +119,16 @@ def place_state(packs: Sequence[PackBytes], budget: HostBudget | str | int, *, r
             f"{format_bytes(host_use())} (staging for {STAGED_PACKS} packs "
             f"{format_bytes(staging())}, reserve {format_bytes(reserve)}) but the budget is "
             f"{format_bytes(limit)}: use smaller packs, a smaller reserve (fewer stashes in "
-            "flight) or a larger budget")
+            "flight) or a larger budget"
+        )
     reads = sum(packs[i].of(k) * (weight_reads if k == "weights" else 1) for i, k in on_disk)
-    return Placement(on_disk=tuple(on_disk), budget=limit, reserve=reserve,
-                     host_state_bytes=total - sum(disk_of), staging_bytes=staging(),
-                     disk_bytes=sum(disk_of), read_bytes_per_step=reads,
-                     write_bytes_per_step=sum(disk_of))
+    return Placement(
+        on_disk=tuple(on_disk),
+        budget=limit,
+        reserve=reserve,
+        host_state_bytes=total - sum(disk_of),
+        staging_bytes=staging(),
+        disk_bytes=sum(disk_of),
+        read_bytes_per_step=reads,
+        write_bytes_per_step=sum(disk_of),
+    )

@@ -17,7 +17,6 @@ cell, :func:`settings` (each experiment's parameters live in its
 from .figures import (
     fidelity_chart,
     heatmap_chart,
-    loss_chart,
     scaling_chart,
     search_time_chart,
     swap_volume_chart,
@@ -84,7 +83,6 @@ __all__ = [
     "gpt2_tiny",
     "hardware_for",
     "heatmap_chart",
-    "loss_chart",
     "median_step_s",
     "pack_microbatch_grid",
     "planner_table",

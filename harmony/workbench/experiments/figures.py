@@ -154,28 +154,6 @@ def scaling_chart(df: pd.DataFrame, title: str = ""):
     )
 
 
-def loss_chart(losses: pd.DataFrame, title: str = ""):
-    """Both loss curves, the engine's dashed on top of the plain loop's."""
-    import altair as alt
-
-    long = losses.melt(
-        id_vars="step", value_vars=["reference", "engine"], var_name="run", value_name="loss"
-    )
-    long["run"] = long["run"].map({"reference": "plain PyTorch loop", "engine": "harmony.Engine"})
-    return (
-        alt.Chart(long)
-        .mark_line(point=True)
-        .encode(
-            x=alt.X("step:O"),
-            y=alt.Y("loss:Q", scale=alt.Scale(zero=False)),
-            color="run:N",
-            strokeDash=alt.StrokeDash("run:N", legend=None),
-            tooltip=["run", "step", alt.Tooltip("loss:Q", format=".8f")],
-        )
-        .properties(title=title, width=480, height=240)
-    )
-
-
 def fidelity_chart(df: pd.DataFrame, title: str = ""):
     """Measured against simulated, time and peak memory, with the y = x line."""
     import altair as alt

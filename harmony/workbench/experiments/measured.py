@@ -319,7 +319,7 @@ def emulated_throughput(
 ) -> pd.DataFrame:
     """Samples/s of the toy GPT-2 measured by the engine on an emulated server
     of ``gpus`` GPUs (per-GPU links of ``bandwidth``, one uplink as fast as two
-    of them), for Harmony-PP, Harmony-DP and the virtual-memory baseline on
+    of them), for Harmony-PP, Harmony-DP and the harmony-no-grouping baseline on
     the same packs and microbatches (median step after a warm-up)."""
     server = EmulatedServer(gpus=gpus, memory=memory, h2d=bandwidth, d2h=bandwidth, p2p=bandwidth)
     rows = []

@@ -13,7 +13,7 @@ from ..reproduce import EXPERIMENTS_DIR, load_experiment
 HARDWARE = "paper-4x1080ti"
 HARDWARE_8 = "paper-8x1080ti"
 HARMONY_POLICIES = tuple(names("harmony"))
-BASELINE = "virtual-memory"
+BASELINE = "harmony-no-grouping"
 PAPER_MODELS = ["bert-96", "gpt2-xl", "vgg416", "resnet1026"]
 
 

@@ -298,7 +298,7 @@ def systems_table(
     workers: int | None = None,
 ) -> pd.DataFrame:
     """Simulated samples/s and bytes moved per iteration of every system's best
-    plan, per model and minibatch, with samples/s over the virtual-memory baseline's."""
+    plan, per model and minibatch, with samples/s over the harmony-no-grouping baseline's."""
     hw = preset(hardware)
     rows = []
     for model in models:

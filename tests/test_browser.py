@@ -1,0 +1,414 @@
+"""The notebooks in a real browser, offline: JupyterLab on 127.0.0.1, headless
+Chromium (Playwright) with every request that does not go to 127.0.0.1
+aborted. The quickstart, the explorer and a lesson (if notebooks/lessons/
+exists) run all their cells with smoke parameters; every chart must be drawn
+by vega-embed with nothing fetched from a CDN; moving a slider in the
+explorer must redraw its chart; a saved untrusted notebook must still show
+its charts as pictures. Screenshots go to ``test-artifacts/browser/`` (or
+``$HARMONY_BROWSER_ARTIFACTS``).
+
+Needs Chromium and Playwright; skipped with a message saying how to install
+them when they are missing, a failure when ``CI`` is set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+import nbformat
+import pytest
+from test_notebooks import SMOKE, parameter_names, parameters_cell
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = Path(
+    os.environ.get("HARMONY_BROWSER_ARTIFACTS") or ROOT / "test-artifacts" / "browser"
+)
+INSTALL = (
+    "install Chromium and Playwright: `sudo apt-get install -y chromium` and "
+    "`.venv/bin/pip install playwright` (or set HARMONY_CHROMIUM to a Chromium binary)"
+)
+#: Chromium flags for a container (root, no GPU, no sandbox) that must not reach the network
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+#: JupyterLab settings: the notebook's kernel starts without asking, every cell is in the page
+#: (charts of off-screen cells are drawn too), no news fetched
+LAB_SETTINGS = {
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {
+        "windowingMode": "none",
+        "autoStartDefaultKernel": True,
+    },
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+        "fetchNews": "false",
+        "checkForUpdates": False,
+    },
+}
+RUN_TIMEOUT_S = 240
+#: the classes of a drawn chart's data-mark groups (not axes, legends or titles) that have
+#: items but show none of them: bars of zero height, lines without a colour
+EMPTY_MARKS = """root => {
+  const paint = (el, attr) => {
+    const v = el.getAttribute(attr);
+    return v && v !== "none" && v !== "transparent";
+  };
+  const visible = el => {
+    if (el.tagName === "text") return el.textContent.trim().length > 0;
+    const box = el.getBBox();
+    const line = /mark-(line|rule)/.test(el.parentNode.getAttribute("class"));
+    return line ? paint(el, "stroke") && (box.width > 0.5 || box.height > 0.5)
+                : (paint(el, "fill") || paint(el, "stroke"))
+                  && box.width > 0.5 && box.height > 0.5;
+  };
+  const groups = [...root.querySelectorAll("svg.marks g.role-mark")]
+    .filter(g => g.children.length);
+  return groups.filter(g => ![...g.children].some(visible)).map(g => g.getAttribute("class"));
+}"""
+
+
+def _missing(why: str):
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{why}: CI is set, so the browser test has to run; {INSTALL}")
+    pytest.skip(f"{why}; to run it, {INSTALL}")
+
+
+def _chromium() -> str | None:
+    found = os.environ.get("HARMONY_CHROMIUM")
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        found = found or shutil.which(name)
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _copy(src: Path, dst: Path, params: dict) -> None:
+    """``src`` with ``params`` injected after its parameters cell, as papermill does."""
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    nb = load_notebook_node(str(src))
+    if parameters_cell(nb) is not None:
+        names = parameter_names(src)
+        nb = parameterize_notebook(nb, {k: v for k, v in params.items() if k in names})
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, dst)
+
+
+def _untrusted(path: Path) -> None:
+    """A saved notebook with one chart output, as a run would leave it, never signed."""
+    import altair as alt
+    import pandas as pd
+
+    from harmony.workbench import charts
+
+    chart = (
+        alt.Chart(pd.DataFrame({"x": ["a", "b"], "y": [1, 3]}), title="saved chart")
+        .mark_bar()
+        .encode(x="x:N", y="y:Q")
+    )
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("chart", execution_count=1)
+    cell.outputs = [
+        nbformat.v4.new_output("display_data", data=charts.mimebundle(chart.to_dict()))
+    ]
+    nb.cells = [nbformat.v4.new_markdown_cell("# saved"), cell]
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nbformat.write(nb, path)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab serving copies of the notebooks, and a Chromium context that can
+    reach nothing else."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _missing("Playwright is not installed")
+    browser_path = _chromium()
+    if browser_path is None:
+        _missing("no Chromium found")
+    if shutil.which("jupyter-lab", path=str(Path(sys.executable).parent)) is None:
+        _missing("JupyterLab is not installed in this environment (pip install -e '.[notebooks]')")
+
+    home = tmp_path_factory.mktemp("lab")
+    root = home / "root"
+    out = home / "out"
+    _copy(
+        ROOT / "notebooks" / "00_quickstart.ipynb",
+        root / "00_quickstart.ipynb",
+        {**SMOKE["00_quickstart"], "out_dir": str(out / "00")},
+    )
+    _copy(
+        ROOT / "notebooks" / "01_explorer.ipynb",
+        root / "01_explorer.ipynb",
+        {"out_dir": str(out / "01")},
+    )
+    lessons = sorted((ROOT / "notebooks" / "lessons").glob("*.ipynb"))
+    if lessons:
+        shutil.copytree(lessons[0].parent, root / "lessons")
+        _copy(
+            lessons[0],
+            root / "lessons" / lessons[0].name,
+            {"quick": True, "out_dir": str(out / "lesson")},
+        )
+    _untrusted(root / "saved.ipynb")
+    for name, values in LAB_SETTINGS.items():
+        path = home / "settings" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {k: v for k, v in os.environ.items() if k != "HARMONY_CHARTS"}  # the default renderer
+    env.update(JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+    log = (home / "lab.log").open("w")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            "--ServerApp.allow_root=True",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            f"--LabApp.user_settings_dir={home / 'settings'}",
+            f"--LabApp.workspaces_dir={home / 'workspaces'}",
+        ],
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(
+                        f"JupyterLab did not start:\n{(home / 'lab.log').read_text()[-3000:]}"
+                    )
+                time.sleep(0.5)
+        blocked: list[str] = []
+
+        def only_local(route):
+            if urlparse(route.request.url).hostname == "127.0.0.1":
+                route.continue_()
+            else:
+                blocked.append(route.request.url)
+                route.abort()
+
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        (ARTIFACTS / ".gitignore").write_text("*\n")  # screenshots are never committed
+        for old in ARTIFACTS.glob("*.png"):
+            old.unlink()
+        with sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=browser_path, args=FLAGS
+            )  # a fresh profile
+            context = browser.new_context(viewport={"width": 1500, "height": 1800})
+            context.route("**/*", only_local)
+            yield Lab(context, base, token, blocked, home)
+            browser.close()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+class Lab:
+    """The running JupyterLab and the browser context that talks to it."""
+
+    def __init__(self, context, base: str, token: str, blocked: list[str], home: Path):
+        self.context, self.base, self.token, self.blocked, self.home = (
+            context,
+            base,
+            token,
+            blocked,
+            home,
+        )
+
+    def open(self, path: str):
+        """A tab with ``path`` open, its kernel idle."""
+        page = self.context.new_page()
+        page.goto(f"{self.base}/lab/tree/{path}?token={self.token}")
+        page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=90_000)
+        # the status bar says "Python 3 (ipykernel) | Idle" once the kernel is connected
+        page.locator(
+            ".jp-StatusBar-Widget", has_text=re.compile(r"ipykernel.*\| Idle")
+        ).first.wait_for(timeout=90_000)
+        return page
+
+    def run_all(self, page, name: str) -> None:
+        """Run every cell from the Run menu; fail with the traceback of a cell that raised."""
+        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+        prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt")
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            texts = [t.strip() for t in prompts.all_inner_texts()]
+            if texts and all(re.fullmatch(r"\[\d+\]:", t) for t in texts):
+                break
+            errors = [
+                e
+                for e in page.locator(
+                    '[data-mime-type="application/vnd.jupyter.stderr"]'
+                ).all_inner_texts()
+                if "Traceback" in e or "Error" in e.splitlines()[0]
+            ]
+            if errors:
+                self.screenshot(page, f"{name}-error")
+                pytest.fail(f"{name}: a cell raised:\n{errors[0][-3000:]}")
+            if time.monotonic() > deadline:
+                self.screenshot(page, f"{name}-timeout")
+                pytest.fail(f"{name}: cells not done after {RUN_TIMEOUT_S} s: {texts}")
+            time.sleep(1)
+
+    def charts_drawn(self, page, name: str, at_least: int) -> list:
+        """Wait until every chart output of ``page`` is drawn by vega-embed; screenshot each."""
+        charts = page.locator(".harmony-chart")
+        deadline = time.monotonic() + 60
+        while True:
+            n = charts.count()
+            drawn = page.locator(".harmony-chart .vega-embed svg.marks").count()
+            if n >= at_least and drawn == n:
+                break
+            if time.monotonic() > deadline:
+                self.screenshot(page, f"{name}-charts")
+                pytest.fail(
+                    f"{name}: {drawn} of {n} charts drawn (expected at least {at_least}); "
+                    f"page says: {_problems(page) or 'nothing'}"
+                )
+            time.sleep(0.5)
+        assert not _problems(page)
+        empty = []
+        for i, chart in enumerate(charts.all()):
+            chart.scroll_into_view_if_needed()
+            chart.screenshot(path=ARTIFACTS / f"{name}-chart{i}.png")
+            title = chart.locator("svg.marks .role-title-text").first
+            empty += [
+                f"chart {i} ({title.text_content() if title.count() else 'untitled'}): {m}"
+                for m in chart.evaluate(EMPTY_MARKS)
+            ]
+        assert not empty, f"{name}: marks drawn but nothing visible: {empty}"
+        return charts.all()
+
+    def screenshot(self, page, name: str) -> None:
+        page.screenshot(path=ARTIFACTS / f"{name}.png")
+
+
+def _problems(page) -> list[str]:
+    text = page.locator("#main").inner_text()
+    return [
+        line
+        for line in text.splitlines()
+        if "Error loading script" in line or "the interactive chart failed" in line
+    ]
+
+
+def _no_requests_blocked(lab: Lab) -> None:
+    assert not lab.blocked, f"the page tried to reach beyond 127.0.0.1: {lab.blocked[:5]}"
+
+
+def test_quickstart_draws_every_chart_offline(lab):
+    page = lab.open("00_quickstart.ipynb")
+    lab.run_all(page, "00_quickstart")
+    lab.charts_drawn(page, "00_quickstart", at_least=3)  # loss, swap timeline, bytes per step
+    legend = page.locator(".harmony-chart").first.inner_text()
+    assert "plain PyTorch loop" in legend and "harmony.Engine" in legend
+    lab.screenshot(page, "00_quickstart")
+    _no_requests_blocked(lab)
+
+
+def test_explorer_redraws_when_a_slider_moves(lab):
+    page = lab.open("01_explorer.ipynb")
+    lab.run_all(page, "01_explorer")
+    lab.charts_drawn(page, "01_explorer", at_least=1)
+    explorer = page.locator(".widget-output .harmony-chart").first
+    before = explorer.inner_text()
+    assert "s/iter" in before and "faster" in before, before[:300]
+    digest = hashlib.sha256(explorer.inner_html().encode()).hexdigest()
+    widget = page.locator(".widget-vbox").first
+    widget.screenshot(path=ARTIFACTS / "01_explorer-widget-before.png")
+
+    slider = widget.locator(
+        ".widget-slider", has=page.locator(".widget-label", has_text="layers per pack")
+    )
+    slider.locator(".noUi-handle").focus()
+    page.keyboard.press("ArrowRight")
+    assert slider.locator(".widget-readout").inner_text().strip() == "3"
+    deadline = time.monotonic() + 60
+    while True:  # the output is replaced: the new chart must be drawn and differ
+        charts = page.locator(".widget-output .harmony-chart")
+        if (
+            charts.count()
+            and page.locator(".widget-output .harmony-chart .vega-embed svg.marks").count()
+            and hashlib.sha256(charts.first.inner_html().encode()).hexdigest() != digest
+        ):
+            break
+        assert time.monotonic() < deadline, (
+            "the explorer's chart did not change after the slider moved"
+        )
+        time.sleep(0.5)
+    after = page.locator(".widget-output .harmony-chart").first.inner_text()
+    assert after != before and "s/iter" in after
+    assert not _problems(page)
+    widget.screenshot(path=ARTIFACTS / "01_explorer-widget-after.png")
+    _no_requests_blocked(lab)
+
+
+def test_a_lesson_runs(lab):
+    lessons = sorted((lab.home / "root" / "lessons").glob("*.ipynb"))
+    if not lessons:
+        pytest.skip("no notebooks/lessons/ yet")
+    page = lab.open(f"lessons/{lessons[0].name}")
+    lab.run_all(page, lessons[0].stem)
+    lab.charts_drawn(page, lessons[0].stem, at_least=0)
+    lab.screenshot(page, lessons[0].stem)
+    _no_requests_blocked(lab)
+
+
+def test_a_saved_untrusted_notebook_shows_the_picture(lab):
+    page = lab.open("saved.ipynb")
+    picture = page.locator(".harmony-chart-static img")
+    picture.wait_for(timeout=30_000)
+    assert picture.evaluate("img => img.naturalWidth") > 0
+    assert page.locator(".vega-embed").count() == 0  # untrusted: no script ran
+    page.locator(".jp-OutputArea-output").first.screenshot(path=ARTIFACTS / "saved-untrusted.png")
+    _no_requests_blocked(lab)
