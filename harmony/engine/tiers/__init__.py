@@ -14,6 +14,20 @@ weights, then gradients).
   bytes of a step.
 * :func:`export_state` / :func:`adopt_state` / :func:`drop_state`
   (``optimizer_state.py``): a torch optimizer's state in and out of a tier.
+
+Not yet part of the task graph. To wire it in: ``Hardware`` gets ``disk_read`` /
+``disk_write`` (bytes/s, None: no disk); the builder adds links ``host.disk_read``
+and ``host.disk_write`` and, for a pack whose state :func:`place_state` put on
+disk, a ``DISK_IN`` transfer (own lane, prefetched) before its UPD and a
+``DISK_OUT`` after it, so the simulator, the closed form and the search see the
+bytes; the engine's ``Engine.set_plan`` builds the placement and the tier, the
+step's DISK_IN / DISK_OUT handlers call :meth:`DiskTier.read` / :meth:`DiskTier.write`
+around the update (the committed slot is the undo copy, so the update journal
+skips that state), ``Engine.step`` calls :meth:`DiskTier.commit` after a step and
+:meth:`DiskTier.discard` on roll-back, and ``Engine.load`` opens the tier with
+``expect_step``. Two generations are kept, so an engine checkpoint may lag the
+tier by one step at most. ``FlatAdamW`` copies adopted state into buffers of its
+own, which would keep it resident: it must step the staged buffers in place.
 """
 
 from .bandwidth import NVME_PCIE4, DiskBandwidth, measure_disk_bandwidth
