@@ -157,3 +157,34 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tmp_path):
     # a failed run is never skipped
     assert _run(experiments, out, names=["a_broken"]).outcomes[0].status == "failed"
     assert "a_broken" in (out / "summary.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "ours, target, better, verdict",
+    [
+        ("7.6", 7.6, "higher", "reproduced"),
+        ("9", 7.6, "higher", "reproduced"),
+        ("6", 7.6, "higher", "reproduced"),
+        ("4", 7.6, "higher", "partly"),
+        ("1.1", 7.6, "higher", "not reproduced"),
+        ("0", 0.0, "lower", "reproduced"),
+        ("0.2", 0.0, "lower", "not reproduced"),
+        ("1.31", 1.0, "near", "partly"),
+        ("0.9", 1.0, "near", "reproduced"),
+        ("n/a", 7.6, "higher", "-"),
+        ("3", None, "higher", "-"),
+    ],
+)
+def test_each_claim_gets_a_verdict_against_the_papers_number(ours, target, better, verdict):
+    o = rp.Outcome(
+        name="x",
+        claim="",
+        paper="",
+        ours=ours,
+        status="ok",
+        seconds=0.0,
+        mode="quick",
+        target=target,
+        better=better,
+    )
+    assert o.verdict == verdict

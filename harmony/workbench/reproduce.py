@@ -16,7 +16,10 @@ experiments with papermill, one after the other:
   the others still run.
 
 At the end a table gives, per experiment, the paper's number, ours, the
-status and the time; it is also written to ``<out>/summary.md`` and
+verdict (``reproduced`` when ours is within 25% of the paper's number or
+beyond it, ``partly`` within 50%, else ``not reproduced``, with the YAML's
+``gap`` sentence saying why; ``-`` where the claim has no number), whether it
+ran and the time; it is also written to ``<out>/summary.md`` and
 ``<out>/summary.json``.
 """
 
@@ -30,7 +33,7 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
@@ -43,6 +46,10 @@ EXPERIMENTS_DIR = ROOT / "experiments"
 KERNEL = "python3"
 STAMP = "run.json"  # next to each run: hash, status, time, our number
 REQUIRED_KEYS = ("notebook", "claim", "paper", "summary", "quick", "full")
+BETTER = ("higher", "lower", "near")
+#: ours within this share of the paper's number (or beyond it) is "reproduced", within
+#: twice that "partly"
+CLOSE = 0.25
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,12 @@ class Experiment:
     summary: str  # dotted path of our number in results.json
     quick: dict[str, Any]
     full: dict[str, Any]
+    #: the paper's number to hold ours against (None: the claim has no number), whether
+    #: more is better ("higher"), less ("lower") or ours should equal it ("near"), and one
+    #: sentence with the number that explains a gap
+    target: float | None = None
+    better: str = "higher"
+    gap: str = ""
 
     @property
     def root(self) -> Path:
@@ -92,7 +105,16 @@ def load_experiment(path: Path) -> Experiment:
         summary=str(data["summary"]),
         quick=dict(data["quick"] or {}),
         full=dict(data["full"] or {}),
+        target=None if data.get("target") is None else float(data["target"]),
+        better=_better(path, data.get("better", "higher")),
+        gap=str(data.get("gap", "")).strip(),
     )
+
+
+def _better(path: Path, better: Any) -> str:
+    if better not in BETTER:
+        raise HarmonyError(f"{path}: better must be one of {', '.join(BETTER)}, got {better!r}")
+    return better
 
 
 def load_experiments(directory: Path | None = None) -> dict[str, Experiment]:
@@ -163,6 +185,29 @@ class Outcome:
     error: str = ""
     run_dir: str = ""
     files: list[str] = field(default_factory=list)
+    target: float | None = None
+    better: str = "higher"
+    gap: str = ""
+
+    @property
+    def verdict(self) -> str:
+        """reproduced / partly / not reproduced against the paper's number, or "-"."""
+        try:
+            ours = float(self.ours)
+        except ValueError:
+            return "-"
+        if self.target is None or self.status == "failed" or math.isnan(ours):
+            return "-"
+        t = self.target
+        if self.better == "higher":
+            share = ours / t if t else math.inf
+        elif self.better == "lower":
+            share = 1.0 if ours <= t else (t / ours if ours else 0.0)
+        else:
+            share = 1.0 - abs(ours - t) / abs(t) if t else float(ours == t)
+        if share >= 1.0 - CLOSE:
+            return "reproduced"
+        return "partly" if share >= 1.0 - 2 * CLOSE else "not reproduced"
 
 
 @dataclass
@@ -192,13 +237,19 @@ class Report:
 
 
 def _table(outcomes: Sequence[Outcome], markdown: bool = False) -> str:
-    head = ["experiment", "paper", "ours", "status", "time"]
-    rows = [[o.name, o.paper, o.ours, o.status, f"{o.seconds:.1f} s"] for o in outcomes]
+    head = ["experiment", "paper", "ours", "verdict", "ran", "time"]
+    rows = [[o.name, o.paper, o.ours, o.verdict, o.status, f"{o.seconds:.1f} s"] for o in outcomes]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         claims = [
-            f"- **{o.name}** ({o.mode}): {o.claim}" + (f" — failed: {o.error}" if o.error else "")
+            f"- **{o.name}** ({o.mode}): {o.claim}"
+            + (
+                f" **Verdict: {o.verdict}.** {o.gap}"
+                if o.verdict not in ("-", "reproduced")
+                else ""
+            )
+            + (f" — failed: {o.error}" if o.error else "")
             for o in outcomes
         ]
         return "\n".join(lines + [""] + claims) + "\n"
@@ -330,7 +381,16 @@ def run_experiment(
     mode = "full" if full else "quick"
     run_dir = (runs_dir / exp.name).resolve()
     stamp_path = run_dir / STAMP
-    base = dict(name=exp.name, claim=exp.claim, paper=exp.paper, mode=mode, run_dir=str(run_dir))
+    base = dict(
+        name=exp.name,
+        claim=exp.claim,
+        paper=exp.paper,
+        mode=mode,
+        run_dir=str(run_dir),
+        target=exp.target,
+        better=exp.better,
+        gap=exp.gap,
+    )
     params = exp.params(full)
     try:
         digest = run_hash(exp, params, kernel_name)
@@ -411,10 +471,15 @@ def _write_summary(out: Path, outcomes: list[Outcome]) -> None:
         except (ValueError, KeyError, TypeError):
             merged = {}
     for o in outcomes:
-        merged[o.name] = {k: v for k, v in asdict(o).items() if k != "files"}
+        merged[o.name] = {
+            **{k: v for k, v in asdict(o).items() if k != "files"},
+            "verdict": o.verdict,
+        }
     rows = [merged[k] for k in sorted(merged)]
     path.write_text(json.dumps(rows, indent=2) + "\n")
-    (out / "summary.md").write_text(_table([Outcome(**r) for r in rows], markdown=True))
+    known = {f.name for f in fields(Outcome)}
+    outcomes = [Outcome(**{k: v for k, v in r.items() if k in known}) for r in rows]
+    (out / "summary.md").write_text(_table(outcomes, markdown=True))
 
 
 def reproduce(
