@@ -60,11 +60,12 @@ def write_checkpoint(path: str | Path, state: dict) -> Path:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)  # the rename itself survives a power cut
+    fsync_dir(path.parent)  # the rename itself survives a power cut
     return path
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` survive a power cut."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # some platforms cannot open directories

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ...errors import HarmonyError
+from ..checkpoint import fsync_dir
 from ..devices import LinkPacer
 
 #: bytes one thread moves per request: large enough for sequential speed, small
@@ -315,20 +316,6 @@ def _transfer(fd: int, buffer: memoryview, offset: int, write: bool) -> None:
             raise DiskTierError("a disk tier file ended before its payload did: it is truncated")
         offset += n
         buffer = buffer[n:]
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` survive a power cut."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
