@@ -61,4 +61,13 @@ def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
         raise type(e)(
             f"plan='auto' found no plan for this model on {engine.backend.kind}: {e}"
         ) from None
-    return df.iloc[0]["plan"]
+    for plan in df["plan"]:  # fastest first
+        try:  # e.g. tied weights inside one data-parallel pack: a plan the engine refuses
+            engine._params_per_update(plan)
+        except HarmonyError:
+            continue
+        return plan
+    raise HarmonyError(
+        f"plan='auto' found no plan this engine can run on {engine.backend.kind}: every plan "
+        "that fits puts tied weights inside one data-parallel pack; use one GPU or harmony-pp"
+    )
