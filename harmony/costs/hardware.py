@@ -100,6 +100,29 @@ class Hardware:
         return asdict(self)
 
 
+# The Harmony paper's testbed (see its entry in PRESETS for where each number comes from).
+PAPER_4X1080TI = Hardware(
+    name="paper-4x1080ti",
+    n_gpus=4,
+    gpu_memory=10 * GiB,
+    gpu_flops=0.5 * 11.34e12,
+    h2d=11.5 * GiB,
+    d2h=11.5 * GiB,
+    uplink=11.5 * GiB,
+    gpus_per_switch=4,
+    p2p=8.2 * GiB,
+    # ~10 GB/s: the reference profiles' CPU AdamW takes 2.21 s for GPT-2 XL's
+    # 6.55 GB of weights (x 7 tensors streamed, rounded down for caching).
+    cpu_update_bandwidth=10 * GB,
+    cpu_update_workers=4,
+    host_memory=750 * GB,
+    notes="Harmony paper server; link and memory constants from the authors' scheduler",
+    # the scheduler's time_del: 40 ms once per task of its simulator, a pack over
+    # its group of microbatches (its DEL event)
+    task_overhead_s=0.04,
+    overhead_per="pack",
+)
+
 # Every number below names where it comes from.
 PRESETS: dict[str, Hardware] = {
     # The Harmony paper's testbed (VLDB 2022): 4 x GTX 1080 Ti (11 GB) behind one
@@ -109,47 +132,17 @@ PRESETS: dict[str, Hardware] = {
     # among the GPUs in use, which is what a shared uplink of bw_swap does.
     # 11.34 TFLOP/s fp32 is NVIDIA's boost-clock peak; layers of the zoo reach
     # about half of it (the reference profiles carry measured times instead).
-    "paper-4x1080ti": Hardware(
-        name="paper-4x1080ti",
-        n_gpus=4,
-        gpu_memory=10 * GiB,
-        gpu_flops=0.5 * 11.34e12,
-        h2d=11.5 * GiB,
-        d2h=11.5 * GiB,
-        uplink=11.5 * GiB,
-        gpus_per_switch=4,
-        p2p=8.2 * GiB,
-        # ~10 GB/s: the reference profiles' CPU AdamW takes 2.21 s for GPT-2 XL's
-        # 6.55 GB of weights (x 7 tensors streamed, rounded down for caching).
-        cpu_update_bandwidth=10 * GB,
-        cpu_update_workers=4,
-        host_memory=750 * GB,
-        notes="Harmony paper server; link and memory constants from the authors' scheduler",
-        # the scheduler's time_del: 40 ms once per task of its simulator, a pack over
-        # its group of microbatches (its DEL event)
-        task_overhead_s=0.04,
-        overhead_per="pack",
-    ),
+    "paper-4x1080ti": PAPER_4X1080TI,
     # The paper's 8-GPU configuration: two such switches, each with its own uplink.
-    "paper-8x1080ti": Hardware(
+    "paper-8x1080ti": replace(
+        PAPER_4X1080TI,
         name="paper-8x1080ti",
         n_gpus=8,
-        gpu_memory=10 * GiB,
-        gpu_flops=0.5 * 11.34e12,
-        h2d=11.5 * GiB,
-        d2h=11.5 * GiB,
-        uplink=11.5 * GiB,
-        gpus_per_switch=4,
-        p2p=8.2 * GiB,
-        cpu_update_bandwidth=10 * GB,
         cpu_update_workers=8,
-        host_memory=750 * GB,
         notes=(
             "two 4-GPU PCIe 3.0 switches, one uplink each "
             "(assumption: the paper does not draw the topology)"
         ),
-        task_overhead_s=0.04,
-        overhead_per="pack",
     ),
     # One H100 80 GB PCIe on PCIe 5.0 x16: 64 GB/s theoretical, ~50 GB/s measured by
     # bandwidthTest-style copies from pinned memory; 51 TFLOP/s fp32 (NVIDIA
