@@ -1,8 +1,8 @@
 """The notebooks in a real browser, offline: JupyterLab on 127.0.0.1, headless
 Chromium (Playwright) with every request that does not go to 127.0.0.1
-aborted. The quickstart, the explorer and a lesson (if notebooks/lessons/
-exists) run all their cells with smoke parameters; every chart must be drawn
-by vega-embed with nothing fetched from a CDN; moving a slider in the
+aborted. Every notebook (the figures' and the lessons') runs all its cells
+with the smoke parameters of tests/test_notebooks.py; every chart must be
+drawn by vega-embed with nothing fetched from a CDN; moving a slider in the
 explorer must redraw its chart; a saved untrusted notebook must still show
 its charts as pictures. Screenshots go to ``test-artifacts/browser/`` (or
 ``$HARMONY_BROWSER_ARTIFACTS``).
@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 
 import nbformat
 import pytest
-from test_notebooks import SMOKE, parameter_names, parameters_cell
+from test_notebooks import NOTEBOOK_DIR, parameter_names, parameters_cell, smoke_parameters
 
 pytestmark = pytest.mark.browser
 
@@ -64,7 +64,13 @@ LAB_SETTINGS = {
         "checkForUpdates": False,
     },
 }
-RUN_TIMEOUT_S = 240
+RUN_TIMEOUT_S = 300
+#: every notebook, figures' and lessons', as a path under notebooks/
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb")) + sorted(NOTEBOOK_DIR.glob("lessons/*.ipynb"))
+#: tested on their own below (a slider, a legend)
+OWN_TESTS = {"00_quickstart.ipynb", "01_explorer.ipynb"}
+#: a cell that ends with one of these names shows a chart: each notebook's lower bound
+CHART_NAME = re.compile(r"^\w*(chart|fig|timeline|swap|loss)\w*$")
 #: the classes of a drawn chart's data-mark groups (not axes, legends or titles) that have
 #: items but show none of them: bars of zero height, lines without a colour
 EMPTY_MARKS = """root => {
@@ -161,24 +167,10 @@ def lab(tmp_path_factory):
     home = tmp_path_factory.mktemp("lab")
     root = home / "root"
     out = home / "out"
-    _copy(
-        ROOT / "notebooks" / "00_quickstart.ipynb",
-        root / "00_quickstart.ipynb",
-        {**SMOKE["00_quickstart"], "out_dir": str(out / "00")},
-    )
-    _copy(
-        ROOT / "notebooks" / "01_explorer.ipynb",
-        root / "01_explorer.ipynb",
-        {"out_dir": str(out / "01")},
-    )
-    lessons = sorted((ROOT / "notebooks" / "lessons").glob("*.ipynb"))
-    if lessons:
-        shutil.copytree(lessons[0].parent, root / "lessons")
-        _copy(
-            lessons[0],
-            root / "lessons" / lessons[0].name,
-            {"quick": True, "out_dir": str(out / "lesson")},
-        )
+    for path in NOTEBOOKS:
+        name = path.relative_to(NOTEBOOK_DIR)
+        params = {**smoke_parameters(path), "out_dir": str(out / name.with_suffix(""))}
+        _copy(path, root / name, params)
     _untrusted(root / "saved.ipynb")
     for name, values in LAB_SETTINGS.items():
         path = home / "settings" / name
@@ -267,7 +259,10 @@ class Lab:
     def open(self, path: str):
         """A tab with ``path`` open, its kernel idle."""
         page = self.context.new_page()
-        page.goto(f"{self.base}/lab/tree/{path}?token={self.token}")
+        # a workspace of its own, reset: the tab opens alone (no tab of an earlier page
+        # restored beside it that could take "Run All Cells")
+        workspace = re.sub(r"\W", "-", path)
+        page.goto(f"{self.base}/lab/workspaces/{workspace}/tree/{path}?reset&token={self.token}")
         page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=90_000)
         # the status bar says "Python 3 (ipykernel) | Idle" once the kernel is connected
         page.locator(
@@ -393,14 +388,38 @@ def test_explorer_redraws_when_a_slider_moves(lab):
     _no_requests_blocked(lab)
 
 
-def test_a_lesson_runs(lab):
-    lessons = sorted((lab.home / "root" / "lessons").glob("*.ipynb"))
-    if not lessons:
-        pytest.skip("no notebooks/lessons/ yet")
-    page = lab.open(f"lessons/{lessons[0].name}")
-    lab.run_all(page, lessons[0].stem)
-    lab.charts_drawn(page, lessons[0].stem, at_least=0)
-    lab.screenshot(page, lessons[0].stem)
+def expected_charts(path: Path) -> int:
+    """How many chart outputs ``path`` shows at least: its cells that end with a chart."""
+    nb = nbformat.read(path, as_version=4)
+    return sum(
+        1
+        for c in nb.cells
+        if c.cell_type == "code"
+        and c.source.strip()
+        and CHART_NAME.match(c.source.strip().splitlines()[-1].strip())
+    )
+
+
+def test_every_notebook_counts_its_charts():
+    """The lower bound below is not vacuous: every figure notebook shows a chart."""
+    for path in NOTEBOOKS:
+        if path.name not in OWN_TESTS:
+            assert expected_charts(path) >= 1, f"{path.name}: no cell ends with a chart"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in NOTEBOOKS if p.name not in OWN_TESTS],
+    ids=lambda p: str(p.relative_to(NOTEBOOK_DIR).with_suffix("")),
+)
+def test_every_chart_of_a_notebook_draws_offline(lab, path):
+    name = path.relative_to(NOTEBOOK_DIR)
+    shot = str(name.with_suffix("")).replace("/", "-")
+    page = lab.open(name.as_posix())
+    lab.run_all(page, shot)
+    lab.charts_drawn(page, shot, at_least=expected_charts(path))
+    lab.screenshot(page, shot)
+    page.close()
     _no_requests_blocked(lab)
 
 

@@ -10,8 +10,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from harmony.workbench.reproduce import kernel_manager_class
+
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 #: parameters smaller than quick mode where quick mode takes more than a few seconds
 SMOKE: dict[str, dict] = {
@@ -25,6 +28,7 @@ SMOKE: dict[str, dict] = {
     "16_simulator_fidelity": {"steps": 1, "pack_sizes": [3], "microbatches": [8]},
     "17_systems": {"models": ["gpt2-xl"], "minibatches": [16], "depths": [24, 48], "steps": 1},
     "18_vs_torch": {"hidden": 64, "blocks": 2, "minibatch": 8, "memory": "2MB", "steps": 1},
+    "19_ablation_ladder": {"models": ["bert-96"], "minibatch": 16},
 }
 #: notebooks that take long even with smoke parameters (run with -m slow)
 SLOW: set[str] = set()
@@ -87,14 +91,23 @@ def test_has_a_parameters_cell_with_out_dir(path):
 
 
 def _experiment(path: Path) -> dict:
+    """The experiment YAML whose ``notebook`` is ``path`` (quick mode only if none)."""
     import yaml
 
-    experiment = ROOT / "experiments" / f"{path.stem}.yaml"
-    return (
-        yaml.safe_load(experiment.read_text())
-        if experiment.exists()
-        else {"quick": {"quick": True}}
-    )
+    for experiment in sorted((ROOT / "experiments").glob("*.yaml")):
+        data = yaml.safe_load(experiment.read_text())
+        if (ROOT / data.get("notebook", "")).resolve() == path.resolve():
+            return data
+    return {"quick": {"quick": True}}
+
+
+def smoke_parameters(path: Path) -> dict:
+    """The parameters a test runs ``path`` with: its experiment's quick mode, made
+    smaller where that takes more than a few seconds (lessons: test_lessons.SMALL)."""
+    from test_lessons import SMALL
+
+    small = SMALL if path.parent.name == "lessons" else SMOKE
+    return {**_experiment(path)["quick"], **small.get(path.stem, {})}
 
 
 @pytest.mark.parametrize(
@@ -105,12 +118,13 @@ def _experiment(path: Path) -> dict:
 def test_runs_with_smoke_parameters(path, tmp_path):
     pm = pytest.importorskip("papermill")
     experiment = _experiment(path)
-    params = {**experiment["quick"], **SMOKE.get(path.stem, {}), "out_dir": str(tmp_path / "out")}
+    params = {**smoke_parameters(path), "out_dir": str(tmp_path / "out")}
     pm.execute_notebook(
         str(path),
         str(tmp_path / path.name),
         parameters=params,
         kernel_name="python3",
+        kernel_manager_class=kernel_manager_class(),  # no transport warning per notebook
         cwd=str(ROOT),
         progress_bar=False,
         log_output=False,
