@@ -16,7 +16,7 @@ from harmony import Engine, Plan, reference_step
 from harmony.errors import HarmonyError
 
 transformers = pytest.importorskip("transformers")
-decompose_hf = pytest.importorskip("harmony.engine.decompose_hf")
+hf_layers = pytest.importorskip("harmony.engine.hf.layers")
 
 V, D, SEQ, IMAGE = 100, 32, 8, 8
 B, U = 4, 2  # minibatch, microbatch of the training runs
@@ -378,6 +378,6 @@ def test_example_inputs_check_the_chain_against_the_model(monkeypatch):
         harmony.decompose(model, example_inputs=ids)
     monkeypatch.undo()
     # a chain that does not mask causally computes something else, and says so
-    monkeypatch.setattr(decompose_hf, "create_causal_mask", lambda **kwargs: None)
+    monkeypatch.setattr(hf_layers, "create_causal_mask", lambda **kwargs: None)
     with pytest.raises(HarmonyError, match="chain of LlamaForCausalLM does not compute what its"):
         harmony.decompose(model, example_inputs=ids)

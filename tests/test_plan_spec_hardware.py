@@ -143,11 +143,8 @@ def test_plan_with_a_pack_that_is_not_a_pair_is_rejected_when_built():
             4,
             r"fwd_packs: pack \(2, 3\) leaves layers 1..1 uncovered",
         ),
-        (
-            dict(fwd_packs=(), bwd_packs=((0, 4),)),
-            4,
-            None,
-        ),  # fine: one fused pack, no forward packs
+        # fine: one fused pack, no forward packs
+        (dict(fwd_packs=(), bwd_packs=((0, 4),)), 4, None),
         (dict(fwd_packs=((0, 4),), bwd_packs=((0, 4),)), 4, r"fwd_packs must cover layers 0..-1"),
         (dict(fwd_microbatch=9), 4, r"fwd_microbatch=9 is larger than the minibatch \(8\)"),
         (dict(bwd_microbatch=16), 4, r"bwd_microbatch=16 is larger than the minibatch \(8\)"),
@@ -350,12 +347,10 @@ def test_working_memory_counts_a_tensor_kept_by_two_layers_once():
     keeps_output, keeps_input = layer(0.0, 100.0), layer(100.0, 0.0)
     spec = ModelSpec("k", (keeps_output, keeps_input, keeps_input))
     assert spec.bwd_work_bytes(0, 1, 2) == pytest.approx(600.0)
-    assert spec.bwd_work_bytes(1, 2, 2) == pytest.approx(
-        600.0 - 200.0
-    )  # its input is the pack's buffer
-    assert spec.bwd_work_bytes(0, 2, 2) == pytest.approx(
-        1200.0 - 200.0
-    )  # one tensor between the two
+    # its input is the pack's buffer
+    assert spec.bwd_work_bytes(1, 2, 2) == pytest.approx(600.0 - 200.0)
+    # one tensor between the two
+    assert spec.bwd_work_bytes(0, 2, 2) == pytest.approx(1200.0 - 200.0)
     assert spec.bwd_work_bytes(0, 3, 2) == pytest.approx(1800.0 - 200.0)  # layer 1 keeps no output
     half = spec.with_dtypes(act_dtype="bfloat16")
     assert half.bwd_work_bytes(0, 2, 2) == pytest.approx(500.0)

@@ -12,7 +12,7 @@ import harmony  # noqa: E402
 from harmony.graph import COMPUTE_KINDS, TRANSFER_KINDS  # noqa: E402
 from harmony.plan import Plan, uniform_packs  # noqa: E402
 from harmony.policies import names  # noqa: E402
-from harmony.workbench import charts, palette  # noqa: E402
+from harmony.workbench import charts, display, palette  # noqa: E402
 from harmony.workbench.charts import (  # noqa: E402
     MAX_ROWS,
     bar_chart,
@@ -105,14 +105,16 @@ def _small_chart():
 
 
 def test_interactive_html_needs_no_network_and_carries_a_picture():
-    bundle = charts.mimebundle(_small_chart().to_dict())
+    bundle = display.mimebundle(_small_chart().to_dict())
     html = bundle["text/html"]
     assert "window.vegaEmbed" in html and "data:image/svg+xml;base64," in html
     assert "cdn.jsdelivr" not in html and "<script src" not in html
     assert not re.search(r'(src|href)="https?://', html)
     assert bundle["text/plain"] == "<chart: t>"
-    live = charts.mimebundle(_small_chart().to_dict(), picture=False)["text/html"]
+    live = display.mimebundle(_small_chart().to_dict(), picture=False)["text/html"]
     assert "data:image/svg+xml" not in live
+    # importing the charts switches the renderer, and they keep its API importable
+    assert charts.mimebundle is display.mimebundle and charts.use_renderer is display.use_renderer
 
 
 def test_the_renderer_switch(monkeypatch):
@@ -120,20 +122,20 @@ def test_the_renderer_switch(monkeypatch):
 
     try:
         assert (
-            charts.use_renderer() == "interactive"
+            display.use_renderer() == "interactive"
             and alt.renderers.active == "harmony-interactive"
         )
         html = _small_chart()._repr_mimebundle_()
         html = html[0] if isinstance(html, tuple) else html
         assert "window.vegaEmbed" in html["text/html"]
-        monkeypatch.setenv(charts.RENDERER_ENV, "static")
-        assert charts.use_renderer() == "static"
-        static = charts.Displayable(_small_chart())._repr_mimebundle_()["text/html"]
+        monkeypatch.setenv(display.RENDERER_ENV, "static")
+        assert display.use_renderer() == "static"
+        static = display.Displayable(_small_chart())._repr_mimebundle_()["text/html"]
         assert "<script" not in static and "<img" in static
-        assert charts.use_renderer("altair") == "altair" and not alt.renderers.active.startswith(
+        assert display.use_renderer("altair") == "altair" and not alt.renderers.active.startswith(
             "harmony"
         )
         with pytest.raises(harmony.HarmonyError, match="unknown chart renderer 'fancy'"):
-            charts.use_renderer("fancy")
+            display.use_renderer("fancy")
     finally:
-        charts.use_renderer("interactive")
+        display.use_renderer("interactive")

@@ -14,15 +14,18 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("altair")
 
 import harmony  # noqa: E402
+from harmony import Plan  # noqa: E402
+from harmony.planner.systems import choose_layer_swap, choose_model_parallel  # noqa: E402
 from harmony.policies import get_policy, names  # noqa: E402
-from harmony.workbench.charts import MAX_ROWS  # noqa: E402
+from harmony.workbench.charts import MAX_ROWS, thin_memory  # noqa: E402
+from harmony.workbench.comparison import baselines, default_baseline  # noqa: E402
+from harmony.workbench.play import MAX_TASKS  # noqa: E402
 from harmony.workbench.widgets import (  # noqa: E402
-    MAX_TASKS,
+    CASES,
+    CLAIM_APPLIES,
+    CLAIM_DOES_NOT_APPLY,
     PackExplorer,
     RunForReal,
-    baselines,
-    default_baseline,
-    thin_memory,
 )
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_explorer.ipynb"
@@ -33,29 +36,30 @@ def datasets(chart) -> list[list[dict]]:
 
 
 def test_comparison_against_the_baseline():
-    ex = PackExplorer()
-    ex.minibatch.value, ex.fwd_microbatch.value, ex.bwd_microbatch.value, ex.pack_size.value = (
-        32,
-        8,
-        4,
-        2,
-    )
+    ex = PackExplorer(model="bert-large")
+    ex.set(minibatch=32, fwd_microbatch=8, bwd_microbatch=4, pack_size=2)
     r = ex.compute()
     assert r.problem is None and r.trace.summary.fits
-    assert r.plan.bwd_packs[0] == (0, 2) and r.plan.fwd_packs == r.plan.bwd_packs[:-1]
     df = r.comparison.set_index("policy")
     assert list(df.index) == names()  # the chosen one first, then the others in policy order
     assert df.loc["harmony-pp", "chosen"] and df.chosen.sum() == 1
     base = r.baseline
-    assert base == default_baseline() == ex.baseline.value
-    # the paper's baseline runs each microbatch forward then backward: the backward size for both
-    assert get_policy(base).PER_MICROBATCH
-    assert (df.loc[base, "fwd_microbatch"], df.loc[base, "bwd_microbatch"]) == (4, 4)
+    assert base == default_baseline() == ex.baseline.value == "layer-swap"
+    # the faithful baseline runs the plan its own rule picks, as vDNN / LMS would
+    spec, hw = harmony.model_spec("bert-large"), harmony.preset("paper-4x1080ti")
+    own = choose_layer_swap(spec, hw, 32, n_gpus=4)
+    assert df.loc[base, "planned_by"] == "its own rule"
+    assert df.loc[base, "bwd_microbatch"] == own.bwd_microbatch
+    assert df.loc[base, "iteration_s"] == harmony.simulate(spec, hw, own).iteration_s
+    # the ablation runs the controls' packs, one microbatch size (the backward one)
+    ablation = names(role="ablation")[0]
+    assert get_policy(ablation).PER_MICROBATCH and df.loc[ablation, "planned_by"] == "the controls"
+    assert (df.loc[ablation, "fwd_microbatch"], df.loc[ablation, "bwd_microbatch"]) == (4, 4)
     assert df.loc[base, "speedup_vs_baseline"] == 1.0
     assert df.loc["harmony-pp", "speedup_vs_baseline"] == pytest.approx(
         df.loc[base, "iteration_s"] / df.loc["harmony-pp", "iteration_s"]
     )
-    # 8 microbatches: the baseline moves every pack's weights for every one of them
+    # the baseline moves every layer's weights for every one of its microbatches
     assert df.loc["harmony-pp", "swap_ratio_vs_baseline"] > 1
     assert df.loc["harmony-pp", "samples_per_s"] == pytest.approx(
         32 / df.loc["harmony-pp", "iteration_s"]
@@ -63,16 +67,77 @@ def test_comparison_against_the_baseline():
     json.dumps(r.to_dict())
 
 
+def test_packs_follow_the_plans_one_remainder_rule():
+    ex = PackExplorer(model="bert-large", pack_size=3)  # 28 layers: 9 packs of 3 and one of 1
+    plan = ex.compute().plan
+    assert plan == Plan.uniform("harmony-pp", 4, 32, 8, 28, 3, fwd_microbatch=4)
+    assert plan.bwd_packs[0] == (0, 1) and plan.bwd_packs[-1] == (25, 28)
+
+
 def test_policies_and_baselines_come_from_the_registry():
     ex = PackExplorer()
     assert list(ex.policy.options) == names()
     assert list(ex.baseline.options) == baselines()
     assert not set(baselines()) & set(names(role="harmony"))
-    assert default_baseline() == (names(role="ablation") or baselines())[0]
+    assert default_baseline() in names(role="system")
+
+
+def _simulated_speedup(setting: dict, other: Plan) -> float:
+    """``other``'s simulated time over that of harmony-pp on the controls of ``setting``."""
+    spec, hw = harmony.model_spec(setting["model"]), harmony.preset(setting["hardware"])
+    mine = Plan.uniform(
+        "harmony-pp",
+        setting["n_gpus"],
+        setting["minibatch"],
+        setting["bwd_microbatch"],
+        len(spec),
+        setting["pack_size"],
+        fwd_microbatch=setting["fwd_microbatch"],
+    )
+    return (
+        harmony.simulate(spec, hw, other).iteration_s
+        / harmony.simulate(spec, hw, mine).iteration_s
+    )
+
+
+def test_the_default_shows_the_papers_claim_against_per_layer_swapping():
+    ex = PackExplorer()
+    assert {k: getattr(ex, k).value for k in CLAIM_APPLIES} == CLAIM_APPLIES
+    head = ex.compute().headline
+    s = CLAIM_APPLIES
+    spec, hw = harmony.model_spec(s["model"]), harmony.preset(s["hardware"])
+    layer_swap = choose_layer_swap(spec, hw, s["minibatch"], n_gpus=s["n_gpus"])
+    speedup = _simulated_speedup(s, layer_swap)
+    assert speedup > 1.5  # clearly faster: the model is swapped, and Harmony swaps far less
+    assert f"{speedup:.2g}x faster and " in head and "than layer-swap" in head, head
+    assert "The paper's setting: the model does not fit in a GPU (19.9 GB" in head, head
+
+
+def test_one_click_shows_where_the_claim_does_not_apply_and_why():
+    ex = PackExplorer()
+    ex.widget()
+    where, where_not = ex.actions()
+    assert [where.description, where_not.description] == list(CASES)
+    computed, compute = [], ex.compute
+    ex.compute = lambda: computed.append(1) or compute()
+    where_not.click()
+    assert {k: getattr(ex, k).value for k in CLAIM_DOES_NOT_APPLY} == CLAIM_DOES_NOT_APPLY
+    assert len(computed) == 1  # drawn once, not once per control
+    head = ex.result.headline
+    s = CLAIM_DOES_NOT_APPLY
+    spec, hw = harmony.model_spec(s["model"]), harmony.preset(s["hardware"])
+    resident = choose_model_parallel(spec, hw, s["minibatch"], n_gpus=1)
+    speedup = _simulated_speedup(s, resident)
+    assert speedup < 1  # nothing needs swapping: keeping the model on the GPU is faster
+    reason = "The paper's claim does not apply: the model fits in a GPU (5.36 GB"
+    assert reason in head and "so nothing needs swapping" in head, head
+    assert f"model-parallel, which keeps it all on the GPU, is {1 / speedup:.2g}x faster" in head
+    where.click()
+    assert ex.result.headline.split(". ")[-1].startswith("The paper's setting")
 
 
 def test_the_headline_says_how_much_faster_and_how_many_fewer_bytes():
-    r = PackExplorer().compute()
+    r = PackExplorer(model="bert-large").compute()
     me = r.comparison.set_index("policy").loc["harmony-pp"]
     head = r.headline
     assert head.startswith(
@@ -87,10 +152,12 @@ def test_the_headline_says_how_much_faster_and_how_many_fewer_bytes():
 
 
 def test_the_table_is_formatted_for_reading():
-    ex = PackExplorer(minibatch=32, fwd_microbatch=64, bwd_microbatch=4)  # harmony-pp cannot run
+    # harmony-pp cannot run
+    ex = PackExplorer(model="bert-large", minibatch=32, fwd_microbatch=64, bwd_microbatch=4)
     html = ex.compute().table().to_html()
     assert "nan" not in html.lower() and "None" not in html
     for heading in (
+        "planned by",
         "s / iter",
         "swap GB / iter",
         "peak GB / GPU",
@@ -99,7 +166,7 @@ def test_the_table_is_formatted_for_reading():
     ):
         assert heading in html
     assert "fwd_microbatch=64 is larger than the minibatch (32)" in html
-    r = PackExplorer().compute()
+    r = PackExplorer(model="bert-large").compute()
     me = r.comparison.set_index("policy").loc["harmony-pp"]
     assert f">{me.iteration_s:.3g}<" in r.table().to_html()  # rounded
 
@@ -130,7 +197,7 @@ def test_out_of_memory_names_the_gpu_and_the_gigabytes():
 
 
 def test_an_invalid_plan_gives_the_validation_message_and_the_baselines():
-    ex = PackExplorer(minibatch=32, fwd_microbatch=64, bwd_microbatch=4)
+    ex = PackExplorer(model="bert-large", minibatch=32, fwd_microbatch=64, bwd_microbatch=4)
     r = ex.compute()
     assert r.trace is None and "fwd_microbatch=64 is larger than the minibatch (32)" in r.problem
     df = r.comparison.set_index("policy")
@@ -164,7 +231,9 @@ def test_unknown_spec_and_huge_graphs_are_reported_not_raised():
 
 
 def test_chart_shows_the_lanes_under_the_row_limit():
-    ex = PackExplorer(n_gpus=1, minibatch=32, fwd_microbatch=1, bwd_microbatch=1, pack_size=1)
+    ex = PackExplorer(
+        model="bert-large", n_gpus=1, minibatch=32, fwd_microbatch=1, bwd_microbatch=1, pack_size=1
+    )
     r = ex.compute()
     assert len(r.trace.memory_timeline()) > MAX_ROWS  # the memory chart has to be thinned
     spec = ex.chart().to_dict()
@@ -173,12 +242,12 @@ def test_chart_shows_the_lanes_under_the_row_limit():
     lanes = {row["lane"] for d in rows for row in d if "lane" in row}
     assert lanes == set(r.trace.timeline.lane) and "gpu0.compute" in lanes
     assert {row["policy"] for d in rows for row in d if "policy" in row} == set(harmony.POLICIES)
-    assert spec["title"]["text"] == r.headline
+    assert " ".join(spec["title"]["text"]) == " ".join(r.headlines)  # wrapped
 
 
 def test_thinned_memory_keeps_the_peaks():
     r = PackExplorer(
-        n_gpus=2, minibatch=32, fwd_microbatch=1, bwd_microbatch=1, pack_size=1
+        model="bert-large", n_gpus=2, minibatch=32, fwd_microbatch=1, bwd_microbatch=1, pack_size=1
     ).compute()
     thin = thin_memory(r.trace, 500)
     assert sum(len(s) for s in thin.memory.values()) <= 500
@@ -188,7 +257,7 @@ def test_thinned_memory_keeps_the_peaks():
 
 
 def test_controls_stay_consistent():
-    ex = PackExplorer(hardware="paper-4x1080ti")
+    ex = PackExplorer(model="bert-large", hardware="paper-4x1080ti")
     assert ex.n_gpus.max == 4 and ex.pack_size.max == 28
     ex.hardware.value = "h100-pcie5"
     assert ex.n_gpus.value == ex.n_gpus.max == 1
@@ -202,7 +271,7 @@ def test_controls_stay_consistent():
 
 
 def test_changing_a_control_redraws_the_output():
-    ex = PackExplorer(minibatch=16)
+    ex = PackExplorer(model="bert-large", minibatch=16)
     assert not ex.output.outputs  # nothing is computed before the widget is shown
     ex.widget()
     first = ex.output.outputs
@@ -257,6 +326,10 @@ def test_notebook_runs_in_batch(tmp_path):
         results["explorer"]["comparison"]
     ) == len(harmony.POLICIES)
     assert len(results["run_for_real"]["losses"]) == 2
+    assert results["explorer"]["setting"].startswith("The paper's setting")
+    assert results["claim_does_not_apply"]["setting"].startswith(
+        "The paper's claim does not apply"
+    )
     for name in ("explorer", "run_for_real"):
         for suffix in ("svg", "png"):
             assert (out / f"{name}.{suffix}").stat().st_size > 1000

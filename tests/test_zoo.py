@@ -71,9 +71,8 @@ def test_layers_match_reference_csv(variant, name):
 def test_buffers_match_reference():
     gpt = zoo.spec("gpt2-xl")
     ref = pd.read_csv(REFERENCE / "gpt2_xl.layers.csv")
-    assert [
-        c.buffer_numel * 4 for c in gpt.layers
-    ] == ref.buffer_bytes.tolist()  # float causal masks
+    # float causal masks
+    assert [c.buffer_numel * 4 for c in gpt.layers] == ref.buffer_bytes.tolist()
     # BatchNorm's int64 step counter is 8 bytes in the reference, one element here.
     resnet = zoo.spec("resnet1026")
     ref = pd.read_csv(REFERENCE / "resnet1026.layers.csv")
@@ -112,9 +111,8 @@ def test_working_memory_is_sized():
     s_len, h, heads, vocab = 1024, 1600, 25, 50257
     out, scores = s_len * h * 4, heads * s_len * s_len * 4
     assert block.fwd_extra(1) >= out + scores  # output + the attention scores
-    assert (
-        block.bwd_extra(1) > 2 * scores
-    )  # attention probabilities and their dropout mask, at least
+    # attention probabilities and their dropout mask, at least
+    assert block.bwd_extra(1) > 2 * scores
     assert block.bwd_extra(2) == 2 * block.bwd_extra(1)
     assert loss.bwd_extra(1) >= 2 * s_len * vocab * 4  # saved log-softmax + gradient of the logits
     assert all(

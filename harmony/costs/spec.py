@@ -1,13 +1,14 @@
 """What each layer of a model costs: the cost model every policy, the simulator
 and the planner read.
 
-A :class:`ModelSpec` is a chain of :class:`LayerCost` (layer ``i`` feeds layer
-``i + 1``; the last layer computes the loss). Sizes are stored as *element
-counts* and turned into bytes through the spec's dtypes, so the same spec
-answers for float32 today and bf16/fp16 mixed precision later. Times and
-working memory are functions of the microbatch size ``u``: a :class:`Curve`
-(a measured table with interpolation, or a line through the origin derived
-from FLOPs / bytes per sample).
+A :class:`ModelSpec` is a chain of :class:`~harmony.costs.layer.LayerCost`
+(layer ``i`` feeds layer ``i + 1``; the last layer computes the loss). Sizes
+are stored as *element counts* and turned into bytes through the spec's
+dtypes, so the same spec answers for float32 and for bf16/fp16 mixed
+precision. Times and working memory are functions of the microbatch size
+``u``: a :class:`~harmony.costs.curve.Curve` (a measured table with
+interpolation, or a line through the origin derived from FLOPs / bytes per
+sample).
 
 Where a spec comes from:
 
@@ -20,13 +21,24 @@ Where a spec comes from:
 
 from __future__ import annotations
 
-import bisect
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Sequence
 
 from ..errors import HarmonyError
+from .curve import Curve
+from .layer import LayerCost, Tie
+
+# Curve, LayerCost and Tie live in their own modules; they are imported from here too
+__all__ = [
+    "DTYPE_BYTES",
+    "OPTIMIZER_STATE_SLOTS",
+    "PRECISION_DTYPES",
+    "Curve",
+    "LayerCost",
+    "ModelSpec",
+    "Tie",
+    "dtype_bytes",
+]
 
 #: Bytes per element of the dtypes that move between host and device.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -45,208 +57,6 @@ def dtype_bytes(dtype: str) -> int:
         return DTYPE_BYTES[dtype]
     except KeyError:
         raise HarmonyError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
-
-
-@dataclass(frozen=True)
-class Curve:
-    """A non-negative function of the microbatch size ``u``.
-
-    Either a table of measured points (piecewise-linear between them, linear
-    extrapolation beyond the last two, flat below the first) or
-    ``per_sample * u + fixed`` when ``us`` is empty.
-    """
-
-    us: tuple[int, ...] = ()
-    values: tuple[float, ...] = ()
-    per_sample: float = 0.0
-    fixed: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name, v in (
-            ("per_sample", self.per_sample),
-            ("fixed", self.fixed),
-            *(("value", v) for v in self.values),
-        ):
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise HarmonyError(
-                    f"a cost curve's {name} must be a finite number >= 0, got {v!r}"
-                )
-        if len(self.us) != len(self.values) or any(
-            not isinstance(u, int) or u < 1 for u in self.us
-        ):
-            raise HarmonyError(
-                f"a measured curve needs one value per microbatch size >= 1, got sizes {self.us} "
-                f"and {len(self.values)} values"
-            )
-
-    @classmethod
-    def linear(cls, per_sample: float, fixed: float = 0.0) -> "Curve":
-        return cls(per_sample=float(per_sample), fixed=float(fixed))
-
-    @classmethod
-    def table(cls, us: Sequence[int], values: Sequence[float]) -> "Curve":
-        pairs = sorted(zip(us, values))
-        if not pairs:
-            raise HarmonyError("a measured curve needs at least one point")
-        sizes = [u for u, _ in pairs]
-        if len(set(sizes)) != len(sizes):
-            dup = sorted({u for u in sizes if sizes.count(u) > 1})
-            raise HarmonyError(
-                f"a measured curve has several values for microbatch size(s) {dup}: give one each"
-            )
-        return cls(us=tuple(int(u) for u, _ in pairs), values=tuple(float(v) for _, v in pairs))
-
-    @property
-    def measured(self) -> bool:
-        return bool(self.us)
-
-    @property
-    def max_measured_u(self) -> int | None:
-        return self.us[-1] if self.us else None
-
-    def __call__(self, u: float) -> float:
-        if not self.us:
-            return self.per_sample * u + self.fixed
-        us, vs = self.us, self.values
-        if len(us) == 1:
-            return vs[0] * u / us[0]  # one point: assume proportional to u
-        i = bisect.bisect_left(us, u)
-        if i < len(us) and us[i] == u:
-            return vs[i]
-        if i == 0:
-            return vs[0]
-        if i == len(us):
-            i = len(us) - 1  # extrapolate on the last segment
-        u0, u1, v0, v1 = us[i - 1], us[i], vs[i - 1], vs[i]
-        return max(0.0, v0 + (v1 - v0) * (u - u0) / (u1 - u0))
-
-    def scaled(self, factor: float) -> "Curve":
-        return Curve(
-            self.us,
-            tuple(v * factor for v in self.values),
-            self.per_sample * factor,
-            self.fixed * factor,
-        )
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """The cost of one layer of a chain.
-
-    Memory curves count what the layer needs *beyond* its weights, its weight
-    gradients and its own input: ``fwd_extra(u)`` is the output plus forward
-    temporaries without autograd; ``bwd_extra(u)`` is what recompute-and-backward
-    keeps (autograd-saved activations, output gradient, input gradient,
-    temporaries). Of ``bwd_extra``, ``saved_input(u)`` is the layer's own input
-    and ``saved_output(u)`` its own output when autograd keeps
-    them: at the first layer of a pack the input is a buffer of its own, and
-    between two layers of a pack it is one tensor however many keep it (see
-    :meth:`ModelSpec.bwd_work_bytes`). Times: ``fwd_time(u)`` is forward without autograd;
-    ``bwd_time(u)`` *includes the recompute forward* (as the reference profiler
-    measured it). When a time curve is ``None`` it is derived from FLOPs and the
-    hardware's FLOP rate.
-    """
-
-    name: str
-    param_numel: int
-    #: float elements of the layer's buffers (BatchNorm statistics, masks)
-    buffer_numel: int = 0
-    #: of ``param_numel`` and of ``buffer_numel``, BatchNorm's: they cross in the
-    #: spec's ``master_dtype`` under mixed precision
-    norm_param_numel: int = 0
-    norm_buffer_numel: int = 0
-    #: bytes of non-float buffers (BatchNorm's batch counter), whatever the dtypes
-    fixed_buffer_bytes: int = 0
-    #: float elements of the layer's input, per sample (scale with the activation dtype)
-    input_numel_per_sample: float = 0.0
-    #: bytes of non-float inputs per sample (token ids, masks): fixed whatever the dtype
-    input_fixed_bytes_per_sample: float = 0.0
-    fwd_flops_per_sample: float = 0.0
-    bwd_flops_per_sample: float = 0.0  # recompute forward + backward
-    fwd_time: Curve | None = None
-    bwd_time: Curve | None = None
-    fwd_extra: Curve = field(default_factory=Curve)  # bytes at the spec's activation dtype
-    bwd_extra: Curve = field(default_factory=Curve)
-    saved_input: Curve = field(
-        default_factory=Curve
-    )  # part of bwd_extra: the input, kept by autograd
-    saved_output: Curve = field(
-        default_factory=Curve
-    )  # part of bwd_extra: the output, kept by autograd
-    #: measured CPU optimizer step for this layer (s); None: derive from bytes
-    update_time_s: float | None = None
-
-    def __post_init__(self) -> None:
-        def bad(what: str, v) -> HarmonyError:
-            return HarmonyError(
-                f"layer {self.name!r}: {what} must be a finite number >= 0, got {v!r}"
-            )
-
-        for name in (
-            "param_numel",
-            "buffer_numel",
-            "norm_param_numel",
-            "norm_buffer_numel",
-            "fixed_buffer_bytes",
-        ):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise HarmonyError(
-                    f"layer {self.name!r}: {name} must be an integer >= 0, got {v!r}"
-                )
-        for part, whole in (
-            ("norm_param_numel", "param_numel"),
-            ("norm_buffer_numel", "buffer_numel"),
-        ):
-            if getattr(self, part) > getattr(self, whole):
-                raise HarmonyError(
-                    f"layer {self.name!r}: {part} ({getattr(self, part)}) is more than {whole} "
-                    f"({getattr(self, whole)})"
-                )
-        for name in (
-            "input_numel_per_sample",
-            "input_fixed_bytes_per_sample",
-            "fwd_flops_per_sample",
-            "bwd_flops_per_sample",
-        ):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise bad(name, v)
-        if self.update_time_s is not None and (
-            not isinstance(self.update_time_s, (int, float))
-            or not math.isfinite(self.update_time_s)
-            or self.update_time_s < 0
-        ):
-            raise bad("update_time_s", self.update_time_s)
-        for name in (
-            "fwd_time",
-            "bwd_time",
-            "fwd_extra",
-            "bwd_extra",
-            "saved_input",
-            "saved_output",
-        ):
-            v = getattr(self, name)
-            if not isinstance(v, Curve) and not (v is None and name.endswith("time")):
-                raise HarmonyError(
-                    f"layer {self.name!r}: {name} must be a harmony.Curve, got {type(v).__name__}"
-                )
-
-
-@dataclass(frozen=True)
-class Tie:
-    """A parameter that several layers share (tied weights, e.g. a language
-    model's head and its token embedding): the layers, in order, and its number
-    of elements, which each of these layers counts in its ``param_numel``. It
-    crosses a link once per pack that holds any of these layers, and its
-    optimizer step belongs to the first layer's pack."""
-
-    layers: tuple[int, ...]
-    numel: int
-
-    def in_range(self, start: int, stop: int) -> int:
-        """How many of its layers lie in [start, stop)."""
-        return sum(1 for i in self.layers if start <= i < stop)
 
 
 @dataclass(frozen=True)

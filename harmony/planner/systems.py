@@ -13,8 +13,9 @@ memory.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import pandas as pd
 
@@ -31,29 +32,68 @@ from .packing import BUDGETS, balanced_packs, greedy_packs, microbatch_sizes
 from .search import SEARCHABLE, search
 
 
-def fastest_fitting(
-    spec: ModelSpec, hw: Hardware, plans: Iterable[Plan], build, policy: str
-) -> Plan:
-    """The fastest of ``plans`` (built by ``build``) whose simulated peak fits
-    every GPU: a plan chooser proposes, the simulator's memory ledger decides."""
+def _summary(spec: ModelSpec, hw: Hardware, plan: Plan):
+    """The simulated summary of ``plan``'s graph."""
+    return simulate_graph(get_policy(plan.policy).build(spec, hw, plan)).summary
+
+
+def _none_fits(
+    policy: str, spec: ModelSpec, hw: Hardware, leanest: float, tried: int, advice: str
+):
+    """The OutOfMemoryError of a chooser none of whose ``tried`` candidates fits."""
+    why = (
+        f"the leanest of {tried} candidates needs {format_bytes(leanest)} at peak"
+        if tried
+        else "no packing of its layers fits the per-pack memory budget"
+    )
+    return OutOfMemoryError(
+        f"no {policy} plan for {spec.name} fits in the {format_bytes(hw.gpu_memory)} of a GPU "
+        f"of {hw.name!r}: {why}; {advice}"
+    )
+
+
+def fastest_fitting(spec: ModelSpec, hw: Hardware, plans: Iterable[Plan], policy: str) -> Plan:
+    """The fastest of ``plans`` whose simulated peak fits every GPU: a plan
+    chooser proposes, the simulator's memory ledger decides."""
     best, best_s, leanest, tried = None, math.inf, math.inf, 0
     for plan in dict.fromkeys(plans):
-        s = simulate_graph(build(spec, hw, plan)).summary
+        s = _summary(spec, hw, plan)
         tried += 1
         leanest = min(leanest, max(s.peak_memory.values()))
         if s.fits and s.iteration_s < best_s:
             best, best_s = plan, s.iteration_s
     if best is None:
-        why = (
-            f"the leanest of {tried} candidates needs {format_bytes(leanest)} at peak"
-            if tried
-            else "no packing of its layers fits the per-pack memory budget"
-        )
-        raise OutOfMemoryError(
-            f"no {policy} plan for {spec.name} fits in the {format_bytes(hw.gpu_memory)} of a GPU "
-            f"of {hw.name!r}: {why}; use smaller microbatches, more GPUs or GPUs with more memory"
-        )
+        advice = "use smaller microbatches, more GPUs or GPUs with more memory"
+        raise _none_fits(policy, spec, hw, leanest, tried, advice)
     return best
+
+
+def first_fitting(
+    spec: ModelSpec,
+    hw: Hardware,
+    policy: str,
+    sweep: Iterable[Iterable[Plan]],
+    stop_early: bool = False,
+) -> Plan:
+    """Sweep microbatches, keep the largest that fits, else say why: ``sweep``
+    gives, per microbatch size from the largest down, the plans to try in
+    order; the first whose graph fits every GPU by the simulator's ledger is
+    the answer. With ``stop_early`` the sweep ends where a smaller microbatch
+    no longer lowers the leanest peak (what is left is not activations). An
+    OutOfMemoryError naming the leanest peak when none fits."""
+    leanest, tried = math.inf, 0
+    for plans in sweep:
+        lowest = math.inf
+        for plan in plans:
+            s = _summary(spec, hw, plan)
+            tried += 1
+            if s.fits:
+                return plan
+            lowest = min(lowest, max(s.peak_memory.values()))
+        if stop_early and lowest >= leanest:
+            break
+        leanest = min(leanest, lowest)
+    raise _none_fits(policy, spec, hw, leanest, tried, "use more GPUs or GPUs with more memory")
 
 
 def microbatch_candidates(spec: ModelSpec, share: int, microbatch: int | None) -> list[int]:
@@ -81,28 +121,15 @@ def choose_karma(
     as :func:`largest_fitting`). The simulator only says what fits: KARMA's
     model, not a search by time, picks the packs."""
     n = hw.n_gpus if n_gpus is None else n_gpus
-    leanest, tried = math.inf, 0
-    for u in reversed(microbatch_candidates(spec, -(-minibatch // n), microbatch)):
+
+    def plans_at(u: int) -> Iterator[Plan]:
         for frac in BUDGETS:
             packs = model_packs(spec, hw, u, n, frac * hw.gpu_memory)
-            if packs is None:
-                continue
-            plan = Plan("karma", n, minibatch, u, u, packs[:-1], packs)
-            s = simulate_graph(get_policy("karma").build(spec, hw, plan)).summary
-            tried += 1
-            if s.fits:
-                return plan
-            leanest = min(leanest, max(s.peak_memory.values()))
-    why = (
-        f"the leanest of {tried} candidates needs {format_bytes(leanest)} at peak"
-        if tried
-        else "no packing of its layers fits KARMA's per-pack memory budget"
-    )
-    raise OutOfMemoryError(
-        f"no karma plan for {spec.name} fits in the "
-        f"{format_bytes(hw.gpu_memory)} of a GPU of {hw.name!r}: {why}; use "
-        "more GPUs or GPUs with more memory"
-    )
+            if packs is not None:
+                yield Plan("karma", n, minibatch, u, u, packs[:-1], packs)
+
+    sizes = reversed(microbatch_candidates(spec, -(-minibatch // n), microbatch))
+    return first_fitting(spec, hw, "karma", (plans_at(u) for u in sizes))
 
 
 def choose_hydra(
@@ -118,7 +145,7 @@ def choose_hydra(
             shards = greedy_packs(spec, 0, len(spec), u, frac * hw.gpu_memory, backward=True)
             if shards is not None:
                 plans.append(Plan("hydra", 1, minibatch, u, u, shards[:-1], shards))
-    return fastest_fitting(spec, hw, plans, get_policy("hydra").build, "hydra")
+    return fastest_fitting(spec, hw, plans, "hydra")
 
 
 def choose_zero_offload(
@@ -143,13 +170,8 @@ def choose_zero_offload(
         Plan("zero-offload", n, minibatch, u, u, packs[:-1], packs)
         for u in microbatch_candidates(spec, minibatch // n, microbatch)
     ]
-    return fastest_fitting(
-        spec,
-        hw,
-        [p for p in plans if len(set(lockstep_counts(p))) == 1],
-        get_policy("zero-offload").build,
-        "zero-offload",
-    )
+    lockstep = [p for p in plans if len(set(lockstep_counts(p))) == 1]
+    return fastest_fitting(spec, hw, lockstep, "zero-offload")
 
 
 #: what a swapping baseline does with activations (:func:`checkpoint_packs`)
@@ -176,7 +198,13 @@ def checkpoint_packs(spec: ModelSpec, activations: str) -> tuple[tuple[int, int]
     return packs[:-1] + ((packs[-1][0], len(spec)),)
 
 
-PlanMaker = tuple[int, Callable[[int], Plan]]  # (samples per GPU, microbatch -> plan)
+class PlanMaker(NamedTuple):
+    """A baseline's plans: ``plan_at(u)`` at microbatch ``u``, up to ``share``
+    samples (a GPU's, or the minibatch for a pipeline)."""
+
+    policy: str
+    share: int
+    plan_at: Callable[[int], Plan]
 
 
 def layer_swap_plans(
@@ -207,7 +235,7 @@ def layer_swap_plans(
     options = {k: v for k, v in chosen.items() if v != DEFAULT_OPTIONS[k]}
     # samples per GPU: data parallel, or a pipeline
     share = -(-minibatch // n) if policy == "layer-swap" else minibatch
-    return share, lambda u: Plan(policy, n, minibatch, u, u, fwd, bwd, options)
+    return PlanMaker(policy, share, lambda u: Plan(policy, n, minibatch, u, u, fwd, bwd, options))
 
 
 def gpipe_swap_plans(
@@ -263,7 +291,7 @@ def model_parallel_plans(
         packs = balanced_packs(held, n)
         return Plan("model-parallel", len(packs), minibatch, u, u, packs[:-1], packs, options)
 
-    return minibatch, plan_at
+    return PlanMaker("model-parallel", minibatch, plan_at)
 
 
 #: the baselines whose microbatch follows :func:`largest_fitting`: policy -> its plans
@@ -283,25 +311,13 @@ def largest_fitting(
     ``microbatch``) whose graph fits every GPU by the simulator's ledger. That
     is the baseline's own memory, and what a user of such a system finds by
     trying sizes; not the fastest size, which a search would pick."""
-    share, plan_at = plans
-    leanest, plan = math.inf, None
-    for u in reversed(microbatch_candidates(spec, share, microbatch)):
-        plan = plan_at(u)
-        s = simulate_graph(get_policy(plan.policy).build(spec, hw, plan)).summary
-        if s.fits:
-            return plan
-        peak = max(s.peak_memory.values())
-        if peak >= leanest:  # a smaller microbatch no longer helps: the rest is not activations
-            break
-        leanest = peak
-    raise OutOfMemoryError(
-        f"no {plan.policy} plan for {spec.name} fits in the {format_bytes(hw.gpu_memory)} of a "
-        f"GPU of {hw.name!r}: at microbatch {plan.bwd_microbatch} its fullest GPU needs "
-        f"{format_bytes(leanest)}; use more GPUs or GPUs with more memory"
-    )
+    sizes = reversed(microbatch_candidates(spec, plans.share, microbatch))
+    sweep = ([plans.plan_at(u)] for u in sizes)
+    return first_fitting(spec, hw, plans.policy, sweep, stop_early=True)
 
 
-def choose_layer_swap(
+def choose_by_rule(
+    policy: str,
     spec: ModelSpec,
     hw: Hardware,
     minibatch: int,
@@ -309,28 +325,21 @@ def choose_layer_swap(
     n_gpus: int | None = None,
     **choices,
 ) -> Plan:
-    """The per-layer swapping baseline (vDNN / LMS) as such a system runs it, on
-    ``n_gpus`` GPUs (default: all of ``hw``, data parallel):
-    :func:`layer_swap_plans` with its ``choices`` (by default activations
-    swapped, the next layer prefetched, gradient sums and the optimizer on the
-    GPU), at the microbatch of :func:`largest_fitting` (or ``microbatch``)."""
-    plans = layer_swap_plans(spec, hw, minibatch, n_gpus, **choices)
+    """A baseline of :data:`PLAN_MAKERS` as its system runs it, on ``n_gpus``
+    GPUs (default: all of ``hw``): ``policy``'s plans with its ``choices``, at
+    the microbatch of :func:`largest_fitting` (or ``microbatch``)."""
+    plans = PLAN_MAKERS[policy](spec, hw, minibatch, n_gpus, **choices)
     return largest_fitting(spec, hw, plans, microbatch)
 
 
-def choose_gpipe_swap(
-    spec: ModelSpec,
-    hw: Hardware,
-    minibatch: int,
-    microbatch: int | None = None,
-    n_gpus: int | None = None,
-    **choices,
-) -> Plan:
-    """GPipe with per-layer swapping on ``n_gpus`` GPUs (default: all of ``hw``):
-    :func:`gpipe_swap_plans` (the packs and choices of :func:`choose_layer_swap`
-    in pipeline stages), at the microbatch of :func:`largest_fitting`."""
-    plans = gpipe_swap_plans(spec, hw, minibatch, n_gpus, **choices)
-    return largest_fitting(spec, hw, plans, microbatch)
+#: The per-layer swapping baseline (vDNN / LMS) as such a system runs it (data
+#: parallel over several GPUs): :func:`layer_swap_plans` with its ``choices``
+#: (by default activations swapped, the next layer prefetched, gradient sums and
+#: the optimizer on the GPU) by :func:`choose_by_rule`.
+choose_layer_swap = functools.partial(choose_by_rule, "layer-swap")
+#: GPipe with per-layer swapping: :func:`gpipe_swap_plans` (the packs and
+#: choices of :func:`choose_layer_swap` in pipeline stages) by :func:`choose_by_rule`.
+choose_gpipe_swap = functools.partial(choose_by_rule, "gpipe-swap")
 
 
 def choose_model_parallel(
@@ -346,9 +355,10 @@ def choose_model_parallel(
     (one balanced stage per GPU; weights, gradients and optimizer state resident) at the
     microbatch of :func:`largest_fitting`. An OutOfMemoryError saying so when
     the model does not fit the GPUs' memory together, or not with activations."""
-    plans = model_parallel_plans(spec, hw, minibatch, n_gpus, gpu_optimizer=gpu_optimizer)
     try:
-        return largest_fitting(spec, hw, plans, microbatch)
+        return choose_by_rule(
+            "model-parallel", spec, hw, minibatch, microbatch, n_gpus, gpu_optimizer=gpu_optimizer
+        )
     except OutOfMemoryError as err:
         raise OutOfMemoryError(
             f"model-parallel keeps the whole model resident, one stage per "
@@ -367,11 +377,11 @@ def microbatch_sweep(
     the rule costs against the fastest size."""
     if policy not in PLAN_MAKERS:
         raise HarmonyError(f"microbatch_sweep covers {', '.join(PLAN_MAKERS)}; got {policy!r}")
-    share, plan_at = PLAN_MAKERS[policy](spec, hw, minibatch, **choices)
+    plans = PLAN_MAKERS[policy](spec, hw, minibatch, **choices)
     rows = []
-    for u in microbatch_candidates(spec, share, None):
-        plan = plan_at(u)
-        s = simulate_graph(get_policy(policy).build(spec, hw, plan)).summary
+    for u in microbatch_candidates(spec, plans.share, None):
+        plan = plans.plan_at(u)
+        s = _summary(spec, hw, plan)
         rows.append(
             {
                 "microbatch": u,

@@ -1,201 +1,55 @@
-"""Altair charts of traces and tables, how notebooks display them, and saving them as SVG + PNG.
+"""Altair charts of traces and tables, and saving them as SVG + PNG.
 
 Every chart takes its colours from :mod:`harmony.workbench.palette`: one colour
-per task kind and per policy everywhere.
-
-**Display without internet.** Altair's own HTML output loads vega from a CDN,
-and JupyterLab's built-in vega renderer does not draw altair 6's charts.
-Importing this module therefore switches altair to one of these renderers
-(:func:`use_renderer`; the ``HARMONY_CHARTS`` environment variable picks one):
-
-* ``interactive`` (default): HTML that draws the chart with vega-embed, its
-  JavaScript inlined from vl-convert (nothing is fetched), with tooltips and,
-  on swap timelines, zoom and pan. The same HTML holds an SVG picture of the
-  chart, shown until the script runs: a notebook opened untrusted (JupyterLab
-  then runs no scripts), or a viewer without JavaScript, still shows the chart.
-* ``static``: only the SVG picture, no JavaScript (smaller notebooks).
-* ``altair``: altair's renderer as it was before (e.g. online, or with a
-  JupyterLab extension that draws vega-lite 6).
-
-Altair and vl-convert come with the ``notebooks`` extra; without them this
-module still imports, and charts raise a message saying what to install.
+per task kind and per policy everywhere. How notebooks display them offline is
+:mod:`harmony.workbench.display`'s job; importing this module imports it, which
+switches altair to its renderer, and its API (:func:`use_renderer`,
+:func:`mimebundle`, :class:`Displayable`) is importable from here too.
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import functools
-import html
-import importlib.util
 import json
-import os
-import uuid
-import warnings
+import textwrap
 from pathlib import Path
 
 import pandas as pd
 
-from ..errors import HarmonyError
 from ..trace import Trace
 from . import palette
+from .display import (
+    RENDERER_ENV,
+    RENDERERS,
+    Displayable,
+    load_altair,
+    mimebundle,
+    use_renderer,
+)
+
+__all__ = [
+    "LANES",
+    "MAX_ROWS",
+    "RENDERERS",
+    "RENDERER_ENV",
+    "Displayable",
+    "bar_chart",
+    "coalesce",
+    "loss_chart",
+    "memory_chart",
+    "mimebundle",
+    "plan_notation",
+    "policy_bars",
+    "problem_chart",
+    "save",
+    "thin_memory",
+    "timeline_chart",
+    "use_renderer",
+]
 
 #: Altair's default row limit; large traces are aggregated to stay under it
 MAX_ROWS = 5000
-#: environment variable read by :func:`use_renderer` when no mode is given
-RENDERER_ENV = "HARMONY_CHARTS"
-RENDERERS = ("interactive", "static", "altair")
 #: what a timeline's lane names mean
 LANES = "lanes: compute; h2d: host → GPU; d2h: GPU → host; p2p: GPU → GPU; cpu: optimizer steps"
-#: vega-embed options: the export menu (PNG/SVG, works offline), no links to online editors
-EMBED_OPTIONS = {
-    "renderer": "svg",
-    "actions": {"export": True, "source": False, "compiled": False, "editor": False},
-}
-
-
-def _altair():
-    try:
-        import altair as alt
-    except ImportError:  # pragma: no cover - depends on the install
-        raise HarmonyError("charts need altair: pip install -e '.[notebooks]'") from None
-    return alt
-
-
-# ---- display ------------------------------------------------------------------------------
-class _State:
-    mode: str | None = None  #: the mode enabled by use_renderer
-    previous: str | None = None  #: altair's renderer before ours, restored by "altair"
-
-
-def use_renderer(mode: str | None = None) -> str:
-    """Display altair charts in ``mode`` (see the module docstring); None reads
-    ``HARMONY_CHARTS`` and defaults to ``"interactive"``. Returns the mode."""
-    mode = (mode or os.environ.get(RENDERER_ENV) or "interactive").strip().lower()
-    if mode not in RENDERERS:
-        raise HarmonyError(
-            f"unknown chart renderer {mode!r} (from {RENDERER_ENV} or the argument); "
-            f"use one of {', '.join(RENDERERS)}"
-        )
-    alt = _altair()
-    if mode == "altair":
-        if _State.previous is not None:
-            alt.renderers.enable(_State.previous)
-    else:
-        if not alt.renderers.active.startswith("harmony-"):
-            _State.previous = alt.renderers.active
-        alt.renderers.register(f"harmony-{mode}", functools.partial(mimebundle, mode=mode))
-        alt.renderers.enable(f"harmony-{mode}")
-    _State.mode = mode
-    return mode
-
-
-def mimebundle(spec: dict, mode: str = "interactive", picture: bool = True, **_) -> dict[str, str]:
-    """What a notebook stores for the vega-lite ``spec``: HTML that draws it
-    (``interactive``: with an SVG picture inside unless ``picture`` is False)
-    or the picture alone (``static``). Extra keyword arguments (altair's
-    renderer options) are ignored."""
-    title = spec.get("title")
-    text = title.get("text") if isinstance(title, dict) else title
-    plain = f"<chart: {' '.join(text) if isinstance(text, list) else text or 'untitled'}>"
-    if mode == "static":
-        return {
-            "text/html": f'<div class="harmony-chart">{_picture(spec)}</div>',
-            "text/plain": plain,
-        }
-    return {"text/html": _interactive_html(spec, picture), "text/plain": plain}
-
-
-class Displayable:
-    """A chart shown by the current mode; ``picture=False`` leaves the SVG
-    picture out of interactive HTML (for live widget outputs, which need a
-    running kernel anyway: it saves a vl-convert render on every redraw)."""
-
-    def __init__(self, chart, picture: bool = True):
-        self.chart, self.picture = chart, picture
-
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        mode = _State.mode or use_renderer()
-        if mode == "altair":
-            return self.chart._repr_mimebundle_(include, exclude)
-        return mimebundle(self.chart.to_dict(), mode, self.picture)
-
-
-def _vl_version() -> str:
-    """vl-convert's name of the vega-lite version altair writes (``v6_4`` for 6.4.x)."""
-    return "_".join(_altair().SCHEMA_VERSION.split(".")[:2])
-
-
-def _picture(spec: dict) -> str:
-    """An ``<img>`` of the chart, rendered by vl-convert: safe HTML that no
-    sanitizer removes, so untrusted notebooks show it. A spec vl-convert cannot
-    render gets a line saying so (the live chart, if scripts run, is unaffected)."""
-    import vl_convert as vlc
-
-    try:
-        svg = vlc.vegalite_to_svg(spec, vl_version=_vl_version())
-    except ValueError as err:
-        return f"<pre>no picture of this chart: {html.escape(str(err)[:300])}</pre>"
-    data = base64.b64encode(svg.encode()).decode()
-    return f'<img src="data:image/svg+xml;base64,{data}" style="max-width: 100%" alt="chart">'
-
-
-@functools.cache
-def vega_script() -> str:
-    """vega, vega-lite and vega-embed in one script, from vl-convert. Building
-    it takes seconds, so it is kept in the user's cache folder per version."""
-    import vl_convert as vlc
-
-    version = _vl_version()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harmony"
-    path = cache / f"vega-embed-vlc{vlc.__version__}-{version}.js"
-    with contextlib.suppress(OSError):
-        cached = path.read_text()
-        if cached.rstrip().endswith(";") and "window.vegaEmbed" in cached:  # whole, not cut short
-            return cached
-    script = vlc.javascript_bundle(vl_version=version)
-    with contextlib.suppress(OSError):  # a read-only home only costs the rebuild
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(script)
-        tmp.replace(path)  # atomic: a concurrent reader never sees half a file
-    return script
-
-
-_NOTE = (
-    '<div style="color: #888; font-size: 11px">A picture of the chart: run the cell, or '
-    "trust the notebook, for tooltips and zoom.</div>"
-)
-
-
-def _interactive_html(spec: dict, picture: bool = True) -> str:
-    """A div (holding the picture, if any) and a script that loads the inlined
-    vega-embed once per page and replaces the div's content by the live chart."""
-    div = f"harmony-chart-{uuid.uuid4().hex}"
-    static = f'<div class="harmony-chart-static">{_picture(spec)}{_NOTE}</div>' if picture else ""
-    # "</" would end the script element early; "<\/" is the same string in JSON and JavaScript
-    spec_js = json.dumps(spec).replace("</", "<\\/")
-    # The bundle declares top-level constants: it runs once per page, inside a function.
-    return f"""<div class="harmony-chart" id="{div}">{static}</div>
-<script type="text/javascript">
-(function () {{
-  var root = document.getElementById("{div}") || document.currentScript.previousElementSibling;
-  if (!window.vegaEmbed) {{ (function () {{ {vega_script()}
-  }})(); }}
-  var live = root.appendChild(document.createElement("div"));
-  window.vegaEmbed(live, {spec_js}, {json.dumps(EMBED_OPTIONS)})
-    .then(function () {{
-      var picture = root.querySelector(".harmony-chart-static");
-      if (picture) picture.remove();
-    }})
-    .catch(function (err) {{
-      var msg = document.createElement("pre");
-      msg.style.color = "#c0392b";
-      msg.textContent = "the interactive chart failed: " + err;
-      root.appendChild(msg);
-    }});
-}})();
-</script>"""
 
 
 # ---- traces ---------------------------------------------------------------------------------
@@ -287,7 +141,7 @@ def timeline_chart(
     by task ``kind`` (legend in words) or by another timeline column
     (``"model"`` for many models). With ``zoom``, drag or scroll to pan and
     zoom in time (charts sharing its time axis follow)."""
-    alt = _altair()
+    alt = load_altair()
     timeline = trace.timeline
     if color != "kind":  # bars merge and take their colour by this column instead
         timeline = timeline.assign(kind=[f"{color} {v}" for v in timeline[color]])
@@ -378,7 +232,7 @@ def memory_chart(
     trace: Trace, title: str = "GPU memory in use (dashed: capacity)", width: int = 900
 ):
     """Device memory in use over the iteration, with the capacity as a rule."""
-    alt = _altair()
+    alt = load_altair()
     df = trace.memory_timeline().assign(gb=lambda d: d["bytes"] / 1e9)
     cap = pd.DataFrame(
         [{"device": d, "gb": c / 1e9} for d, c in trace.summary.memory_capacity.items()]
@@ -409,6 +263,44 @@ def memory_chart(
     return (line + rule).properties(title=title, width=width, height=200)
 
 
+def thin_memory(trace: Trace, max_rows: int = MAX_ROWS) -> Trace:
+    """``trace`` with its memory steps cut to at most ``max_rows`` points, for
+    :func:`memory_chart`: per time bin and device, the highest level reached in
+    the bin (at the bin's start, so peaks stay visible) and the level it ends on."""
+    if sum(len(steps) for steps in trace.memory.values()) <= max_rows:
+        return trace
+    times = [t for steps in trace.memory.values() for t, _ in steps]
+    t0, bins = min(times), max(1, max_rows // (2 * len(trace.memory)))
+    width = (max(times) - t0) / bins or 1.0
+    thin = {}
+    for device, steps in trace.memory.items():
+        # bin -> (highest level in it, its last step)
+        per_bin: dict[int, tuple[float, tuple[float, float]]] = {}
+        for t, b in steps:
+            k = min(int((t - t0) / width), bins - 1)
+            per_bin[k] = (max(b, per_bin[k][0]) if k in per_bin else b, (t, b))
+        thin[device] = []
+        for k, (high, (t, b)) in sorted(per_bin.items()):
+            thin[device].append((t0 + k * width, high))
+            if b != high:
+                thin[device].append((t, b))
+    return Trace(trace.summary, thin)
+
+
+def problem_chart(problem: str, width: int = 900):
+    """The problem as red text, wrapped to the chart's width."""
+    alt = load_altair()
+    text = "\n".join(textwrap.wrap("Problem: " + problem, width // 7))
+    return (
+        alt.Chart(pd.DataFrame({"text": [text]}))
+        .mark_text(align="left", baseline="top", lineBreak="\n", color="#c0392b", fontSize=13)
+        .encode(text="text:N", x=alt.value(0), y=alt.value(0))
+        .properties(
+            width=width, height=18 * (text.count("\n") + 1), view=alt.ViewBackground(stroke=None)
+        )
+    )
+
+
 # ---- tables ---------------------------------------------------------------------------------
 def bar_chart(
     df: pd.DataFrame,
@@ -422,7 +314,7 @@ def bar_chart(
     """Bars of ``y`` per ``x``, side by side per ``color`` (policies and other
     series in their palette colours) and never stacked (a log scale needs
     every bar to start at the axis). Long ``x`` labels are slanted."""
-    alt = _altair()
+    alt = load_altair()
     groups = max(1, df[color].nunique()) if color else 1
     width = max(240, 70 * df[x].nunique() * groups // 2)
     longest = max((len(str(v)) for v in df[x]), default=0)
@@ -462,7 +354,7 @@ def policy_bars(
     ``status``: "fits", "does not fit: ..." or "not run: ..."). Bars in the
     policy's colour, grey when the plan does not fit; each labelled with its
     number or its status; the ``chosen`` policy outlined and in bold."""
-    alt = _altair()
+    alt = load_altair()
     d = df[["policy", value, "status"]].copy()
     d["fits"] = d.status == "fits"
     d["label"] = [
@@ -508,7 +400,7 @@ def loss_chart(losses: pd.DataFrame, title: str = "", runs: dict[str, str] | Non
     """Loss per step of each run (``runs``: column -> label; default the
     engine over the plain loop): the first run a wide solid line, the others
     dashed on top of it, so equal curves show as a dashed line inside a solid one."""
-    alt = _altair()
+    alt = load_altair()
     runs = runs or {"reference": "plain PyTorch loop", "engine": "harmony.Engine"}
     long = losses.melt(id_vars="step", value_vars=list(runs), var_name="run", value_name="loss")
     long["run"] = long["run"].map(runs)
@@ -557,11 +449,3 @@ def save(chart, path: str | Path, formats: tuple[str, ...] = ("svg", "png")) -> 
         chart.save(str(target), **kwargs)
         out.append(target)
     return out
-
-
-if importlib.util.find_spec("altair") is not None:  # notebooks draw without internet from here on
-    try:
-        use_renderer()
-    except HarmonyError as err:  # a mistyped HARMONY_CHARTS must not break the import
-        warnings.warn(f"{err}; using the interactive renderer", stacklevel=2)
-        use_renderer("interactive")

@@ -72,6 +72,34 @@ def _check_fields(config) -> None:
             object.__setattr__(config, f.name, tuple(v))
 
 
+def _check_transformer(config) -> None:
+    """A transformer's settings: heads split the hidden size, the sequence fits the positions."""
+    _check_fields(config)
+    _check(
+        config.hidden % config.heads == 0,
+        f"hidden {config.hidden} is not a multiple of heads {config.heads}",
+    )
+    _check(
+        config.seq_len <= config.max_position,
+        f"seq_len {config.seq_len} exceeds max_position {config.max_position}; raise "
+        "max_position too",
+    )
+
+
+def _check_stages(config, counts: str, image_multiple: int) -> None:
+    """A CNN's settings: one count (``counts``, each >= 1 by its type) per stage
+    width, and an image size that every downsampling divides."""
+    _check_fields(config)
+    _check(
+        len(getattr(config, counts)) == len(config.widths),
+        f"{counts} and widths need the same length",
+    )
+    _check(
+        config.image_size % image_multiple == 0,
+        f"image_size must be a multiple of {image_multiple}",
+    )
+
+
 @dataclass(frozen=True)
 class GPT2Config:
     """A GPT-2 language model. vLayers: embeddings, ``n_layer`` blocks, final LayerNorm, LM head,
@@ -88,16 +116,7 @@ class GPT2Config:
     optimizer: ClassVar[str] = "adamw"
 
     def __post_init__(self):
-        _check_fields(self)
-        _check(
-            self.hidden % self.heads == 0,
-            f"hidden {self.hidden} is not a multiple of heads {self.heads}",
-        )
-        _check(
-            self.seq_len <= self.max_position,
-            f"seq_len {self.seq_len} exceeds max_position {self.max_position}; raise "
-            "max_position too",
-        )
+        _check_transformer(self)
 
     def layers(self) -> list[nn.Module]:
         h = self.hidden
@@ -135,17 +154,7 @@ class BertConfig:
     optimizer: ClassVar[str] = "adam"
 
     def __post_init__(self):
-        _check_fields(self)
-        _check(
-            self.hidden % self.heads == 0,
-            f"hidden {self.hidden} is not a multiple of heads {self.heads}",
-        )
-        _check(
-            self.seq_len <= self.max_position,
-            f"seq_len {self.seq_len} exceeds max_position {self.max_position}; raise "
-            "max_position too",
-        )
-        _check(self.n_layer >= 1, "BERT needs at least one encoder layer")
+        _check_transformer(self)
 
     def layers(self) -> list[nn.Module]:
         h, p, eps = self.hidden, self.dropout, self.ln_eps
@@ -182,13 +191,8 @@ class VGGConfig:
     optimizer: ClassVar[str] = "sgd-momentum"
 
     def __post_init__(self):
-        _check_fields(self)
-        stages = len(self.widths)
-        _check(
-            len(self.convs_per_stage) == stages, "convs_per_stage and widths need the same length"
-        )
-        _check(min(self.convs_per_stage) >= 1, "every stage needs at least one convolution")
-        _check(self.image_size % 2**stages == 0, f"image_size must be a multiple of {2**stages}")
+        # each stage's max-pool halves the image
+        _check_stages(self, "convs_per_stage", 2 ** len(self.widths))
 
     def layers(self) -> list[nn.Module]:
         chain, channels = [], 3
@@ -221,17 +225,8 @@ class ResNetConfig:
     optimizer: ClassVar[str] = "sgd-momentum"
 
     def __post_init__(self):
-        _check_fields(self)
-        stages = len(self.widths)
-        _check(
-            len(self.blocks_per_stage) == stages,
-            "blocks_per_stage and widths need the same length",
-        )
-        _check(min(self.blocks_per_stage) >= 1, "every stage needs at least one block")
-        _check(
-            self.image_size % 2 ** (stages + 1) == 0,
-            f"image_size must be a multiple of {2 ** (stages + 1)}",
-        )
+        # the stem halves the image twice, the first block of every later stage once
+        _check_stages(self, "blocks_per_stage", 2 ** (len(self.widths) + 1))
 
     def layers(self) -> list[nn.Module]:
         chain, inplanes = [ResNetStem(self.widths[0])], self.widths[0]

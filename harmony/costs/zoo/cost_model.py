@@ -10,7 +10,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..spec import Curve, LayerCost, ModelSpec, dtype_bytes
+from ..curve import Curve
+from ..layer import LayerCost
+from ..spec import ModelSpec, dtype_bytes
 from .modules import as_tuple
 from .registry import config_of
 

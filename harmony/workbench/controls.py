@@ -1,0 +1,171 @@
+"""The explorers' common ground: controls -> ``compute()`` -> ``chart()`` shown
+in an output (:class:`Explorer`), and the controls of one plan, turned into a
+:class:`~harmony.plan.Plan` by :meth:`Plan.uniform` (:class:`PlanExplorer`).
+
+Needs the ``notebooks`` extra (ipywidgets)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..plan import Plan
+from ..policies import get_policy, names
+from .display import Displayable
+
+try:
+    import ipywidgets as w
+except ImportError:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "harmony.workbench's explorers need ipywidgets: pip install -e '.[notebooks]'"
+    ) from None
+
+STYLE = {"description_width": "130px"}
+
+
+def int_text(value: int, description: str, top: int) -> w.BoundedIntText:
+    return w.BoundedIntText(value=value, min=1, max=top, description=description, style=STYLE)
+
+
+def slider(value: int, description: str, top: int, bottom: int = 1) -> w.IntSlider:
+    """An integer slider that reports only where it is let go (a redraw costs a simulation)."""
+    return w.IntSlider(
+        value=value,
+        min=bottom,
+        max=max(value, top),
+        description=description,
+        continuous_update=False,
+        style=STYLE,
+    )
+
+
+class Explorer:
+    """Controls -> ``compute()`` -> ``chart()``, shown in ``self.output``."""
+
+    output: w.Output
+    result = None
+    _box: w.Widget | None = None
+    _holding = False
+
+    def controls(self) -> list[w.Widget]:
+        raise NotImplementedError
+
+    def compute(self):
+        raise NotImplementedError
+
+    def chart(self, result=None):
+        raise NotImplementedError
+
+    def actions(self) -> list[w.Widget]:
+        """Buttons shown under the controls (none unless an explorer has some)."""
+        return []
+
+    def _wire(self) -> None:
+        """Connect the controls to :meth:`render` (once, when first shown)."""
+        raise NotImplementedError
+
+    def render(self) -> None:
+        """Compute and replace what ``self.output`` shows: the chart and the table."""
+        if self._holding:
+            return
+        result = self.compute()
+        self.output.outputs = ()
+        # a live output needs the kernel anyway: no static picture (it costs a render per change)
+        self.output.append_display_data(Displayable(self.chart(result), picture=False))
+        self.output.append_display_data(result.table())
+
+    def set(self, **values) -> None:
+        """Set several controls (by attribute name, in the order given), then
+        draw once if the widget is shown, not once per control."""
+        with self._held():
+            for name, value in values.items():
+                getattr(self, name).value = value
+        if self._box is not None:
+            self.render()
+
+    @contextlib.contextmanager
+    def _held(self):
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+
+    def widget(self) -> w.Widget:
+        """The controls in a grid over the live output (for JupyterLab)."""
+        if self._box is None:
+            grid = w.GridBox(
+                self.controls(), layout=w.Layout(grid_template_columns="repeat(3, 330px)")
+            )
+            buttons = [w.HBox(self.actions())] if self.actions() else []
+            self._box = w.VBox([grid, *buttons, self.output])
+            self._wire()
+        return self._box
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget()._repr_mimebundle_(**kwargs)
+
+
+class PlanExplorer(Explorer):
+    """An explorer of one plan: a policy, the minibatch, forward and backward
+    microbatch sizes, layers per pack and the options a user sets most."""
+
+    def _plan_controls(
+        self,
+        policy: str,
+        minibatch: int,
+        fwd_microbatch: int,
+        bwd_microbatch: int,
+        pack_size: int,
+        offload_activations: bool,
+        prefetch_packs: int,
+        top: int,
+        most_layers: int,
+    ) -> None:
+        """Make the plan's controls; sizes up to ``top``, packs up to ``most_layers`` layers."""
+        self.policy = w.Dropdown(options=names(), value=policy, description="policy", style=STYLE)
+        self.minibatch = int_text(minibatch, "minibatch", top)
+        self.fwd_microbatch = int_text(fwd_microbatch, "fwd microbatch", top)
+        self.bwd_microbatch = int_text(bwd_microbatch, "bwd microbatch", top)
+        self.pack_size = slider(pack_size, "layers per pack", most_layers)
+        self.offload_activations = w.Checkbox(
+            value=offload_activations, description="offload activations"
+        )
+        self.prefetch_packs = slider(prefetch_packs, "prefetch packs", 3)
+        self.policy.observe(self._policy_changed, "value")
+        self._policy_changed()
+
+    def plan_controls(self) -> list[w.Widget]:
+        return [
+            self.policy,
+            self.minibatch,
+            self.fwd_microbatch,
+            self.bwd_microbatch,
+            self.pack_size,
+            self.offload_activations,
+            self.prefetch_packs,
+        ]
+
+    def _policy_changed(self, _=None) -> None:
+        one_size = get_policy(self.policy.value).PER_MICROBATCH
+        self.fwd_microbatch.disabled = one_size
+        self.fwd_microbatch.tooltip = (
+            f"{self.policy.value} uses the bwd microbatch for both" if one_size else ""
+        )
+
+    def plan_for(self, policy: str, n_gpus: int, num_layers: int) -> Plan:
+        """The controls' plan under ``policy``: :meth:`Plan.uniform` packs (its
+        remainder rule), one microbatch size for a policy that runs each
+        microbatch forward then backward (the backward one)."""
+        ub = self.bwd_microbatch.value
+        uf = ub if get_policy(policy).PER_MICROBATCH else self.fwd_microbatch.value
+        return Plan.uniform(
+            policy,
+            n_gpus,
+            self.minibatch.value,
+            ub,
+            num_layers,
+            self.pack_size.value,
+            fwd_microbatch=uf,
+            offload_activations=self.offload_activations.value,
+            prefetch_packs=self.prefetch_packs.value,
+        )

@@ -1,0 +1,195 @@
+"""How notebooks display altair charts without internet, and the altair import.
+
+Altair's own HTML output loads vega from a CDN, and JupyterLab's built-in vega
+renderer does not draw altair 6's charts. Importing this module (every chart
+module imports it) therefore switches altair to one of these renderers
+(:func:`use_renderer`; the ``HARMONY_CHARTS`` environment variable picks one):
+
+* ``interactive`` (default): HTML that draws the chart with vega-embed, its
+  JavaScript inlined from vl-convert (nothing is fetched), with tooltips and,
+  on swap timelines, zoom and pan. The same HTML holds an SVG picture of the
+  chart, shown until the script runs: a notebook opened untrusted (JupyterLab
+  then runs no scripts), or a viewer without JavaScript, still shows the chart.
+* ``static``: only the SVG picture, no JavaScript (smaller notebooks).
+* ``altair``: altair's renderer as it was before (e.g. online, or with a
+  JupyterLab extension that draws vega-lite 6).
+
+Altair and vl-convert come with the ``notebooks`` extra; without them this
+module still imports, and charts raise a message saying what to install.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import html
+import importlib.util
+import json
+import os
+import uuid
+import warnings
+from pathlib import Path
+
+from ..errors import HarmonyError
+
+#: environment variable read by :func:`use_renderer` when no mode is given
+RENDERER_ENV = "HARMONY_CHARTS"
+RENDERERS = ("interactive", "static", "altair")
+#: vega-embed options: the export menu (PNG/SVG, works offline), no links to online editors
+EMBED_OPTIONS = {
+    "renderer": "svg",
+    "actions": {"export": True, "source": False, "compiled": False, "editor": False},
+}
+
+
+def load_altair():
+    """The altair module, or a HarmonyError saying how to install it."""
+    try:
+        import altair as alt
+    except ImportError:  # pragma: no cover - depends on the install
+        raise HarmonyError("charts need altair: pip install -e '.[notebooks]'") from None
+    return alt
+
+
+class _State:
+    mode: str | None = None  #: the mode enabled by use_renderer
+    previous: str | None = None  #: altair's renderer before ours, restored by "altair"
+
+
+def use_renderer(mode: str | None = None) -> str:
+    """Display altair charts in ``mode`` (see the module docstring); None reads
+    ``HARMONY_CHARTS`` and defaults to ``"interactive"``. Returns the mode."""
+    mode = (mode or os.environ.get(RENDERER_ENV) or "interactive").strip().lower()
+    if mode not in RENDERERS:
+        raise HarmonyError(
+            f"unknown chart renderer {mode!r} (from {RENDERER_ENV} or the argument); "
+            f"use one of {', '.join(RENDERERS)}"
+        )
+    alt = load_altair()
+    if mode == "altair":
+        if _State.previous is not None:
+            alt.renderers.enable(_State.previous)
+    else:
+        if not alt.renderers.active.startswith("harmony-"):
+            _State.previous = alt.renderers.active
+        alt.renderers.register(f"harmony-{mode}", functools.partial(mimebundle, mode=mode))
+        alt.renderers.enable(f"harmony-{mode}")
+    _State.mode = mode
+    return mode
+
+
+def mimebundle(spec: dict, mode: str = "interactive", picture: bool = True, **_) -> dict[str, str]:
+    """What a notebook stores for the vega-lite ``spec``: HTML that draws it
+    (``interactive``: with an SVG picture inside unless ``picture`` is False)
+    or the picture alone (``static``). Extra keyword arguments (altair's
+    renderer options) are ignored."""
+    title = spec.get("title")
+    text = title.get("text") if isinstance(title, dict) else title
+    plain = f"<chart: {' '.join(text) if isinstance(text, list) else text or 'untitled'}>"
+    if mode == "static":
+        return {
+            "text/html": f'<div class="harmony-chart">{_picture(spec)}</div>',
+            "text/plain": plain,
+        }
+    return {"text/html": _interactive_html(spec, picture), "text/plain": plain}
+
+
+class Displayable:
+    """A chart shown by the current mode; ``picture=False`` leaves the SVG
+    picture out of interactive HTML (for live widget outputs, which need a
+    running kernel anyway: it saves a vl-convert render on every redraw)."""
+
+    def __init__(self, chart, picture: bool = True):
+        self.chart, self.picture = chart, picture
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        mode = _State.mode or use_renderer()
+        if mode == "altair":
+            return self.chart._repr_mimebundle_(include, exclude)
+        return mimebundle(self.chart.to_dict(), mode, self.picture)
+
+
+def _vl_version() -> str:
+    """vl-convert's name of the vega-lite version altair writes (``v6_4`` for 6.4.x)."""
+    return "_".join(load_altair().SCHEMA_VERSION.split(".")[:2])
+
+
+def _picture(spec: dict) -> str:
+    """An ``<img>`` of the chart, rendered by vl-convert: safe HTML that no
+    sanitizer removes, so untrusted notebooks show it. A spec vl-convert cannot
+    render gets a line saying so (the live chart, if scripts run, is unaffected)."""
+    import vl_convert as vlc
+
+    try:
+        svg = vlc.vegalite_to_svg(spec, vl_version=_vl_version())
+    except ValueError as err:
+        return f"<pre>no picture of this chart: {html.escape(str(err)[:300])}</pre>"
+    data = base64.b64encode(svg.encode()).decode()
+    return f'<img src="data:image/svg+xml;base64,{data}" style="max-width: 100%" alt="chart">'
+
+
+@functools.cache
+def vega_script() -> str:
+    """vega, vega-lite and vega-embed in one script, from vl-convert. Building
+    it takes seconds, so it is kept in the user's cache folder per version."""
+    import vl_convert as vlc
+
+    version = _vl_version()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harmony"
+    path = cache / f"vega-embed-vlc{vlc.__version__}-{version}.js"
+    with contextlib.suppress(OSError):
+        cached = path.read_text()
+        if cached.rstrip().endswith(";") and "window.vegaEmbed" in cached:  # whole, not cut short
+            return cached
+    script = vlc.javascript_bundle(vl_version=version)
+    with contextlib.suppress(OSError):  # a read-only home only costs the rebuild
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(script)
+        tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    return script
+
+
+_NOTE = (
+    '<div style="color: #888; font-size: 11px">A picture of the chart: run the cell, or '
+    "trust the notebook, for tooltips and zoom.</div>"
+)
+
+
+def _interactive_html(spec: dict, picture: bool = True) -> str:
+    """A div (holding the picture, if any) and a script that loads the inlined
+    vega-embed once per page and replaces the div's content by the live chart."""
+    div = f"harmony-chart-{uuid.uuid4().hex}"
+    static = f'<div class="harmony-chart-static">{_picture(spec)}{_NOTE}</div>' if picture else ""
+    # "</" would end the script element early; "<\/" is the same string in JSON and JavaScript
+    spec_js = json.dumps(spec).replace("</", "<\\/")
+    # The bundle declares top-level constants: it runs once per page, inside a function.
+    return f"""<div class="harmony-chart" id="{div}">{static}</div>
+<script type="text/javascript">
+(function () {{
+  var root = document.getElementById("{div}") || document.currentScript.previousElementSibling;
+  if (!window.vegaEmbed) {{ (function () {{ {vega_script()}
+  }})(); }}
+  var live = root.appendChild(document.createElement("div"));
+  window.vegaEmbed(live, {spec_js}, {json.dumps(EMBED_OPTIONS)})
+    .then(function () {{
+      var picture = root.querySelector(".harmony-chart-static");
+      if (picture) picture.remove();
+    }})
+    .catch(function (err) {{
+      var msg = document.createElement("pre");
+      msg.style.color = "#c0392b";
+      msg.textContent = "the interactive chart failed: " + err;
+      root.appendChild(msg);
+    }});
+}})();
+</script>"""
+
+
+if importlib.util.find_spec("altair") is not None:  # notebooks draw without internet from here on
+    try:
+        use_renderer()
+    except HarmonyError as err:  # a mistyped HARMONY_CHARTS must not break the import
+        warnings.warn(f"{err}; using the interactive renderer", stacklevel=2)
+        use_renderer("interactive")

@@ -1,0 +1,165 @@
+"""Simulating plans for the explorers: never raising on a setting that cannot
+run, but saying in words what is wrong, and one comparison row per policy.
+
+* :func:`play` simulates a plan when it is valid and small enough to be
+  interactive (:data:`MAX_TASKS`);
+* :func:`own_plan` is the plan a faithful baseline picks by its stated rule
+  (:data:`~harmony.planner.systems.PLAN_MAKERS`), as that system would run;
+* :func:`row` is what the comparison table shows of a played plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pandas as pd
+
+from ..costs.catalog import model_spec
+from ..costs.hardware import Hardware, preset
+from ..costs.spec import ModelSpec
+from ..errors import HarmonyError
+from ..plan import Plan
+from ..planner import simulate
+from ..planner.systems import CHOOSERS
+from ..trace import Trace
+
+#: the largest task graph simulated interactively (about a second per policy)
+MAX_TASKS = 20_000
+#: tasks per compute op (its weight, activation and gradient transfers): 2 to 3.6 measured
+TASKS_PER_OP = 4
+#: a comparison row's columns, see :class:`~harmony.workbench.widgets.Exploration`
+COLUMNS = [
+    "policy",
+    "chosen",
+    "planned_by",
+    "fwd_microbatch",
+    "bwd_microbatch",
+    "iteration_s",
+    "samples_per_s",
+    "swap_gb",
+    "peak_gb",
+    "fits",
+    "status",
+    "note",
+]
+
+
+def estimated_tasks(plan: Plan) -> int:
+    """An upper estimate of the tasks in ``plan``'s graph, without building it."""
+    fwd = len(plan.fwd_microbatches()) * len(plan.fwd_packs)
+    return TASKS_PER_OP * (fwd + len(plan.bwd_microbatches()) * len(plan.bwd_packs))
+
+
+def over_capacity(trace: Trace) -> list[str]:
+    """The devices whose peak exceeds their capacity, the furthest over first."""
+    peak, cap = trace.summary.peak_memory, trace.summary.memory_capacity
+    return sorted((d for d in cap if peak.get(d, 0.0) > cap[d]), key=lambda d: cap[d] - peak[d])
+
+
+def out_of_memory(trace: Trace) -> str | None:
+    """Which GPU runs out of memory and by how much, or None when the trace fits."""
+    peak, cap = trace.summary.peak_memory, trace.summary.memory_capacity
+    over = over_capacity(trace)
+    if not over:
+        return None
+    d = over[0]
+    also = f"; {', '.join(sorted(over[1:]))} as well" if len(over) > 1 else ""
+    return (
+        f"{d} runs out of memory: it needs {peak[d] / 1e9:.2f} GB at peak but has "
+        f"{cap[d] / 1e9:.2f} GB ({(peak[d] - cap[d]) / 1e9:.2f} GB over){also}. "
+        "Try smaller microbatches or packs."
+    )
+
+
+def play(spec: ModelSpec, hardware: Hardware, plan: Plan) -> tuple[Trace | None, str | None]:
+    """Simulate ``plan`` if it is valid and small enough: ``(trace, problem)``.
+    The trace is None when the plan could not be simulated; the problem is None
+    when the plan runs and fits in memory."""
+    try:
+        plan.validate(len(spec))
+        tasks = estimated_tasks(plan)
+        if tasks > MAX_TASKS:
+            return None, (
+                f"about {tasks:,} tasks ({len(plan.bwd_microbatches())} backward microbatches "
+                f"x {len(plan.bwd_packs)} packs, plus forward): more than the {MAX_TASKS:,} "
+                "simulated interactively. Use larger microbatches or packs, or "
+                "harmony.simulate() in a script."
+            )
+        trace = simulate(spec, hardware, plan)
+    except HarmonyError as err:
+        return None, str(err)
+    return trace, out_of_memory(trace)
+
+
+@functools.lru_cache(maxsize=32)
+def cached_spec(model: str, source: str) -> ModelSpec:
+    return model_spec(model, source)
+
+
+# The controls that do not change a baseline's own plan (pack size, microbatches)
+# redraw without re-running its chooser: its plan is kept per setting.
+@functools.lru_cache(maxsize=64)
+def own_plan(
+    policy: str, model: str, source: str, hardware: str, n_gpus: int, minibatch: int
+) -> tuple[Plan | None, str | None]:
+    """``(plan, problem)``: the plan ``policy``'s own chooser picks for this
+    setting (its packs are what the system is; its microbatch the largest that
+    fits), or None and why it has none."""
+    try:
+        spec = cached_spec(model, source)
+        return CHOOSERS[policy](spec, preset(hardware), minibatch, n_gpus=n_gpus), None
+    except HarmonyError as err:
+        return None, str(err)
+
+
+def status(trace: Trace | None, problem: str | None) -> str:
+    """A row's status in a few words: "fits", "does not fit: <device> needs <GB> more"
+    or "not run: <the problem's first sentence>"."""
+    if trace is None:
+        first = (problem or "").split(". ")[0]
+        return "not run: " + (first if len(first) <= 60 else first[:59] + "…")
+    over = over_capacity(trace)
+    if not over:
+        return "fits"
+    d = over[0]
+    need = (trace.summary.peak_memory[d] - trace.summary.memory_capacity[d]) / 1e9
+    return f"does not fit: {d} needs {need:.2f} GB more"
+
+
+def row(
+    policy: str, plan: Plan | None, trace: Trace | None, problem: str | None, **columns
+) -> dict:
+    """A comparison row of ``policy``'s ``plan`` (None: it has none) as
+    played, with ``columns`` (``chosen``, ``planned_by``) as given."""
+    values = {
+        "policy": policy,
+        **columns,
+        "fwd_microbatch": plan.fwd_microbatch if plan else math.nan,
+        "bwd_microbatch": plan.bwd_microbatch if plan else math.nan,
+        "iteration_s": math.nan,
+        "samples_per_s": math.nan,
+        "swap_gb": math.nan,
+        "peak_gb": math.nan,
+        "fits": False,
+        "status": status(trace, problem),
+        "note": problem,
+    }
+    if trace is not None:
+        s = trace.summary
+        values.update(
+            iteration_s=s.iteration_s,
+            samples_per_s=s.samples_per_s,
+            swap_gb=s.swap_bytes / 1e9,
+            peak_gb=max(s.peak_memory.values()) / 1e9,
+            fits=bool(s.fits),
+        )
+    return values
+
+
+def records(df: pd.DataFrame) -> list[dict]:
+    """``df``'s rows, JSON-ready (NaN as None)."""
+    return [
+        {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+        for r in df.to_dict("records")
+    ]
