@@ -114,3 +114,11 @@ def test_the_library_never_imports_the_workbench():
     for name, targets in EDGES.items():
         if not name.startswith(("harmony.workbench", "harmony.cli")):
             assert not {t for t in targets if t.startswith("harmony.workbench")}, name
+
+
+def test_engine_helpers_are_given_small_objects_not_the_engine():
+    """Only the package's API imports the Engine class at module level: its helper
+    modules are given what they use (a StepContext, a HostModel, ...)."""
+    for name, targets in EDGES.items():
+        if name.startswith("harmony.engine.") and name != "harmony.engine.engine":
+            assert "harmony.engine.engine" not in targets, name

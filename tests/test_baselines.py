@@ -264,26 +264,6 @@ def test_data_parallel_layer_swap_is_allclose_to_the_plain_loop():
     assert losses == pytest.approx(ref_losses, abs=1e-6)
 
 
-@pytest.mark.parametrize("options", [{"gpu_optimizer": True}, {"gpu_gradients": True}])
-def test_the_engine_says_which_state_options_it_cannot_run_yet(options):
-    model = make_model()
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(
-        HarmonyError,
-        match=r"the engine sums gradients and steps the optimizer on "
-        r"the host; layer-swap with gpu_\w+ is simulated only",
-    ):
-        harmony.Engine(
-            model,
-            ADAMW,
-            loss_fn,
-            device=DEVICE,
-            minibatch_size=B,
-            plan=Plan("layer-swap", 1, B, 4, 4, ONE[:-1], ONE, options),
-        )
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
-
-
 def test_the_baselines_are_registered_as_systems():
     for name in BASELINES:
         assert POLICIES[name].ROLE == "system" and not POLICIES[name].SEARCHED

@@ -119,14 +119,13 @@ def test_the_steady_state_step_allocates_no_new_buffers(case, precision):
     for x, y in data[2:]:
         engine.step(x, y)
         assert (engine.trace.summary.new_buffers, engine.trace.summary.new_buffer_bytes) == (0, 0)
-        assert (
-            addresses.seen and addresses.seen <= warm
-        )  # the layers computed on copies made by earlier steps
+        # the layers computed on copies made by earlier steps
+        assert addresses.seen and addresses.seen <= warm
         grads.append(
             {key: opt.grad_addresses for key, opt in engine.optimizers.items() if opt is not None}
         )
     assert grads[0] == grads[1]  # gradients land in the same host buffers every step
-    assert all(engine.host_layout.has_grad_buffer(p) for p in model.parameters())
+    assert all(engine.host.layout.has_grad_buffer(p) for p in model.parameters())
 
 
 def test_pooled_buffers_are_reused_only_when_no_graph_buffer_holds_them():
@@ -178,9 +177,9 @@ def test_copy_runs_merge_only_what_is_adjacent_on_both_sides():
             (dst[0:2], src[0:2]),
             (dst[2:5], src[2:5]),  # merged
             (dst[5:7], src[6:8]),  # source not adjacent
-            (dst[8:10], src[8:10]),
+            (dst[8:10], src[8:10]),  # destination not adjacent
         ]
-    )  # destination not adjacent
+    )
     assert [(d.numel(), s.numel()) for d, s in runs] == [(5, 5), (2, 2), (2, 2)]
     transposed = torch.arange(6.0).view(2, 3).t()
     ((d, s),) = copy_runs([(torch.zeros(6), transposed)])  # not contiguous: copied in its shape

@@ -278,15 +278,11 @@ def test_host_memory_estimate_counts_gradients_optimizer_state_and_stash():
     need = host_memory.host_bytes_needed(fresh, engine._graph_cache)
     weight_bytes = sum(p.numel() * 4 for p in fresh.model.parameters())
     assert need["gradients"] == weight_bytes and need["optimizer state"] == 2 * weight_bytes
-    assert need["stashed inputs"] == engine.spec.input_bytes(
-        3, B
-    )  # layer 0: the minibatch itself; 6: fused
-    assert (
-        host_memory.host_bytes_needed(engine, engine._graph_cache)["optimizer state"] == 0
-    )  # allocated
-    assert (
-        host_memory.host_bytes_needed(engine, engine._graph_cache)["emulated GPU buffers"] == 0
-    )  # cpu backend
+    # layer 0: the minibatch itself; 6: fused
+    assert need["stashed inputs"] == engine.spec.input_bytes(3, B)
+    ran = host_memory.host_bytes_needed(engine, engine._graph_cache)
+    assert ran["optimizer state"] == 0  # allocated
+    assert ran["emulated GPU buffers"] == 0  # cpu backend
 
 
 def test_an_emulated_gpu_counts_its_buffer_pools_as_host_memory():
@@ -299,9 +295,8 @@ def test_an_emulated_gpu_counts_its_buffer_pools_as_host_memory():
         == sum(moved.get(k, 0.0) for k in ("W_IN", "DATA_IN", "STASH_IN", "ACT_IN", "P2P"))
         > 0
     )
-    assert (
-        engine.trace.summary.new_buffer_bytes >= need
-    )  # what the pools then held (plus host stashes)
+    # what the pools then held (plus host stashes)
+    assert engine.trace.summary.new_buffer_bytes >= need
     with pytest.raises(HarmonyError, match="emulated GPU buffers"):
         host_memory.check_host_memory(engine, engine._graph_cache, available=int(need))
 
@@ -333,13 +328,11 @@ def test_page_locking_weights_without_the_host_memory_for_it_is_refused(monkeypa
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 100)
-    with pytest.raises(
-        HarmonyError, match="page-locked weights need it on CUDA"
-    ):  # checked before pinning
+    # checked before pinning
+    with pytest.raises(HarmonyError, match="page-locked weights need it on CUDA"):
         HostLayout(list(model), pin=True)
-    with pytest.warns(
-        UserWarning, match="copied tensor by tensor"
-    ):  # without a GPU: left as they are
+    # without a GPU: left as they are
+    with pytest.warns(UserWarning, match="copied tensor by tensor"):
         HostLayout(list(model), pin=False)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
@@ -356,6 +349,5 @@ def test_the_rollback_journal_reuses_its_buffers_from_step_to_step():
         and {key: [t.data_ptr() for t in ts] for key, ts in engine.journal._buffers.items()}
         == first
     )
-    assert (
-        len(engine.journal.entries) == len(engine.optimizers) - 1
-    )  # every update but the step's last task
+    # every update but the step's last task
+    assert len(engine.journal.entries) == len(engine.optimizers) - 1

@@ -79,9 +79,8 @@ def write_plan(tmp_path, policy: str = "harmony-pp") -> Plan:
     return plan
 
 
-@pytest.mark.parametrize(
-    "policy", ["harmony-pp", "karma"]
-)  # KARMA: out-of-core, data parallel across servers
+# KARMA: out-of-core, data parallel across servers
+@pytest.mark.parametrize("policy", ["harmony-pp", "karma"])
 def test_two_servers_end_with_identical_weights_equal_to_one_process_over_all_data(
     tmp_path, policy
 ):
@@ -211,10 +210,8 @@ def test_gradients_in_one_run_of_memory_are_averaged_in_place_and_poison_spreads
     try:
         params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
         flat = torch.arange(7.0)
-        params[0].grad, params[1].grad = (
-            flat[:3],
-            flat[3:].view(2, 2),
-        )  # a pack's grads in the flat buffer
+        # a pack's grads in the flat buffer
+        params[0].grad, params[1].grad = flat[:3], flat[3:].view(2, 2)
         sync = GradientSync([(0, 0)])
         sync.start_step()
         with sync.update((0, 0)):
@@ -222,9 +219,8 @@ def test_gradients_in_one_run_of_memory_are_averaged_in_place_and_poison_spreads
         assert params[0].grad.data_ptr() == flat.data_ptr() and torch.equal(
             flat, torch.arange(7.0)
         )
-        params[1].grad = torch.ones(
-            2, 2
-        )  # elsewhere in memory: through a gathered copy, same tensors
+        # elsewhere in memory: through a gathered copy, same tensors
+        params[1].grad = torch.ones(2, 2)
         before = params[1].grad
         sync.start_step()
         with sync.update((0, 0)):

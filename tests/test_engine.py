@@ -54,6 +54,11 @@ SGD_MOMENTUM = lambda ps: torch.optim.SGD(ps, lr=5e-2, momentum=0.9)  # noqa: E7
 loss_fn = nn.functional.cross_entropy
 
 
+def lm_loss(out, t):
+    """Cross-entropy of a language model's next-token logits."""
+    return nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())
+
+
 def reference(optimizer, data, microbatch, dropout=0.1, batchnorm=True):
     model = make_model(dropout, batchnorm)
     opt = optimizer(list(model.parameters()))
@@ -275,11 +280,9 @@ def test_auto_plan_trains_a_gpt2_larger_than_the_device():
     layers = harmony.zoo.build("gpt2-tiny", device="cpu", dropout=0.0)[:-1]
     model = nn.Sequential(*layers)
     (x,), y = harmony.zoo.example_input("gpt2-tiny", 16)
-    lm_loss = lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
     device = EmulatedDevice(memory="1.5MB", h2d="100MB/s", d2h="100MB/s")
-    footprint = (
-        sum(p.numel() for p in model.parameters()) * 4 * 4
-    )  # weights, grads, Adam's two states
+    # weights, grads, Adam's two states
+    footprint = sum(p.numel() for p in model.parameters()) * 4 * 4
     assert footprint > device.capacity
     engine = Engine(
         model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), lm_loss, device=device, minibatch_size=16
@@ -309,7 +312,6 @@ def test_hugging_face_gpt2_with_tied_embeddings_trains_like_the_reference():
 
     g = torch.Generator().manual_seed(3)
     data = [(torch.randint(0, 100, (8, 16), generator=g),) * 2 for _ in range(3)]
-    lm_loss = lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
     ref_model = build()
     chain = harmony.decompose(ref_model)
     assert chain.tied and chain.tied[0][:2] == (0, len(chain) - 1)
@@ -320,9 +322,8 @@ def test_hugging_face_gpt2_with_tied_embeddings_trains_like_the_reference():
 
     model = build()
     n = len(harmony.decompose(model))
-    plan = Plan(
-        "harmony-pp", 1, 8, 4, 4, ((0, 2),), ((0, 2), (2, n))
-    )  # embedding and head in different packs
+    # embedding and head in different packs
+    plan = Plan("harmony-pp", 1, 8, 4, 4, ((0, 2),), ((0, 2), (2, n)))
     engine = Engine(
         model,
         SGD_MOMENTUM,

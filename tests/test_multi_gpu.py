@@ -23,9 +23,9 @@ def server(n: int, **kw) -> EmulatedServer:
     [
         (FWD, BWD),
         (((0, 2), (2, 5)), ((0, 1), (1, 4), (4, 5), (5, 9))),
-        (((0, 1), (1, 5)), ((0, 1), (1, 5), (5, 9))),
+        (((0, 1), (1, 5)), ((0, 1), (1, 5), (5, 9))),  # BatchNorm off gpu0
     ],
-)  # BatchNorm off gpu0
+)
 def test_pipeline_over_gpus_is_bitwise_identical_to_one_device(n, fwd, bwd):
     data = batches(4)
     expected, ref_losses = reference(ADAMW, data, microbatch=4)  # with dropout and BatchNorm

@@ -197,14 +197,12 @@ def test_gpipe_swap_runs_stages_in_gpipe_order():
     gpu0 = tl[tl.lane == "gpu0.compute"].sort_values("start_s")
     # 4 microbatches x 3 packs forward, then 2 backward (recompute, then backward)
     assert list(gpu0.kind) == [FWD] * 12 + [REC, BWD] * 8
-    assert set(tl[tl.kind == FWD].device) == {
-        "gpu0"
-    }  # forward packs on the stage of their first layer
+    # forward packs on the stage of their first layer
+    assert set(tl[tl.kind == FWD].device) == {"gpu0"}
     # every pack's weights cross once per microbatch, forward and backward
     assert (tl.kind == W_IN).sum() == 4 * (3 + 3)
-    assert tl[tl.kind == P2P].bytes.sum() == 2 * spec.input_bytes(
-        4, 8
-    )  # one stage boundary, both ways
+    # one stage boundary, both ways
+    assert tl[tl.kind == P2P].bytes.sum() == 2 * spec.input_bytes(4, 8)
 
 
 def test_zero_offload_exchanges_gradients_after_every_microbatch_and_shards_the_update():
@@ -276,9 +274,7 @@ def server(n: int) -> EmulatedServer:
 )
 def test_exact_on_one_device_or_pipeline_bitwise_like_the_plain_loop(policy, n, device, fwd, bwd):
     data = batches(3)
-    expected, ref_losses = reference(
-        SGD_MOMENTUM, data, microbatch=4
-    )  # with dropout and BatchNorm
+    expected, ref_losses = reference(SGD_MOMENTUM, data, microbatch=4)  # dropout, BatchNorm
     engine, losses = train(Plan(policy, n, B, 4, 4, fwd, bwd), SGD_MOMENTUM, data, device)
     assert all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), expected.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(engine.model.buffers(), expected.buffers()))
@@ -329,8 +325,8 @@ def test_an_engine_given_a_bad_plan_says_so_before_anything_runs():
         loss_fn,
         device=server(5),
         minibatch_size=B,
-        plan=Plan("zero-offload", 5, B, 2, 2, FWD3, BWD3),
-    )  # 3, 3, 2, 2, 2 samples
+        plan=Plan("zero-offload", 5, B, 2, 2, FWD3, BWD3),  # 3, 3, 2, 2, 2 samples
+    )
     with pytest.raises(HarmonyError, match="same number of microbatches"):
         engine.step(*batches(1)[0])
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))

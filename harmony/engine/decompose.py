@@ -440,9 +440,8 @@ def _segment_module(gm, segment, source, result, kinds, class_name, training) ->
         return env[node]
 
     for node in segment:
-        if (
-            node.op != "get_attr"
-        ):  # read where used, so that no layer holds weights it does not use
+        # an attribute is read where used, so that no layer holds weights it does not use
+        if node.op != "get_attr":
             env[node] = g.node_copy(node, lookup)
     if result.op == "output":
         g.output(fx.node.map_arg(result.args[0], lookup))

@@ -325,9 +325,7 @@ def working_memory(
     )
     xs = tuple(t.view_as(t) if t.requires_grad else t for t in leaves)
     target = target.to(device, copy=True)
-    meter = SavedBytes(
-        exclude=[*weights.values(), target]
-    )  # as the engine's: see StepRun.backward
+    meter = SavedBytes(exclude=[*weights.values(), target])  # as the engine's (Compute.backward)
     devices = [device] if device.type == "cuda" else []
     with (
         torch.random.fork_rng(devices),

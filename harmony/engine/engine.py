@@ -2,23 +2,26 @@
 
 Host memory holds the master weights (the user's model itself), their
 gradients and the optimizer state; one optimizer per backward pack (per
-shard of a pack in data parallel) runs on the CPU. The devices hold only what
-the graph puts there: a pack's weights while it runs, its gradient
-accumulator, activations in flight and stashed inputs brought back for
-recompute. Every step plays the plan's TaskGraph (see :mod:`.step`), one
-thread per lane, and records a :class:`~harmony.trace.Trace` with the
-simulator's schema.
+shard of a pack in data parallel) runs on the CPU, or, for a swapping
+baseline's ``gpu_optimizer``, on each GPU that runs the pack, between its
+state coming in and going out. The devices hold only what the graph puts
+there: a pack's weights while it runs, its gradient accumulator,
+activations in flight, stashed inputs brought back for recompute, and
+optimizer state while it is stepped there. Every step plays the plan's
+TaskGraph (see :mod:`.step`), one thread per lane, and records a
+:class:`~harmony.trace.Trace` with the simulator's schema.
 
 Exactness: with equal forward and backward microbatch sizes in float32, the
 weights after any number of steps are bitwise identical to
 :func:`~harmony.engine.reference_loop.reference_step` on one device and with
-harmony-pp on several; harmony-dp sums gradients across GPUs in another order
-(allclose).
+harmony-pp, gpipe-swap or model-parallel on several; harmony-dp sums
+gradients across GPUs in another order (allclose), and so does layer-swap
+unless its gradient sums stay on the GPUs (``gpu_gradients``: each replica's
+sum, then their sum in GPU order, deterministic).
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 import warnings
 from pathlib import Path
@@ -31,17 +34,28 @@ from ..costs.hardware import Hardware
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError, NonFiniteError
 from ..graph import TaskGraph
-from ..plan import Plan, layer_shard
-from ..policies import POLICIES, build_graph, get_policy, update_shards
+from ..plan import Plan
+from ..policies import STATE_OPTIONS, build_graph, update_shards
 from ..simulate import play, simulate_graph
 from ..trace import Trace
-from .buffers import BufferPool, HostLayout
 from .calibrate import calibrate
 from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from .context import StepContext
 from .decompose import decompose
-from .describe import describe, microbatch_dependence, norm_tensor_names
+from .describe import describe, norm_tensor_names
 from .devices import Backend, make_backends
+from .engine_checks import (
+    PRECISIONS,
+    batch_kinds,
+    check_arguments,
+    check_batch,
+    check_plan,
+    check_same_sizes,
+    check_updates_run_where_state_is,
+    make_optimizers,
+)
 from .host_memory import check_host_memory
+from .host_model import HostModel
 from .reference_loop import as_args
 from .state import FORMAT as STATE_FORMAT
 from .state import (
@@ -52,10 +66,8 @@ from .state import (
     optimizer_state,
     param_names,
 )
-from .updates import UpdateJournal, optimizer_params
+from .updates import UpdateJournal
 
-NONFINITE = ("raise", "skip")
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GROWTH_INTERVAL = 2000
 
 
@@ -111,78 +123,28 @@ class Engine:
         spec: ModelSpec | None = None,
         hardware: Hardware | None = None,
     ):
-        if nonfinite not in NONFINITE:
-            raise HarmonyError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
-        if precision not in PRECISIONS:
-            raise HarmonyError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise HarmonyError(f"seed must be a non-negative integer, got {seed!r}")
-        if not callable(optimizer):
-            raise HarmonyError(
-                f"optimizer must be a factory such as lambda params: torch.optim.AdamW(params, "
-                f"lr=3e-4), got {type(optimizer).__name__}"
-            )
-        if not callable(loss_fn):
-            raise HarmonyError(
-                "loss_fn must be callable as loss_fn(output, target), got "
-                f"{type(loss_fn).__name__}"
-            )
+        check_arguments(
+            optimizer, loss_fn, minibatch_size, seed, nonfinite, precision, spec, hardware
+        )
         self.chain = decompose(model)
         self.layers: list[nn.Module] = list(self.chain.layers)
-        check_on_host(self.layers)
         self.model = model
         # the module whose state_dict holds every host weight and buffer
         self.host_module = model if isinstance(model, nn.Module) else nn.ModuleList(self.layers)
         self.loss_fn = loss_fn
         self.device = device
         self.backends: list[Backend] = make_backends(device)
-        # Host weights in flat buffers (one copy per pack), page-locked for a GPU;
-        # host buffers for what a step sends to the host, reused from step to step
+        # host weights in flat buffers, page-locked for a GPU (see HostModel)
         gpu = any(b.kind == "cuda" for b in self.backends)
-        self.host_layout = HostLayout(self.layers, pin=gpu)
-        self.host_pool = BufferPool("cpu", pin=gpu)
-        # The host tensors of every layer, looked up once: while a compute thread runs
-        # torch.func.functional_call on a layer, the layer's attributes point at device
-        # tensors, so other threads must never read them from the module.
-        self.host_params = [dict(layer.named_parameters()) for layer in self.layers]
-        self.host_buffers = [dict(layer.named_buffers()) for layer in self.layers]
-        # parameters several layers share (tied weights): the layers and the first name in each
-        self.tied: dict[int, list[tuple[int, str]]] = {}
-        for i, params in enumerate(self.host_params):
-            for name, p in params.items():
-                self.tied.setdefault(id(p), []).append((i, name))
-        self.tied = {k: v for k, v in self.tied.items() if len(v) > 1}
-        self._split_ties: dict[tuple[int, int], list] = {}
+        self.host = HostModel(self.layers, self.host_module, pin=gpu)
         # BatchNorm's parameters and statistics keep their dtype under mixed precision
         self.norm_tensors = [norm_tensor_names(layer) for layer in self.layers]
-        # Layers that draw random numbers: with several compute threads, seeding the
-        # generator and running such a layer must not interleave. A layer whose dropout
-        # is functional (no module to find) says so with draws_random (see decompose).
-        self.random_layers = {
-            i
-            for i, layer in enumerate(self.layers)
-            if getattr(layer, "draws_random", False)
-            or any(
-                isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in layer.modules()
-            )
-        }
         self.rng_lock = threading.Lock()
-        self._replicas: dict[tuple[int, int], nn.Module] = {}
-        self._replica_lock = threading.Lock()
-        if (
-            not isinstance(minibatch_size, int)
-            or isinstance(minibatch_size, bool)
-            or minibatch_size < 1
-        ):
-            raise HarmonyError(
-                f"minibatch_size must be a positive integer, got {minibatch_size!r}"
-            )
         self.minibatch_size = minibatch_size
         self.seed = seed
         self.safe_updates = safe_updates
-        self.journal = (
-            UpdateJournal()
-        )  # what a step's updates changed, to undo it if the step fails
+        # what a step's updates changed, to undo it if the step fails
+        self.journal = UpdateJournal()
         self.nonfinite = nonfinite
         self.precision = precision
         self.compute_dtype: torch.dtype | None = PRECISIONS[precision]
@@ -195,23 +157,13 @@ class Engine:
         self.trace: Trace | None = None
         self._optimizer_factory = optimizer
         self.plan: Plan | None = None
-        if spec is not None and not isinstance(spec, ModelSpec):
-            raise HarmonyError(
-                "spec must be a harmony.ModelSpec (e.g. from harmony.profile), got "
-                f"{type(spec).__name__}"
-            )
-        if hardware is not None and not isinstance(hardware, Hardware):
-            raise HarmonyError(
-                f"hardware must be a harmony.Hardware, got {type(hardware).__name__}"
-            )
         self.spec = None  # sizes of the chain, from the first minibatch
         # the cost model with times the graph is played with (the memory order): given,
         # or measured when plan="auto" profiles; None: the sizes, with FLOP-rate times
         self.profile = spec
         self._hardware = hardware
-        self.optimizers: dict[
-            tuple[int, int], torch.optim.Optimizer | None
-        ] = {}  # (pack, shard) ->
+        # (pack, shard) -> the optimizer of those parameters
+        self.optimizers: dict[tuple[int, int], torch.optim.Optimizer | None] = {}
         self._graph_cache: TaskGraph | None = None
         self._memory_order: dict | None = None  # of the cached graph's buffers, per device
         self._batch_kinds: tuple | None = None  # shapes and dtypes of the first minibatch
@@ -257,47 +209,11 @@ class Engine:
     def set_plan(self, plan: Plan) -> None:
         """Run the next steps with ``plan`` (e.g. a smaller one after an
         out-of-memory error). Optimizer state carries over whatever the packing."""
-        if not isinstance(plan, Plan):
-            raise HarmonyError(f"plan must be a harmony.Plan, got {type(plan).__name__}")
-        plan.validate(len(self.layers))
-        get_policy(plan.policy)  # an unknown or renamed policy: a clear error
-        if plan.policy not in POLICIES:
-            raise HarmonyError(
-                f"the engine runs the policies {', '.join(POLICIES)}; got {plan.policy!r}"
-            )
-        if plan.n_gpus != len(self.backends):
-            raise HarmonyError(
-                f"plan is for {plan.n_gpus} GPUs but the engine has {len(self.backends)} "
-                f"({', '.join(b.name for b in self.backends)})"
-            )
-        if plan.minibatch != self.minibatch_size:
-            raise HarmonyError(
-                f"plan is for minibatch {plan.minibatch} but the engine's is {self.minibatch_size}"
-            )
-        if plan.option("precision") not in (None, self.precision):
-            raise HarmonyError(
-                f"plan is for precision {plan.option('precision')!r} but the engine's is "
-                f"{self.precision!r}: make the engine with precision={plan.option('precision')!r}"
-            )
-        if plan.fwd_microbatch != plan.bwd_microbatch:
-            why = microbatch_dependence(self.layers)
-            if why is not None:
-                raise HarmonyError(
-                    "forward and backward microbatch sizes must be equal (got "
-                    f"{plan.fwd_microbatch} and {plan.bwd_microbatch}) for a model with {why}"
-                )
-        optimizers = {}
-        for key, params in self._params_per_update(plan).items():
-            opt = self._optimizer_factory(params) if params else None
-            if params and not isinstance(opt, torch.optim.Optimizer):
-                raise HarmonyError(
-                    f"optimizer factory returned {type(opt).__name__}, not a "
-                    "torch.optim.Optimizer: pass e.g. lambda params: torch.optim.AdamW(params, "
-                    "lr=3e-4)"
-                )
-            if params:
-                check_optimizer_holds(opt, params)
-            optimizers[key] = opt
+        devices = [b.name for b in self.backends]
+        check_plan(
+            plan, self.layers, devices, self.minibatch_size, self.precision, self.distributed
+        )
+        optimizers = make_optimizers(self._optimizer_factory, self._params_per_update(plan))
         names = param_names(self)
         load_optimizer_state(optimizers, optimizer_state(self.optimizers, names), names)
         if self.distributed:
@@ -310,74 +226,37 @@ class Engine:
             )
             self.sync = GradientSync(order)
         self.plan, self.optimizers, self._graph_cache = plan, optimizers, None
-        for pool in [b.pool for b in self.backends if b.pool is not None] + [self.host_pool]:
+        for pool in [b.pool for b in self.backends if b.pool is not None] + [self.host.pool]:
             pool.clear()  # sized for the old plan's buffers
-        for gpu in range(1, plan.n_gpus):  # made now, while no step is swapping weights in
-            for index in range(len(self.layers)):
-                self.replica(gpu, index)
+        self.host.make_replicas(range(1, plan.n_gpus))
 
     def _params_per_update(self, plan: Plan) -> dict[tuple[int, int], list[nn.Parameter]]:
-        """The parameters each CPU update steps: (pack, shard) -> parameters.
+        """The parameters each update steps: (pack, shard) -> parameters (see
+        :meth:`~harmony.engine.host_model.HostModel.update_params`). A plan that
+        keeps gradient sums or the optimizer on the GPUs has one optimizer per
+        pack, which every GPU that runs the pack steps whole (update_shards
+        refuses those options, from before the engine ran them)."""
+        on_gpus = any(plan.option(k) for k in STATE_OPTIONS)
+        return self.host.update_params(plan, 1 if on_gpus else update_shards(plan))
 
-        Data parallel over k GPUs splits a pack into k shards of whole layers (see
-        :func:`~harmony.plan.layer_shard`). A parameter shared by layers
-        in several packs (tied weights) belongs to the pack that runs backward
-        last, the one with the lowest layers: the packs before it only add their
-        gradient to the host copy, so it is stepped once, with the sum."""
-        k = update_shards(plan)
-        units = [
-            ((q, r), layer_shard(pack, r, k))
-            for q, pack in enumerate(plan.bwd_packs)
-            for r in range(k)
-        ]
-        owner: dict[int, tuple[int, int]] = {}
-        for key, layers in units:
-            for i in layers:
-                for p in self.layers[i].parameters():
-                    if id(p) in owner and owner[id(p)][0] == key[0] and owner[id(p)] != key:
-                        raise HarmonyError(
-                            "tied weights inside one backward pack are not supported with data "
-                            "parallel updates; put the tied layers in different packs or use "
-                            "harmony-pp"
-                        )
-                    owner.setdefault(id(p), key)
-        out: dict[tuple[int, int], list[nn.Parameter]] = {}
-        for key, layers in units:
-            seen: set[int] = set()
-            out[key] = [
-                p
-                for i in layers
-                for p in self.layers[i].parameters()
-                if owner[id(p)] == key and not (id(p) in seen or seen.add(id(p)))
-            ]
-        return out
-
-    def split_ties(self, start: int, stop: int) -> list[tuple[int, str, nn.Parameter]]:
-        """The parameters that layers [start, stop) share with layers outside it,
-        each as (layer, name) of its first use inside, and the parameter."""
-        found = self._split_ties.get((start, stop))
-        if found is None:
-            found = []
-            for uses in self.tied.values():
-                inside = [(i, name) for i, name in uses if start <= i < stop]
-                if inside and len(inside) < len(uses):
-                    i, name = inside[0]
-                    found.append((i, name, self.host_params[i][name]))
-            self._split_ties[(start, stop)] = found
-        return found
-
-    def replica(self, gpu: int, index: int) -> nn.Module:
-        """Layer ``index`` to run on GPU ``gpu``: the host module on the first GPU, a
-        weightless copy on the others (``functional_call`` swaps the weights of the
-        module it runs, so two GPUs must not run the same module object)."""
-        if gpu == 0:
-            return self.layers[index]
-        with self._replica_lock:
-            module = self._replicas.get((gpu, index))
-            if module is None:
-                module = weightless_copy(self.layers[index])
-                self._replicas[(gpu, index)] = module
-            return module
+    def step_context(self) -> StepContext:
+        """What the next step reads of this engine."""
+        return StepContext(
+            host=self.host,
+            backends=self.backends,
+            plan=self.plan,
+            optimizers=self.optimizers,
+            loss_fn=self.loss_fn,
+            model_name=type(self.model).__name__,  # the name its spec is described with
+            compute_dtype=self.compute_dtype,
+            norm_tensors=self.norm_tensors,
+            loss_scale=self.loss_scale,
+            seed=self.seed,
+            step=self.step_count,
+            rng_lock=self.rng_lock,
+            journal=self.journal if self.safe_updates else None,
+            sync=self.sync,
+        )
 
     def _graph(self, inputs: tuple, target: torch.Tensor) -> TaskGraph:
         if self.spec is None:
@@ -422,6 +301,7 @@ class Engine:
             # the profile has the same sizes as the description, and times: the play
             # that fixes the memory order then resembles the run
             graph = build_graph(self.profile or self.spec, self.hardware(), self.plan)
+            check_updates_run_where_state_is(graph, self.plan)
             check_host_memory(self, graph)
             self._graph_cache = graph
             # buffers are admitted on the devices in the simulator's order: the engine's
@@ -432,50 +312,18 @@ class Engine:
         return self._graph_cache
 
     # ---- one step -----------------------------------------------------------------
-    def _check_like_first(self, inputs: tuple, target: torch.Tensor) -> None:
-        """Every minibatch must look like the first (the plan and the graph were
-        made for its shapes); say so before anything runs."""
-        kinds = _kinds(inputs, target)
-        first = self._batch_kinds
-        if first is not None and kinds != first:
-
-            def show(ks):
-                return ", ".join(
-                    f"[B, {', '.join(map(str, shape))}] {dtype}" for shape, dtype in ks
-                )
-
-            raise HarmonyError(
-                f"this minibatch's inputs and target are {show(kinds)}, but the engine was set up "
-                f"for {show(first)}; give every step minibatches of the same shapes and dtypes"
-            )
-
     def step(self, inputs, target: torch.Tensor) -> float:
         """One synchronous SGD iteration over a minibatch; returns its mean loss."""
         from .step import StepRun
 
         inputs = as_args(inputs)
-        if not isinstance(target, torch.Tensor) or not all(
-            isinstance(t, torch.Tensor) for t in inputs
-        ):
-            given = ", ".join(type(t).__name__ for t in (*inputs, target))
-            raise HarmonyError(
-                f"step(inputs, target) takes torch tensors (inputs: a tensor or a tuple of "
-                f"tensors), got {given}; convert with torch.as_tensor"
-            )
-        if target.shape[0] != self.minibatch_size or any(
-            t.shape[0] != self.minibatch_size for t in inputs
-        ):
-            raise HarmonyError(
-                f"expected a minibatch of {self.minibatch_size} samples (dimension 0), got inputs "
-                f"{[tuple(t.shape) for t in inputs]} and target {tuple(target.shape)}"
-            )
-        self._check_like_first(inputs, target)
+        check_batch(inputs, target, self.minibatch_size, self._batch_kinds)
         graph = self._graph(inputs, target)
         if self._batch_kinds is None:  # the model ran on it: later minibatches must look the same
-            self._batch_kinds = _kinds(inputs, target)
+            self._batch_kinds = batch_kinds(inputs, target)
         if self.sync is not None:
             self.sync.start_step()
-        run = StepRun(self, graph, inputs, target, memory_order=self._memory_order)
+        run = StepRun(self.step_context(), graph, inputs, target, memory_order=self._memory_order)
         try:
             run.execute()
         except NonFiniteError as caught:
@@ -565,83 +413,3 @@ class Engine:
         )
         engine._continue(state, plan, str(path))
         return engine
-
-
-def check_on_host(layers: list[nn.Module]) -> None:
-    """The model is the host copy of the weights: its tensors must be real and in
-    host memory."""
-    for i, layer in enumerate(layers):
-        for name, t in (*layer.named_parameters(), *layer.named_buffers()):
-            if t.device.type == "meta":
-                raise HarmonyError(
-                    f"layer {i} ({type(layer).__name__}) has {name} on the meta device, which "
-                    "holds no values: build the model on the CPU (e.g. harmony.zoo.build(name, "
-                    "device='cpu')) or load its weights first (module.to_empty(device='cpu') and "
-                    "a state_dict)"
-                )
-            if t.device.type != "cpu":
-                raise HarmonyError(
-                    f"layer {i} ({type(layer).__name__}) has {name} on {t.device}: the engine "
-                    "keeps the model in host memory and moves packs to the devices itself; pass "
-                    "the model on the CPU (model.to('cpu')) and the GPUs as device="
-                )
-
-
-def check_same_sizes(given: ModelSpec, described: ModelSpec) -> None:
-    """A cost model given to the engine must be of its chain, in its precision."""
-    if len(given) != len(described):
-        raise HarmonyError(
-            f"the spec given has {len(given)} layers but the model has {len(described)}: "
-            "give the spec harmony.profile made of this model's layers"
-        )
-    for i, (a, b) in enumerate(zip(given.layers, described.layers)):
-        if (given.weight_bytes(i, i + 1), given.input_bytes(i, 1)) != (
-            described.weight_bytes(i, i + 1),
-            described.input_bytes(i, 1),
-        ):
-            raise HarmonyError(
-                f"layer {i} of the spec given ({a.name}) has other sizes than the model's "
-                f"({b.name}): {given.weight_bytes(i, i + 1)} vs "
-                f"{described.weight_bytes(i, i + 1)} bytes of weights, {given.input_bytes(i, 1)} "
-                f"vs {described.input_bytes(i, 1)} bytes of input per sample; give the spec "
-                "harmony.profile made of this model, in the engine's precision"
-            )
-
-
-def check_optimizer_holds(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-    """The optimizer a factory made must step exactly the parameters it was given
-    (one optimizer per pack): one built over ``model.parameters()`` would step
-    every weight once per pack."""
-    given = {id(p) for p in params}
-    held = optimizer_params(opt)
-    foreign = sum(1 for p in held if id(p) not in given)
-    missing = len(given - {id(p) for p in held})
-    if foreign or missing or len(held) != len({id(p) for p in held}):
-        raise HarmonyError(
-            f"the optimizer factory was given {len(given)} parameters but built an optimizer over "
-            f"{len(held)} ({foreign} not among those given, {missing} of those given left out): "
-            "build it over the parameters passed in, e.g. lambda params: "
-            "torch.optim.AdamW(params, lr=3e-4), not over model.parameters()"
-        )
-
-
-def weightless_copy(layer: nn.Module) -> nn.Module:
-    """``layer`` with every parameter and buffer replaced by a tensor on the meta
-    device, shared where the layer shares it: a parameter that two submodules
-    hold (tied weights inside one layer) stays one parameter, so
-    ``functional_call`` ties both names to the one device tensor it is given.
-    Nothing is copied (``deepcopy`` then ``.to("meta")`` would copy every weight
-    and untie shared ones)."""
-    memo: dict[int, object] = {}
-    for p in layer.parameters():
-        memo[id(p)] = nn.Parameter(
-            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
-        )
-    for b in layer.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(layer, memo)
-
-
-def _kinds(inputs: tuple, target: torch.Tensor) -> tuple:
-    """Per-sample shapes and dtypes of a minibatch."""
-    return tuple((tuple(t.shape[1:]), t.dtype) for t in (*inputs, target))

@@ -110,8 +110,8 @@ class Executor:
                 if self.admission is not None:
                     try:
                         self.admission.start(pick)
-                    except BaseException as e:  # noqa: BLE001 - out of memory: re-raised from run()
-                        self._fail(e)
+                    except BaseException as e:  # noqa: BLE001
+                        self._fail(e)  # out of memory: re-raised from run()
                         return
                     self._wake_waiting()
             self.start[pick] = time.perf_counter() - t0

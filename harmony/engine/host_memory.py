@@ -19,7 +19,18 @@ import torch
 
 from ..costs.hardware import format_bytes
 from ..errors import HarmonyError
-from ..graph import ACT_IN, ACT_OUT, DATA_IN, P2P, STASH_IN, STASH_OUT, W_IN, TaskGraph
+from ..graph import (
+    ACT_IN,
+    ACT_OUT,
+    DATA_IN,
+    G_IN,
+    OPT_IN,
+    P2P,
+    STASH_IN,
+    STASH_OUT,
+    W_IN,
+    TaskGraph,
+)
 from .updates import optimizer_params
 
 if TYPE_CHECKING:
@@ -60,17 +71,16 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
         grads += sum(
             p.numel() * p.element_size()
             for p in params
-            if not engine.host_layout.has_grad_buffer(p)
+            if not engine.host.layout.has_grad_buffer(p)
         )
         optimizer += _state_slots(opt) * size
     moved = graph.bytes_by_kind()
-    stash, offloaded = (
-        moved.get(STASH_OUT, 0.0),
-        moved.get(ACT_OUT, 0.0),
-    )  # the whole minibatch's, at once
+    # the whole minibatch's, at once
+    stash, offloaded = moved.get(STASH_OUT, 0.0), moved.get(ACT_OUT, 0.0)
     emulated = 0.0
     if any(b.kind == "emulated" for b in engine.backends):
-        emulated = sum(moved.get(kind, 0.0) for kind in (W_IN, DATA_IN, STASH_IN, ACT_IN, P2P))
+        into = (W_IN, DATA_IN, STASH_IN, ACT_IN, P2P, G_IN, OPT_IN)
+        emulated = sum(moved.get(kind, 0.0) for kind in into)
     return {
         "gradients": grads,
         "optimizer state": optimizer,

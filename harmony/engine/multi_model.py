@@ -131,9 +131,7 @@ class _Training:
         shared = threading.Lock()  # every model seeds torch's one CPU generator
         for m, engine in enumerate(self.engines):
             engine.rng_lock = shared
-            for k in {p.gpu for p in self.sched.placements if p.job == m} - {0}:
-                for i in range(len(engine.layers)):
-                    engine.replica(k, i)  # made now, while no step is swapping weights in
+            engine.host.make_replicas({p.gpu for p in self.sched.placements if p.job == m} - {0})
         # the server's memory taken in the order the simulator played the merged graph
         admission = MemoryOrder(
             self.sched.graph,
@@ -165,9 +163,8 @@ class _Training:
             run = self.running.get((m, s))
             if run is None:
                 x, y = self.batches[m][s]
-                run = StepRun(
-                    self.engines[m], self.sched.views[(m, s)], as_args(x), y, self.shared
-                )
+                context = self.engines[m].step_context()
+                run = StepRun(context, self.sched.views[(m, s)], as_args(x), y, self.shared)
                 self.running[(m, s)] = run
             return run
 

@@ -137,9 +137,8 @@ class FlatAdamW(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault(
-            "_flat", {}
-        )  # unpickled: the moments are copied into new buffers at the next step
+        # unpickled: the moments are copied into new buffers at the next step
+        self.__dict__.setdefault("_flat", {})
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -201,9 +200,8 @@ class FlatAdamW(torch.optim.Optimizer):
                     ):
                         state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
                 params.append(p)
-                grads.append(
-                    p.grad.contiguous()
-                )  # the fused kernel reads raw memory: it needs dense tensors
+                # the fused kernel reads raw memory: it needs dense tensors
+                grads.append(p.grad.contiguous())
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
                 steps.append(state["step"])

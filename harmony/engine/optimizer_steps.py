@@ -1,0 +1,223 @@
+"""What a step's update tasks do: a pack's optimizer step, on the host or on a GPU.
+
+On the host (Harmony's way): a UPD steps the pack's optimizer, on the host
+tensors, once the pack's gradient is in.
+
+On a GPU (a plan's ``gpu_optimizer``, as the swapping baselines keep the
+optimizer): an OPT_IN copies the pack's parameters, their gradients and the
+optimizer's state to the GPU; the UPD steps a copy of the optimizer made
+over those device tensors (:func:`device_optimizer`: the same class,
+hyperparameters and settings, so the same code and arithmetic as on the
+host); an OPT_OUT copies the parameters and the state back. Data parallel,
+every replica steps the whole pack on its own GPU, as each replica of
+``DistributedDataParallel`` does: all compute the same values, and the host
+copy is written once per step, with the first replica's, once every replica
+has read it (:class:`PackCommits`). Step counters (0-dim tensors) stay in
+host memory, as torch keeps them for an optimizer that does not capture
+CUDA graphs, and are not among the bytes moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import HarmonyError
+from ..graph import OPT_IN, Task, TaskGraph
+from .optim import FlatAdamW
+from .updates import apply_update, check_finite_gradients, optimizer_params
+
+
+@dataclass
+class PackState:
+    """A pack's parameters (with their gradients) and each one's optimizer state,
+    in the optimizer's order: on a GPU after an OPT_IN, on the host after an OPT_OUT."""
+
+    params: list[torch.Tensor]
+    state: list[dict]
+
+
+def _moves(value) -> bool:
+    """Whether a state entry crosses the link (a 0-dim step counter does not)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _kept(value):
+    """A state entry that stays in host memory, as the device's copy of the optimizer sees it."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def device_optimizer(
+    opt: torch.optim.Optimizer, params: list[torch.Tensor], state: list[dict]
+) -> torch.optim.Optimizer:
+    """A copy of ``opt`` over ``params`` (in the order of ``opt``'s) with ``state``,
+    made as unpickling makes one: its class's own code steps it, with ``opt``'s
+    hyperparameters and settings."""
+    if isinstance(opt, FlatAdamW) and any(p.device.type != "cpu" for p in params):
+        raise HarmonyError(
+            "FlatAdamW steps tensors in host memory and cannot step on a GPU (the plan's "
+            "gpu_optimizer): use torch.optim.AdamW"
+        )
+    groups, at = [], 0
+    for group in opt.param_groups:
+        n = len(group["params"])
+        groups.append({**group, "params": params[at : at + n]})
+        at += n
+    twin = type(opt).__new__(type(opt))
+    twin.__setstate__(
+        {
+            **opt.__getstate__(),
+            "defaults": dict(opt.defaults),
+            "param_groups": groups,
+            "state": defaultdict(dict, zip(params, state)),
+        }
+    )
+    return twin
+
+
+class PackCommits:
+    """When each pack's host copy is written: by its first replica's OPT_OUT or
+    by the pack's last OPT_IN, whichever ends last (no replica may read a host
+    copy another replica has already updated)."""
+
+    def __init__(self, graph: TaskGraph):
+        self.readers = Counter(t.pack for t in graph.tasks if t.kind == OPT_IN)
+        self.staged: dict[int, PackState] = {}
+        self.lock = threading.Lock()
+
+    def read(self, pack: int) -> PackState | None:
+        """An OPT_IN of ``pack`` has read the host copy; the result to write, if now."""
+        with self.lock:
+            self.readers[pack] -= 1
+            return self.staged.pop(pack, None) if self.readers[pack] == 0 else None
+
+    def stepped(self, pack: int, replica: int, result: PackState) -> PackState | None:
+        """Replica ``replica`` has sent its ``result`` to the host; the result to write, if now."""
+        if replica != 0:  # the same values as the first replica's
+            return None
+        with self.lock:
+            if self.readers[pack] == 0:
+                return result
+            self.staged[pack] = result
+            return None
+
+
+class Updates:
+    """Reads what :class:`~harmony.engine.step.StepRun` sets up (``ctx``, ``graph``,
+    ``store``, ``lock``, ``tasks_left``, ``poisoned``, ``commits``) and uses
+    :class:`~.step_memory.StepMemory`."""
+
+    def update(self, task: Task) -> None:
+        if task.device != "cpu":
+            self.device_update(task)
+            return
+        key = (task.pack, task.data.shard[0])
+        opt = self.ctx.optimizers[key]
+        if opt is None:
+            return
+        sync = self.ctx.sync
+        with sync.update(key) if sync is not None else contextlib.nullcontext():
+            if sync is not None:
+                sync.average(key, optimizer_params(opt), poison=self.poisoned is not None)
+            if self.ctx.loss_scale != 1.0:
+                grads = [p.grad for p in optimizer_params(opt) if p.grad is not None]
+                if grads:
+                    torch._foreach_div_(grads, self.ctx.loss_scale)
+            apply_update(opt, task.layers, key, self._journal())
+        opt.zero_grad(set_to_none=True)
+
+    def _journal(self):
+        """The journal an update records in: none once every other task has ended."""
+        with self.lock:
+            pending = self.tasks_left > 1  # tasks other than this one
+        return self.ctx.journal if pending else None
+
+    # ---- on a GPU -----------------------------------------------------------------------
+    def state_in(self, task: Task) -> None:
+        """OPT_IN: the pack's parameters, gradients and optimizer state to the GPU."""
+        started = time.perf_counter()
+        opt = self.ctx.optimizers[(task.pack, 0)]
+        params = optimizer_params(opt) if opt is not None else []
+        state = [opt.state.get(p, {}) for p in params]
+        grads = [p.grad for p in params if p.grad is not None]
+        moving = params + grads + [v for s in state for v in s.values() if _moves(v)]
+        size = sum(t.numel() * t.element_size() for t in moving)
+        self.reserve(task.io["dst"], size)
+        # a blocking copy: once this task ends, another may write the host copy
+        copies = iter(
+            self.to_device(
+                self.backends[task.device],
+                moving,
+                [t.dtype for t in moving],
+                fresh=True,
+                non_blocking=False,
+            )
+        )
+        on_device = [next(copies) for _ in params]
+        for p, d in zip(params, on_device):
+            if p.grad is not None:
+                d.grad = next(copies)
+        device_state = [
+            {k: next(copies) if _moves(v) else _kept(v) for k, v in s.items()} for s in state
+        ]
+        self.put(task.io["dst"], PackState(on_device, device_state))
+        self._moved(task, size, started)
+        if opt is not None:
+            self._write(task.pack, self.commits.read(task.pack))
+
+    def device_update(self, task: Task) -> None:
+        """UPD on a GPU: the optimizer's step over the tensors the OPT_IN brought."""
+        opt = self.ctx.optimizers[(task.pack, 0)]
+        if opt is None:
+            return
+        brought = next(
+            self.graph.tasks[d] for d in task.deps if self.graph.tasks[d].kind == OPT_IN
+        )
+        held: PackState = self.store[brought.io["dst"]]
+        twin = device_optimizer(opt, held.params, held.state)
+        check_finite_gradients(twin, task.layers)
+        twin.step()
+        held.state = [twin.state.get(p, {}) for p in held.params]
+
+    def state_out(self, task: Task) -> None:
+        """OPT_OUT: the updated parameters and state back to the host."""
+        started = time.perf_counter()
+        held: PackState = self.store[task.io["src"][0]]
+        moving = held.params + [v for s in held.state for v in s.values() if _moves(v)]
+        copies = iter(self.to_host(self.backends[task.device], moving, non_blocking=False))
+        params = [next(copies) for _ in held.params]
+        state = [{k: next(copies) if _moves(v) else v for k, v in s.items()} for s in held.state]
+        self._moved(task, sum(t.numel() * t.element_size() for t in moving), started)
+        if self.ctx.optimizers[(task.pack, 0)] is not None:
+            result = PackState(params, state)
+            self._write(task.pack, self.commits.stepped(task.pack, task.data.shard[0], result))
+
+    def _write(self, pack: int, result: PackState | None) -> None:
+        """The host copy of ``pack``'s parameters and optimizer state becomes ``result``
+        (journaled while other tasks may still fail), and its gradients are dropped."""
+        if result is None:
+            return
+        key = (pack, 0)
+        opt = self.ctx.optimizers[key]
+        journal = self._journal()
+        if journal is not None:
+            journal.record(key, opt)
+        params = optimizer_params(opt)
+        with torch.no_grad():
+            for p, new, state in zip(params, result.params, result.state):
+                p.copy_(new)
+                old = opt.state.get(p)
+                if not old:
+                    opt.state[p] = {k: _kept(v) for k, v in state.items()}
+                    continue
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and isinstance(old.get(k), torch.Tensor):
+                        old[k].copy_(v)  # in place: an optimizer may hold views of its state
+                    else:
+                        old[k] = _kept(v)
+        opt.zero_grad(set_to_none=True)

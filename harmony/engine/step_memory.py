@@ -1,0 +1,239 @@
+"""A step's bookkeeping: the device memory its buffers hold, its copies, its bytes.
+
+:class:`StepMemory` is the part of :class:`~harmony.engine.step.StepRun` that
+keeps what each graph buffer holds on its device (charged to that device's
+ledger, dropped when the graph frees the buffer), takes pooled buffers for
+the step's copies (given back when the step ends), converts values to the
+dtype they cross the links in under mixed precision, and counts the bytes
+each task moves (pacing them to the emulated links).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from ..costs.hardware import format_bytes
+from ..graph import Task
+from .buffers import BufferPool, copy_runs
+from .devices import Backend
+from .meters import WorkMeter
+
+
+def nbytes(value) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or tuples, lists, dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    return 0
+
+
+def assemble(pieces: list[tuple[tuple[int, int], tuple]], a: int, b: int) -> tuple:
+    """The samples [a, b) of a value split in sample ranges (batch dimension 0)."""
+    pieces = sorted(pieces, key=lambda p: p[0][0])
+    if len(pieces) == 1 and pieces[0][0] == (a, b):
+        return pieces[0][1]
+    lo = pieces[0][0][0]
+    out = []
+    for i in range(len(pieces[0][1])):
+        parts = [p[1][i] for p in pieces]
+        if parts[0] is None:
+            out.append(None)
+            continue
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out.append(whole[a - lo : b - lo])
+    return tuple(out)
+
+
+class StepMemory:
+    """Reads what :class:`~harmony.engine.step.StepRun` sets up: ``ctx``, ``graph``,
+    ``backends``, ``lock``, ``store``, ``charged``, ``refs``, ``taken``, ``dtype``,
+    ``pacer``, ``paced``, ``moved``, ``moved_task``, ``tasks_left``."""
+
+    # ---- bookkeeping --------------------------------------------------------------
+    # The executor charges each buffer's declared bytes to its device when the task
+    # that makes it is admitted (see harmony.engine.admission); a step only notes the
+    # bytes its tensors really take and charges what goes beyond the declared size.
+    def reserve(self, buf: int, nbytes: int) -> None:
+        """``buf`` is about to hold ``nbytes`` (before a copy fills it)."""
+        b = self.graph.buffers[buf]
+        ledger = self.backends[b.device].ledger
+        excess = max(0.0, nbytes - b.nbytes)
+        if excess:
+            ledger.charge(
+                excess,
+                f"{b.what}, beyond the {format_bytes(b.nbytes)} its spec declared",
+                declared=False,
+            )
+        ledger.note_held(nbytes)
+        with self.lock:
+            self.charged[buf] = (nbytes, excess)
+
+    def put(self, buf: int, value) -> None:
+        """Keep ``value`` in ``buf`` (noting its bytes unless reserved)."""
+        if buf not in self.charged:
+            self.reserve(buf, nbytes(value))
+        with self.lock:
+            self.store[buf] = value
+
+    def finish(self, task: Task) -> None:
+        with self.lock:
+            self.tasks_left -= 1
+        for b in task.releases:
+            with self.lock:
+                self.refs[b] -= 1
+                last = self.refs[b] == 0
+                if last:
+                    self.store.pop(b, None)
+                    n, excess = self.charged.pop(b, (0, 0.0))
+            if last:
+                self._give_back(b, n, excess)
+
+    def _give_back(self, buf: int, nbytes: float, excess: float) -> None:
+        ledger = self.backends[self.graph.buffers[buf].device].ledger
+        ledger.note_held(-nbytes)
+        ledger.release(excess, declared=False)
+
+    def work_meter(self, task: Task) -> WorkMeter:
+        """The meter of what ``task`` holds beyond its buffers, against its declared working
+        memory."""
+        declared = self.graph.buffers[task.io["work"]].nbytes if "work" in task.io else 0.0
+        return WorkMeter(self.backends[task.device].ledger, declared, f"{task.what}")
+
+    def take(self, pool: BufferPool, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer from ``pool``, given back when the step ends."""
+        t = pool.take(numel, dtype)
+        if numel:
+            with self.lock:
+                self.taken.append((t, pool))
+        return t
+
+    def close(self) -> None:
+        """The step is over (done or failed): every buffer taken from a pool goes back."""
+        with self.lock:
+            taken, self.taken = self.taken, []
+        for t, pool in taken:
+            pool.give(t)
+
+    def allocations(self) -> tuple[int, int]:
+        """(tensors, bytes) the pools and the host gradient buffers have made so far."""
+        pools = [b.pool for b in self.backends.values() if b.pool is not None] + [
+            self.ctx.host.pool
+        ]
+        grads = self.ctx.host.layout
+        return (
+            sum(p.allocations for p in pools) + grads.allocations,
+            sum(p.allocated_bytes for p in pools) + grads.allocated_bytes,
+        )
+
+    def pieces(self, bufs: list[int]) -> list:
+        return [(self.graph.buffers[b].samples, self.store[b]) for b in bufs]
+
+    # ---- mixed precision --------------------------------------------------------------
+    def low(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as it crosses a link or waits in a buffer: floating point in the
+        compute dtype under mixed precision, unchanged otherwise."""
+        if self.dtype is None or not t.is_floating_point() or t.dtype == self.dtype:
+            return t
+        return t.detach().to(self.dtype)
+
+    def wire(self, value: tuple) -> tuple:
+        return (
+            value
+            if self.dtype is None
+            else tuple(None if t is None else self.low(t) for t in value)
+        )
+
+    def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+
+    def wire_bytes(self, t: torch.Tensor) -> int:
+        return t.numel() * self.wire_dtype(t).itemsize
+
+    # ---- copies -------------------------------------------------------------------------
+    def to_device(
+        self,
+        backend: Backend,
+        tensors: list[torch.Tensor],
+        dtypes: list[torch.dtype] | None = None,
+        fresh: bool = False,
+        non_blocking: bool = True,
+    ) -> list[torch.Tensor]:
+        """``tensors`` on ``backend``'s device in ``dtypes`` (default: their wire
+        dtype): views of one flat buffer per dtype, filled by as few copies as
+        the host layout allows. ``fresh``: copies even where the device computes
+        on host memory (what the device writes must not reach the host tensors);
+        ``non_blocking`` False: the copies are complete on return."""
+        dtypes = [self.wire_dtype(t) for t in tensors] if dtypes is None else dtypes
+        same = all(d == t.dtype for d, t in zip(dtypes, tensors))
+        if not backend.copies and same and not fresh:
+            return [t.detach() for t in tensors]  # the device computes on host memory as it is
+        out: list = [None] * len(tensors)
+        for dtype in dict.fromkeys(dtypes):
+            chosen = [k for k, d in enumerate(dtypes) if d == dtype]
+            numel = sum(tensors[k].numel() for k in chosen)
+            flat = (
+                torch.empty(numel, dtype=dtype, device=backend.torch_device)
+                if backend.pool is None
+                else self.take(backend.pool, numel, dtype)
+            )
+            pairs, offset = [], 0
+            for k in chosen:
+                t = tensors[k]
+                piece = flat[offset : offset + t.numel()]
+                out[k] = piece.view(t.shape).detach()
+                pairs.append((piece, t.detach()))
+                offset += t.numel()
+            for dst, src in copy_runs(pairs):
+                dst.copy_(src, non_blocking=non_blocking)
+        return out
+
+    def to_host(
+        self, backend: Backend, tensors: list[torch.Tensor], non_blocking: bool = True
+    ) -> list[torch.Tensor]:
+        """``tensors`` in host buffers from the host pool (page-locked for a GPU), in
+        their wire dtype; on a GPU, ready when the lane's stream has drained
+        unless ``non_blocking`` is False."""
+        if not backend.copies and all(self.wire_dtype(t) == t.dtype for t in tensors):
+            return [t.detach() for t in tensors]
+        out = []
+        for t in tensors:
+            out.append(self.take(self.ctx.host.pool, t.numel(), self.wire_dtype(t)).view(t.shape))
+            out[-1].copy_(t, non_blocking=non_blocking)
+        return out
+
+    def autocast(self, task: Task):
+        """Forward computation in the compute dtype, as ``torch.autocast`` runs it."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.backends[task.device].torch_device.type, dtype=self.dtype)
+
+    # ---- bytes moved -------------------------------------------------------------------
+    def _moved(self, task: Task, n: float, started: float) -> None:
+        """Count ``n`` bytes for ``task`` and, emulated, make the copy last as long
+        as the links of its route allow."""
+        if self.paced:
+            self.pacer.wait(task.links, n, task.max_rate, started)
+        with self.lock:
+            self.moved[task.kind] += n
+            self.moved_task[task.id] = self.moved_task.get(task.id, 0.0) + n
+
+    def _copy(self, task: Task, value, to_device: bool):
+        """``value`` copied to the task's device (or to host) in the wire dtype; a
+        copy to the device charges its destination buffer before it starts."""
+        started = time.perf_counter()
+        backend = self.backends[task.device]
+        present = [v for v in value if v is not None]
+        if to_device:
+            self.reserve(task.io["dst"], sum(self.wire_bytes(v) for v in present))
+            copies = iter(self.to_device(backend, present))
+        else:
+            copies = iter(self.to_host(backend, present))
+        out = tuple(None if v is None else next(copies) for v in value)
+        self._moved(task, nbytes(out), started)
+        return out

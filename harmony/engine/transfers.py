@@ -1,0 +1,207 @@
+"""What a step's transfer tasks do: weights, data, activations and gradients moved.
+
+:class:`Transfers` is the part of :class:`~harmony.engine.step.StepRun` that
+copies a pack's weights to its GPU (W_IN), the minibatch (DATA_IN), stashed
+inputs and offloaded activations out and back (STASH_*, ACT_*), activations
+between GPUs (P2P), and gradients to the host (G_OUT), where they are summed
+into each parameter's ``.grad``; with the plan's ``gpu_gradients`` the sums
+stay on the GPUs (G_IN, REDUCE: see :mod:`.accumulators`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..graph import Task, TiedGradients
+from ..plan import layer_shard
+from .buffers import copy_runs
+from .step_memory import assemble
+
+
+class Transfers:
+    """Reads what :class:`~harmony.engine.step.StepRun` sets up (``ctx``, ``graph``,
+    ``inputs``, ``target``, ``store``, ``on_host``, ``lock``, ``grads_lock``,
+    ``splits_ties``, ``ties``, ``accumulators``, ``buffer_version``,
+    ``loaded_version``) and uses :class:`~.step_memory.StepMemory`."""
+
+    def weights_in(self, task: Task) -> None:
+        s, e = task.layers
+        backend = self.backends[task.device]
+        backward = "grads" in task.io
+        started = time.perf_counter()
+        # a tensor that several layers of the pack share crosses once, and they share
+        # its copy (so autograd sums their gradients as it does in the model)
+        entries, aliases, first = [], [], {}
+        for i in range(s, e):
+            for is_param, tensors in (
+                (True, self.ctx.host.params[i]),
+                (False, self.ctx.host.buffers[i]),
+            ):
+                for name, t in tensors.items():
+                    if id(t) in first:
+                        aliases.append((i, name, first[id(t)]))
+                    else:
+                        first[id(t)] = (i, name)
+                        entries.append((i, name, t, is_param))
+        # under mixed precision, BatchNorm's parameters and statistics keep their dtype
+        dtypes = [
+            t.dtype if name in self.ctx.norm_tensors[i] else self.wire_dtype(t)
+            for i, name, t, _ in entries
+        ]
+        sizes = [t.numel() * d.itemsize for (_, _, t, _), d in zip(entries, dtypes)]
+        self.reserve(task.io["weights"], sum(sizes))
+        split = (
+            {id(p) for _, _, p in self.ctx.host.split_ties(s, e)} if self.splits_ties else set()
+        )
+        if backward:
+            self.reserve(
+                task.io["grads"],
+                sum(
+                    n
+                    for (_, _, t, is_param), n in zip(entries, sizes)
+                    if is_param and t.requires_grad and id(t) not in split
+                ),
+            )
+        with self.lock:  # read before the copy: a write-back during it shows as a newer version
+            self.loaded_version[task.io["weights"]] = {
+                i: self.buffer_version[i] for i in range(s, e) if self.ctx.host.buffers[i]
+            }
+        device = self.to_device(backend, [t for _, _, t, _ in entries], dtypes)
+        weights: dict[int, dict] = {i: {} for i in range(s, e)}
+        for (i, name, t, is_param), d in zip(entries, device):
+            # requires_grad as in the model, forward packs too: some kernels choose
+            # how to compute by it (matmul folds batch dimensions when the weight
+            # requires grad), and forward must compute as the plain loop does
+            weights[i][name] = d.requires_grad_(is_param and t.requires_grad)
+        for i, name, (j, other) in aliases:
+            weights[i][name] = weights[j][other]
+        self._moved(task, sum(d.numel() * d.element_size() for d in device), started)
+        self.put(task.io["weights"], weights)
+        if backward:
+            # the gradients this group accumulates: a shared tensor's under its first
+            # name only, a split tie's not at all (it leaves per microbatch)
+            owned = {(i, name) for i, name, t, _ in entries if id(t) not in split}
+            leaves = {
+                i: {k: v for k, v in weights[i].items() if v.requires_grad and (i, k) in owned}
+                for i in range(s, e)
+            }
+            self.put(task.io["grads"], leaves)
+
+    def data_in(self, task: Task) -> None:
+        what, (a, b) = task.data.what, task.data.samples
+        value = tuple(t[a:b] for t in self.inputs) if what == "inputs" else (self.target[a:b],)
+        self.put(task.io["dst"], self._copy(task, value, to_device=True))
+
+    def host_in(self, task: Task) -> None:
+        kind, layer, (a, b) = task.data.what, task.data.layer, task.data.samples
+        if kind == "stash" and layer == 0:
+            value = tuple(t[a:b] for t in self.inputs)
+        else:
+            with self.lock:
+                pieces = [p for p in self.on_host[(kind, layer)] if p[0][0] < b and a < p[0][1]]
+            value = assemble(pieces, a, b)
+        self.put(task.io["dst"], self._copy(task, value, to_device=True))
+
+    def host_out(self, task: Task) -> None:
+        kind, layer, (a, b) = task.data.what, task.data.layer, task.data.samples
+        value = assemble(self.pieces(task.io["src"]), a, b)
+        out = self._copy(task, value, to_device=False)
+        with self.lock:
+            self.on_host[(kind, layer)].append(((a, b), out))
+
+    def peer_in(self, task: Task) -> None:
+        a, b = task.data.samples
+        value = assemble(self.pieces(task.io["src"]), a, b)
+        self.put(task.io["dst"], self._copy(task, value, to_device=True))
+
+    def reduce(self, task: Task) -> None:
+        """One GPU's share of a reduce-scatter: its bytes cross the peer link here;
+        the sums themselves are formed, in GPU order, when each shard goes out. With
+        gradient sums on the GPUs, its share of an all-reduce of the accumulators."""
+        started = time.perf_counter()
+        if self.accumulators is not None:
+            self.accumulators.all_reduce(task, self.store)
+        self._moved(task, task.nbytes, started)
+
+    def grads_out(self, task: Task) -> None:
+        """A pack's gradient (data parallel: one shard, summed over the GPUs in
+        order) into the host copy's ``.grad``: added to it, or with gradient sums
+        on the GPUs, the sum of every microbatch in place of it."""
+        if isinstance(task.data, TiedGradients):
+            self.tied_out(task)
+            return
+        if self.accumulators is not None and not self.accumulators.is_final(task):
+            self.swap_out(task)
+            return
+        (s, e), (r, k) = task.data.layers, task.data.shard
+        started = time.perf_counter()
+        replicas = [self.store[b] for b in task.io["src"]]
+        sums = []  # (host parameter, gradient on the device)
+        for i in layer_shard((s, e), r, k):
+            for name in replicas[0][i]:
+                grads = [rep[i][name].grad for rep in replicas if rep[i][name].grad is not None]
+                if not grads:
+                    continue
+                g = grads[0]
+                for other in grads[1:]:  # the replicas' sum, formed in GPU order
+                    g = g + other.to(g.device, non_blocking=True)
+                sums.append((self.ctx.host.params[i][name], g))
+        # Several GPUs may send gradients of the same parameters at once (each its
+        # microbatches' share): whether a gradient is the step's first or is added,
+        # and the write itself, happen under one lock, copies complete.
+        replace = self.accumulators is not None
+        with self.grads_lock:
+            first, more = [], []
+            for host, g in sums:
+                if host.grad is None or replace:
+                    if host.grad is None:  # a buffer kept from step to step (float32 under
+                        host.grad = self.ctx.host.layout.grad_buffer(host)  # mixed precision)
+                    first.append((host.grad, g))
+                else:
+                    more.append((host.grad, g))
+            for dst, src in copy_runs(first):
+                dst.copy_(src)
+            for dst, src in more:
+                if src.device != dst.device:  # added on the host, after a copy there
+                    src = self.to_host(self.backends[task.device], [src], non_blocking=False)[0]
+                dst.add_(src)
+        self._moved(task, sum(g.numel() * g.element_size() for _, g in sums), started)
+
+    def tied_out(self, task: Task) -> None:
+        """One microbatch's gradient of the parameters a pack shares with other
+        packs, to the host, where the ties are summed as autograd sums them."""
+        s, (a, b) = task.data.layers[0], task.data.samples
+        started = time.perf_counter()
+        piece = self.store[task.io["src"][0]]
+        keys = list(piece)
+        host = self.to_host(
+            self.backends[task.device], [piece[k] for k in keys], non_blocking=False
+        )
+        self.ties.add(s, (a, b), dict(zip(keys, host)))
+        self._moved(task, sum(piece[k].numel() * piece[k].element_size() for k in keys), started)
+
+    def swap_out(self, task: Task) -> None:
+        """G_OUT of a running sum on the GPU: to its GPU's slot in host memory."""
+        started = time.perf_counter()
+        leaves = self.store[task.io["src"][0]]
+        keys = [
+            (i, name) for i in leaves for name in leaves[i] if leaves[i][name].grad is not None
+        ]
+        grads = [leaves[i][name].grad for i, name in keys]
+        host = self.to_host(self.backends[task.device], grads, non_blocking=False)
+        self.accumulators.slots[(task.device, task.pack)] = dict(zip(keys, host))
+        self._moved(task, sum(g.numel() * g.element_size() for g in grads), started)
+
+    def grads_in(self, task: Task) -> None:
+        """G_IN: the running sum back from host memory into the group's gradients,
+        for its backward to add one more microbatch to (as autograd accumulates)."""
+        started = time.perf_counter()
+        leaves = self.store[task.io["grads"]]
+        slot = self.accumulators.slots[(task.device, task.pack)]
+        targets = [leaves[i][name] for i, name in slot]
+        sums = self.to_device(
+            self.backends[task.device], list(slot.values()), [t.dtype for t in targets]
+        )
+        for leaf, g in zip(targets, sums):
+            leaf.grad = g
+        self._moved(task, sum(g.numel() * g.element_size() for g in sums), started)
