@@ -2,6 +2,7 @@
 
     harmony search   --model gpt2-xl --hardware paper-4x1080ti --minibatch 64
     harmony simulate --model gpt2-xl --hardware paper-4x1080ti --plan plan.json --chrome out.json
+    harmony simulate --model gpt2-xl --minibatch 64 --host-memory 24GiB --disk nvme
     harmony train    --model gpt2-tiny --steps 20 --minibatch 16 --memory 2MB
                      (torchrun: one server per process)
     harmony models | presets | policies
@@ -61,6 +62,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["fp32", "bf16", "fp16"],
         help="plan a run in this precision (mixed: half the bytes on every link, float32 master "
         "weights on the host; default: the cost model's, or the plan's)",
+    )
+    p.add_argument(
+        "--host-memory",
+        default=None,
+        metavar="SIZE",
+        help="host memory for training state and stashes, e.g. 24GiB (default: the preset's); "
+        "what does not fit goes to the disk tier (--disk)",
+    )
+    p.add_argument(
+        "--disk",
+        default=None,
+        metavar="DISK",
+        help="a disk tier under host memory: 'nvme' (PCIe 4.0 NVMe spec sheet) or read,write "
+        "bandwidths, e.g. 3GB/s,2GB/s (default: none: the state must fit host memory)",
     )
 
 
@@ -204,9 +219,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _spec_and_hw(args):
     from .costs.catalog import model_spec
-    from .costs.hardware import preset
+    from .costs.hardware import parse_bytes, parse_disk, preset
 
-    return model_spec(args.model, args.source), preset(args.hardware)
+    hw = preset(args.hardware)
+    if args.host_memory is not None:
+        hw = hw.with_host_memory(parse_bytes(args.host_memory, "--host-memory"))
+    if args.disk is not None:
+        hw = hw.with_disk(parse_disk(args.disk, "--disk"))
+    return model_spec(args.model, args.source), hw
 
 
 def _cmd_search(args) -> int:
@@ -287,7 +307,22 @@ def _cmd_simulate(args) -> int:
         )
     else:
         print(format_summary(plan, trace))
+        if trace.summary.disk_bytes:
+            print(_disk_line(trace.summary, hw))
     return 0
+
+
+def _disk_line(summary, hw) -> str:
+    """What the disk tier moved, next to what the disk can do."""
+    from .costs.hardware import format_bytes
+
+    busy = summary.disk_read_bytes / hw.disk_read + summary.disk_write_bytes / hw.disk_write
+    return (
+        f"disk tier: read {format_bytes(summary.disk_read_bytes)}, write "
+        f"{format_bytes(summary.disk_write_bytes)} per iteration ({busy:.3g} s of disk time at "
+        f"{format_bytes(hw.disk_read)}/s read, {format_bytes(hw.disk_write)}/s write; host "
+        f"memory {format_bytes(hw.host_memory)})"
+    )
 
 
 def _overrides(pairs: list[str]) -> dict:

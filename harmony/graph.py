@@ -8,7 +8,9 @@ of microbatches fixes the order gradients accumulate in, hence exactness);
 transfer and CPU lanes run whichever of their ready tasks has the smallest
 ``seq`` (the data needed soonest first, so a large prefetch never holds up an
 urgent input). Compute tasks have a duration; transfer tasks have bytes and a
-route of links whose bandwidth they share with concurrent transfers.
+route of links whose bandwidth they share with concurrent transfers. State
+that does not fit host memory crosses ``host.disk_read`` / ``host.disk_write``
+(DISK_IN, DISK_OUT; :mod:`harmony.policies.disk_tier` says when).
 
 Memory is a set of :class:`Buffer`: a task *allocates* buffers when it starts
 and *releases* its references when it ends; a buffer is freed when its last
@@ -41,6 +43,9 @@ REDUCE = "REDUCE"  # data-parallel gradient reduce-scatter, per GPU
 G_IN = "G_IN"  # a gradient accumulator host -> GPU, to add one more microbatch to it
 OPT_IN = "OPT_IN"  # weights, gradients and optimizer state host -> GPU, for an update there
 OPT_OUT = "OPT_OUT"  # updated weights and optimizer state GPU -> host
+# Training state that lives on the disk tier under host memory (harmony.policies.disk_tier)
+DISK_IN = "DISK_IN"  # a pack's on-disk state disk -> host, for its update or a weight load
+DISK_OUT = "DISK_OUT"  # a pack's updated on-disk state host -> disk
 
 COMPUTE_KINDS = frozenset({FWD, REC, BWD, FWDBWD, UPD})
 #: kinds whose lane runs strictly in seq order
@@ -59,8 +64,12 @@ TRANSFER_KINDS = frozenset(
         G_IN,
         OPT_IN,
         OPT_OUT,
+        DISK_IN,
+        DISK_OUT,
     }
 )
+#: transfers between host memory and the disk tier (not swap: they use no GPU link)
+DISK_KINDS = (DISK_IN, DISK_OUT)
 
 
 # ---- what a task moves or steps (its payload) ----------------------------------------------
@@ -114,7 +123,21 @@ class Update:
     shard: tuple[int, int] = (0, 1)
 
 
-Payload = Weights | Batch | Activation | Gradients | TiedGradients | Update | None
+@dataclass(frozen=True)
+class DiskState:
+    """Training state kept on the disk tier, between disk and host memory:
+    ``kinds`` (``"weights"``: master weights, ``"optimizer"``: optimizer state) of
+    each backward pack in ``packs``, or of shard ``(r, k)`` of the one pack
+    ``packs[0]`` (the layers :func:`~harmony.plan.layer_shard` gives, as the
+    :class:`Update` it serves). Shard ``(0, 1)`` is the whole pack, in
+    whatever files hold it."""
+
+    packs: tuple[int, ...]
+    kinds: tuple[str, ...]
+    shard: tuple[int, int] = (0, 1)
+
+
+Payload = Weights | Batch | Activation | Gradients | TiedGradients | Update | DiskState | None
 
 
 @dataclass(slots=True)
@@ -122,10 +145,10 @@ class Task:
     id: int
     kind: str
     lane: str
-    device: str  # where it runs: "gpu0".., "cpu"
-    seq: tuple[
-        int, int, int
-    ]  # priority; (op, 0, n) inputs of op, (op, 1, 0) the op, (op, 2, n) after it
+    device: str  # where it runs: "gpu0".., "cpu" (updates), "host" (disk transfers)
+    #: priority; (op, 0, n) inputs of op, (op, 1, 0) the op, (op, 2, n) after it; the
+    #: builder leaves room between the n of its transfers and updates for disk tasks
+    seq: tuple[int, int, int]
     deps: list[int] = field(default_factory=list)
     duration: float = 0.0  # seconds (compute)
     nbytes: float = 0.0  # bytes (transfer)

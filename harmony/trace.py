@@ -4,7 +4,8 @@ the engine, so a comparison (simulated vs measured, policy vs policy) is one joi
 ``timeline`` has one row per task: ``device, lane, kind, model, pack,
 microbatch, start_s, end_s, bytes`` (plus ``layers`` and ``what`` to read it).
 ``summary`` is a :class:`Summary`: the iteration time, samples/s, bytes by
-kind, peak memory per device and the lower bound, and for a step of the
+kind (host<->GPU swap and host<->disk apart), peak memory per device and the
+lower bound (every link, the disk's included, at its bandwidth), and for a step of the
 engine what its ledgers and buffer pools saw. Both executors make their
 trace with :meth:`Trace.from_run`, from the graph, when each task started and
 ended, and the bytes each moved.
@@ -22,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from .graph import UPD, TaskGraph
+from .graph import DISK_IN, DISK_OUT, UPD, TaskGraph
 
 TIMELINE_COLUMNS = [
     "device",
@@ -59,8 +60,9 @@ class Summary:
     bytes_by_kind: dict[str, float]
     peak_memory: dict[str, float]  # bytes per device
     memory_capacity: dict[str, float]
-    #: the slowest of: each GPU's compute, each link's bytes at full bandwidth, the
-    #: CPU updates spread over the workers (``lower_bound_by`` names it)
+    #: the slowest of: each GPU's compute, each link's bytes at full bandwidth (the
+    #: disk tier's ``host.disk_read`` / ``host.disk_write`` too), the CPU updates
+    #: spread over the workers (``lower_bound_by`` names it)
     lower_bound_s: float
     lower_bound_by: str
     policy: str = ""
@@ -85,6 +87,21 @@ class Summary:
         return sum(v for k, v in self.bytes_by_kind.items() if k in HOST_LINK_KINDS)
 
     @property
+    def disk_read_bytes(self) -> float:
+        """Bytes read from the disk tier into host memory (DISK_IN)."""
+        return self.bytes_by_kind.get(DISK_IN, 0.0)
+
+    @property
+    def disk_write_bytes(self) -> float:
+        """Bytes written from host memory to the disk tier (DISK_OUT)."""
+        return self.bytes_by_kind.get(DISK_OUT, 0.0)
+
+    @property
+    def disk_bytes(self) -> float:
+        """Bytes between host memory and the disk tier, both ways (not swap)."""
+        return self.disk_read_bytes + self.disk_write_bytes
+
+    @property
     def fits(self) -> bool:
         return all(self.peak_memory.get(d, 0.0) <= c for d, c in self.memory_capacity.items())
 
@@ -98,6 +115,8 @@ class Summary:
             **asdict(self),
             "samples_per_s": self.samples_per_s,
             "swap_bytes": self.swap_bytes,
+            "disk_read_bytes": self.disk_read_bytes,
+            "disk_write_bytes": self.disk_write_bytes,
             "fits": self.fits,
             "time_over_lower_bound": self.time_over_lower_bound,
         }

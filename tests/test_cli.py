@@ -100,6 +100,26 @@ def test_search_json_is_machine_readable(capsys):
         (["search", "--model", "gpt2-xl", "--minibatch", "8", "--gpus", "16"], "outside 1..4"),
         (["simulate", "--model", "gpt2-xl", "--plan", "/nonexistent/plan.json"], "does not exist"),
         (["simulate", "--model", "gpt2-xl"], "give --plan"),
+        (
+            ["search", "--model", "gpt2-xl", "--minibatch", "8", "--host-memory", "lots"],
+            "cannot read --host-memory 'lots'",
+        ),
+        (
+            ["search", "--model", "gpt2-xl", "--minibatch", "8", "--host-memory", "0"],
+            "host_memory must be a positive number",
+        ),
+        (
+            ["simulate", "--model", "gpt2-xl", "--minibatch", "8", "--disk", "floppy"],
+            "cannot read --disk 'floppy': give a disk by name (nvme)",
+        ),
+        (
+            ["simulate", "--model", "gpt2-xl", "--minibatch", "8", "--disk", "3GB/s"],
+            "read and write bandwidths, e.g. '3GB/s,2GB/s'",
+        ),
+        (
+            ["simulate", "--model", "gpt2-xl", "--minibatch", "8", "--disk", "fast,2GB/s"],
+            "cannot read --disk read bandwidth 'fast'",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(capsys, argv, message):
@@ -124,6 +144,22 @@ def test_listings(capsys):
     ):
         code, out, _ = run(capsys, cmd)
         assert code == 0 and needle in out
+
+
+def test_simulate_with_a_host_budget_and_a_disk_tier(capsys, tmp_path):
+    from harmony import Plan
+    from harmony.costs.catalog import model_spec
+
+    plan = tmp_path / "plan.json"
+    Plan.uniform("harmony-pp", 4, 32, 2, len(model_spec("gpt2-xl")), 4).to_json(plan)
+    argv = ["simulate", "--model", "gpt2-xl", "--plan", str(plan), "--host-memory", "8GiB"]
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "give the server a disk tier (--disk nvme" in err
+    code, out, _ = run(capsys, *argv[:-1], "24GiB", "--disk", "nvme")
+    assert code == 0 and "disk tier: read" in out
+    code, out, _ = run(capsys, *argv[:-1], "24GiB", "--disk", "3GB/s,2GB/s", "--json")
+    summary = json.loads(out)["summary"]
+    assert summary["disk_read_bytes"] > 0 and summary["bytes_by_kind"]["DISK_OUT"] > 0
 
 
 @pytest.mark.parametrize("policy", ["hydra", "karma"])

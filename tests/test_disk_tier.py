@@ -397,20 +397,20 @@ def test_read_only_directory_is_refused(tmp_path):
 
 # ---- placement, pacing, bandwidth ------------------------------------------------
 def test_placement_moves_optimizer_state_out_first():
-    packs = [PackBytes(weights=100, gradients=100, optimizer=200)] * 4  # 1600 in all
-    assert place_state(packs, 2000, reserve=100).on_disk == ()
-    placed = place_state(packs, 1500, reserve=100)  # the last pack's optimizer state first
-    assert placed.on_disk == ((3, "optimizer"), (2, "optimizer"), (1, "optimizer"))
-    assert placed.where(0, "optimizer") == "host" and placed.where(3, "optimizer") == "disk"
-    # state kept, staging for 2 packs, reserve
-    assert placed.host_bytes == 1600 - 600 + 2 * 200 + 100 <= 1500
-    assert placed.read_bytes_per_step == placed.write_bytes_per_step == 600 == placed.disk_bytes
-    assert placed.disk_seconds(read_rate=100, write_rate=50) == 600 / 100 + 600 / 50
-    more = place_state(packs, 1250, reserve=100)  # then master weights, before any gradient
-    assert [k for _, k in more.on_disk] == ["optimizer"] * 4 + ["weights"] * 3
-    assert more.host_bytes == 1600 - 1100 + 2 * 300 + 100 <= 1250  # staging grew to 2 x 300
-    thrice = place_state(packs, 1250, reserve=100, weight_reads=3)
-    assert thrice.read_bytes_per_step == 800 + 3 * 300
+    packs = [PackBytes(weights=100, gradients=100, optimizer=200)] * 8  # 3200 in all
+    assert place_state(packs, 4000, reserve=100).on_disk == ()
+    placed = place_state(packs, 3000, reserve=100)  # the last pack's optimizer state first
+    assert placed.on_disk == tuple((q, "optimizer") for q in (7, 6, 5, 4, 3))
+    assert placed.where(2, "optimizer") == "host" and placed.where(3, "optimizer") == "disk"
+    # state kept, staging for 3 packs (one updated, one read ahead, one written back), reserve
+    assert placed.host_bytes == 3200 - 1000 + 3 * 200 + 100 <= 3000
+    assert placed.read_bytes_per_step == placed.write_bytes_per_step == 1000 == placed.disk_bytes
+    assert placed.disk_seconds(read_rate=100, write_rate=50) == 1000 / 100 + 1000 / 50
+    more = place_state(packs, 2250, reserve=100)  # then master weights, before any gradient
+    assert [k for _, k in more.on_disk] == ["optimizer"] * 8 + ["weights"] * 4
+    assert more.host_bytes == 3200 - 2000 + 3 * 300 + 100 <= 2250  # staging grew to 3 x 300
+    thrice = place_state(packs, 2250, reserve=100, weight_reads=3)
+    assert thrice.read_bytes_per_step == 1600 + 3 * 400
     with pytest.raises(HostBudgetError, match="even with all the state on disk"):
         place_state(packs, 500, reserve=100)
 

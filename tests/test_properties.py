@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 from conftest import (
     POLICY_NAMES,
+    contiguous_packs,
+    fit_to_policy,
     hardwares,
     model_specs,
     plans,
@@ -20,8 +23,11 @@ from hypothesis import strategies as st
 
 import harmony
 from harmony import DeadlockError, OutOfMemoryError, Plan, build_graph, simulate_graph, swap_volume
-from harmony.graph import COMPUTE_KINDS, FWDBWD, TRANSFER_KINDS, W_IN, Task, TaskGraph
+from harmony.costs.placement import STAGED_PACKS, HostMemoryError
+from harmony.graph import COMPUTE_KINDS, DISK_KINDS, FWDBWD, TRANSFER_KINDS, W_IN, Task, TaskGraph
 from harmony.planner.search import SEARCHABLE
+from harmony.policies import disk_placement
+from harmony.policies.state import host_state
 from harmony.simulate import fair_rates, play
 
 PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -122,6 +128,58 @@ def test_simulated_bytes_match_closed_form_swap_volume(case):
             want,
             plan.describe(),
         )
+
+
+@st.composite
+def disk_scenarios(draw):
+    """(spec, hardware, plan, host memory) where the state may spill to disk: 8-12
+    layers of 1-2 M parameters in packs of one layer (so that staging three packs
+    costs less than the state), host memory from a little less than the least the
+    plan can run in (all of its state on disk) to all of it in host memory."""
+    spec = draw(model_specs(min_layers=8))
+    sizes = st.lists(st.integers(1_000_000, 2_000_000), min_size=len(spec), max_size=len(spec))
+    layers = tuple(replace(c, param_numel=n) for c, n in zip(spec.layers, draw(sizes)))
+    spec = replace(spec, layers=layers)
+    hw = draw(hardwares())
+    plan = draw(plans(draw(st.sampled_from(POLICY_NAMES)), len(spec), hw.n_gpus))
+    fwd = draw(contiguous_packs(0, len(spec) - 1))
+    bwd = tuple((i, i + 1) for i in range(len(spec)))
+    plan = fit_to_policy(replace(plan, fwd_packs=fwd, bwd_packs=bwd))
+    moved = swap_volume(spec, plan)
+    state = [host_state(spec, range(*p)) for p in plan.bwd_packs]
+    kept = (
+        moved.get("STASH_OUT", 0.0) + moved.get("ACT_OUT", 0.0) + sum(p.gradients for p in state)
+    )
+    movable = [p.total - p.gradients for p in state]
+    least, most = kept + STAGED_PACKS * max(movable), kept + sum(movable)
+    low = 0.95 * min(least, most)
+    host = int(low + draw(st.floats(0.0, 1.0)) * (most - low))
+    return spec, hw, plan, max(1, host)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(disk_scenarios(), st.floats(1e7, 1e10), st.floats(1e7, 1e10))
+def test_simulated_disk_bytes_match_closed_form(case, read, write):
+    """The disk bytes the simulator moves are the closed form's, and a plan whose
+    state cannot fit is refused alike by the closed form and the builder."""
+    spec, hw, plan, host = case
+    hw = replace(hw, host_memory=host, disk_read=read, disk_write=write)
+    try:
+        placement = disk_placement(spec, hw, plan)
+    except HostMemoryError:
+        with pytest.raises(HostMemoryError):
+            build_graph(spec, hw, plan)
+        return
+    graph = build_graph(spec, hw, plan)
+    graph.check()
+    s = simulate_graph(graph).summary
+    closed = swap_volume(spec, plan, hw)
+    for kind in DISK_KINDS:
+        got, want = s.bytes_by_kind.get(kind, 0.0), closed.get(kind, 0.0)
+        assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6), (kind, got, want)
+    assert math.isclose(s.disk_write_bytes, placement.write_bytes_per_step, abs_tol=1e-6)
+    assert (s.disk_bytes > 0) == bool(placement.on_disk)
+    assert s.iteration_s >= s.lower_bound_s * (1 - TOL)
 
 
 # ---- 5: input-batch grouping --------------------------------------------------------------

@@ -1,9 +1,12 @@
 """What the server is: GPUs, their memory, the links between host and GPUs and
-between GPUs, and the CPU that runs the optimizer.
+between GPUs, the CPU that runs the optimizer, host memory and the disk under it.
 
 Bandwidths are bytes per second **per direction**. GPUs hang off PCIe
 switches: each GPU has its own link to its switch, and each switch has one
 uplink to the host that its GPUs share. A host<->GPU copy is limited by both.
+Host memory is a budget: training state that does not fit it goes to a disk
+tier when the server has one (``disk_read`` / ``disk_write``; see
+:mod:`harmony.costs.placement`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ class Hardware:
     #: simulator charges time_del (there at the task's end, here on its first compute
     #: task: the same total)
     overhead_per: str = "task"
+    #: bytes/s of the disk tier under host memory, disk -> host and host -> disk (the
+    #: sequential streams of whole per-pack files); None: no disk tier, so the training
+    #: state must fit ``host_memory``. Both or neither.
+    disk_read: float | None = None
+    disk_write: float | None = None
 
     def __post_init__(self) -> None:
         for fld in ("n_gpus", "gpus_per_switch", "cpu_update_workers"):
@@ -83,10 +91,22 @@ class Hardware:
                 f"hardware {self.name!r}: overhead_per must be one of "
                 f"{', '.join(OVERHEAD_PER)}, got {self.overhead_per!r}"
             )
-        if self.p2p is not None and (not number(self.p2p) or not self.p2p > 0):
+        for fld in ("p2p", "disk_read", "disk_write"):
+            v = getattr(self, fld)
+            if v is not None and (not number(v) or not v > 0):
+                raise HarmonyError(
+                    f"hardware {self.name!r}: {fld} must be positive or None, got {v!r}"
+                )
+        if (self.disk_read is None) != (self.disk_write is None):
             raise HarmonyError(
-                f"hardware {self.name!r}: p2p must be positive or None, got {self.p2p!r}"
+                f"hardware {self.name!r}: give both disk_read and disk_write (a disk tier) "
+                f"or neither, got {self.disk_read!r} and {self.disk_write!r}"
             )
+
+    @property
+    def has_disk(self) -> bool:
+        """Whether state that does not fit host memory can go to a disk tier."""
+        return self.disk_read is not None
 
     def switch_of(self, gpu: int) -> int:
         return gpu // self.gpus_per_switch
@@ -95,6 +115,19 @@ class Hardware:
         return replace(
             self, n_gpus=n, name=f"{self.name}[{n} gpus]" if n != self.n_gpus else self.name
         )
+
+    def with_host_memory(self, size: str | int) -> "Hardware":
+        """The same server with a host memory budget of ``size`` (bytes or ``"24GiB"``)."""
+        return replace(self, host_memory=parse_bytes(size, "host memory"))
+
+    def with_disk(self, disk: str | tuple[float, float] | None) -> "Hardware":
+        """The same server with a disk tier: a name in :data:`DISKS` (``"nvme"``),
+        ``"<read>,<write>"`` bandwidths (``"3GB/s,2GB/s"``), a (read, write) pair
+        in bytes/s, or None for none."""
+        if disk is None:
+            return replace(self, disk_read=None, disk_write=None)
+        read, write = parse_disk(disk) if isinstance(disk, str) else disk
+        return replace(self, disk_read=read, disk_write=write)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,6 +214,33 @@ PRESETS: dict[str, Hardware] = {
         notes="commodity 8-GPU server; no P2P on GeForce; topology assumed",
     ),
 }
+
+
+#: A PCIe 4.0 x4 NVMe SSD as its spec sheet gives it: sequential read up to 7,000 MB/s
+#: and write up to 5,000 MB/s (Samsung 980 PRO 1 TB data sheet; the typical figures of
+#: that generation). Peaks at a deep queue: large sequential requests on several
+#: threads come near them; writes slow down once the drive's SLC cache is full.
+NVME_PCIE4_READ = 7.0e9
+NVME_PCIE4_WRITE = 5.0e9
+NVME_PCIE4_SOURCE = "PCIe 4.0 NVMe spec sheet (Samsung 980 PRO 1 TB)"
+#: disks by name, for :meth:`Hardware.with_disk` and ``--disk``: (read, write) bytes/s
+DISKS: dict[str, tuple[float, float]] = {"nvme": (NVME_PCIE4_READ, NVME_PCIE4_WRITE)}
+
+
+def parse_disk(text: str, what: str = "disk") -> tuple[float, float]:
+    """``"nvme"`` -> the preset's (read, write) bytes/s; ``"3GB/s,2GB/s"`` -> (3e9, 2e9)."""
+    name = str(text).strip().lower()
+    if name in DISKS:
+        return DISKS[name]
+    parts = str(text).split(",")
+    if len(parts) != 2:
+        raise HarmonyError(
+            f"cannot read {what} {text!r}: give a disk by name ({', '.join(DISKS)}) or its "
+            "read and write bandwidths, e.g. '3GB/s,2GB/s'"
+        )
+    return parse_rate(parts[0], f"{what} read bandwidth"), parse_rate(
+        parts[1], f"{what} write bandwidth"
+    )
 
 
 def preset(name: str) -> Hardware:

@@ -17,7 +17,10 @@ The stages are a coordinate descent: cheap and good, not exhaustive.
 
 Every candidate is played by the simulator; a plan whose simulated peak
 exceeds the GPU memory is never returned (the packers' estimates only steer
-the grid, the ledger decides).
+the grid, the ledger decides), nor one whose training state and stashes do not
+fit the host memory (with its disk tier, where the hardware has one). A plan
+whose state spills to the disk tier pays for it in the simulation: its disk
+reads and writes are tasks on the disk's links.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Iterable
 import pandas as pd
 
 from ..costs.hardware import Hardware, format_bytes
+from ..costs.placement import HostMemoryError
 from ..costs.reference import max_profiled
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError, OutOfMemoryError
@@ -123,6 +127,7 @@ def search(
     rows: list[dict] = []
     seen: set[Plan] = set()
     rejected = 0
+    no_host_room: list[HostMemoryError] = []  # candidates whose state does not fit the host
     bar = _progress(progress)
 
     pool = _Pool(spec, hardware, workers)
@@ -137,6 +142,9 @@ def search(
         out = []
         for c, s in zip(fresh, pool.map([c.plan for c in fresh])):
             bar.update(1)
+            if isinstance(s, HostMemoryError):
+                no_host_room.append(s)
+                continue
             if not s.fits:
                 rejected += 1
                 continue
@@ -202,6 +210,8 @@ def search(
                 )
     bar.close()
     pool.close()
+    if not rows and no_host_room and not rejected:
+        raise no_host_room[0]
     if not rows:
         tried = (
             f"{rejected} candidates simulated, all over capacity"
@@ -220,6 +230,7 @@ def search(
         search_s=time.perf_counter() - t0,
         simulated=len(seen),
         rejected_memory=rejected,
+        rejected_host_memory=len(no_host_room),
         model=spec.name,
         hardware=hardware.name,
         minibatch=minibatch_size,
@@ -288,6 +299,7 @@ def _row(c: _Candidate, s: dict) -> dict:
         "samples_per_s": s.samples_per_s,
         "peak_memory_gb": max(s.peak_memory.values()) / 1e9,
         "swap_gb": s.swap_bytes / 1e9,
+        "disk_gb": s.disk_bytes / 1e9,
         "p2p_gb": (s.bytes_by_kind.get("P2P", 0.0) + s.bytes_by_kind.get("REDUCE", 0.0)) / 1e9,
         "lower_bound_s": s.lower_bound_s,
         "limited_by": s.lower_bound_by,
@@ -296,8 +308,13 @@ def _row(c: _Candidate, s: dict) -> dict:
     }
 
 
-def _summary(spec: ModelSpec, hw: Hardware, plan: Plan) -> Summary:
-    return simulate_graph(build_graph(spec, hw, plan)).summary
+def _summary(spec: ModelSpec, hw: Hardware, plan: Plan) -> Summary | HostMemoryError:
+    """The plan's simulated summary, or why its state does not fit the host."""
+    try:
+        graph = build_graph(spec, hw, plan)
+    except HostMemoryError as e:
+        return e
+    return simulate_graph(graph).summary
 
 
 _WORKER_ARGS: tuple | None = None
@@ -308,7 +325,7 @@ def _init_worker(spec: ModelSpec, hw: Hardware) -> None:
     _WORKER_ARGS = (spec, hw)
 
 
-def _work(plan: Plan) -> dict:
+def _work(plan: Plan) -> Summary | HostMemoryError:
     return _summary(*_WORKER_ARGS, plan)
 
 
@@ -329,7 +346,7 @@ class _Pool:
                 initargs=(spec, hw),
             )
 
-    def map(self, plans: list[Plan]) -> list[dict]:
+    def map(self, plans: list[Plan]) -> list[Summary | HostMemoryError]:
         if self.executor is None or len(plans) < 4:
             return [_summary(self.spec, self.hw, p) for p in plans]
         return list(self.executor.map(_work, plans, chunksize=max(1, len(plans) // 16)))

@@ -3,13 +3,16 @@ TaskGraph and knows its closed-form swap volume. Nothing else knows which
 system runs. :data:`POLICIES` is the one list of them; each module says its
 ``NAME``, its ``ROLE`` (Harmony's own, an ablation of it, or another system)
 and whether the search plans it (``SEARCHED``). Policies build graphs only:
-they neither simulate nor choose plans (that is :mod:`harmony.planner`)."""
+they neither simulate nor choose plans (that is :mod:`harmony.planner`).
+Every graph is finished by the shared builder, which also places the training
+state between host memory and a disk tier (:func:`disk_placement`)."""
 
 from __future__ import annotations
 
 from types import ModuleType
 
 from ..costs.hardware import Hardware
+from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..graph import TaskGraph
@@ -26,6 +29,7 @@ from . import (
     zero_offload,
 )
 from .common import replica_shares
+from .disk_tier import place
 from .swapping import OPTIONS as STATE_OPTIONS
 
 POLICIES: dict[str, ModuleType] = {
@@ -86,11 +90,29 @@ def build_graph(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> Ta
     return policy.build(spec_for(spec, plan), hw, plan, model)
 
 
-def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
-    """Bytes each kind of transfer moves in one iteration of ``plan``, in closed form."""
+def swap_volume(spec: ModelSpec, plan: Plan, hardware: Hardware | None = None) -> dict[str, float]:
+    """Bytes each kind of transfer moves in one iteration of ``plan``, in closed
+    form; with ``hardware``, the disk tier's too (DISK_IN, DISK_OUT: none where
+    the state fits its host memory; see :mod:`.disk_tier`)."""
     plan.validate(len(spec))
     check_options(plan)
-    return get_policy(plan.policy).swap_volume(spec_for(spec, plan), plan)
+    policy, spec = get_policy(plan.policy), spec_for(spec, plan)
+    out = policy.swap_volume(spec, plan)
+    if hardware is None:
+        return out
+    placement = place(spec, plan, hardware, out)
+    return policy.swap_volume(spec, plan, disk=placement) if placement.on_disk else out
+
+
+def disk_placement(spec: ModelSpec, hardware: Hardware, plan: Plan) -> Placement:
+    """Where ``plan``'s training state lives on ``hardware``: in host memory, or
+    on its disk tier (the placement :func:`build_graph` adds DISK_IN / DISK_OUT
+    tasks for). A :class:`~harmony.costs.placement.HostMemoryError` when it does
+    not fit."""
+    plan.validate(len(spec))
+    check_options(plan)
+    spec = spec_for(spec, plan)
+    return place(spec, plan, hardware, get_policy(plan.policy).swap_volume(spec, plan))
 
 
 def spec_for(spec: ModelSpec, plan: Plan) -> ModelSpec:

@@ -32,6 +32,13 @@ builder adds everything that follows from it, the same way for every policy:
 * fixed cost: ``Hardware.task_overhead_s`` on every compute task, or once per
   weight group (on its first compute task) when ``Hardware.overhead_per`` is
   ``"pack"``.
+* the disk tier: where the plan's state does not fit host memory, reads and
+  writes of what lives on disk around the updates and weight loads that need
+  it (:mod:`.disk_tier`, when the graph is finished).
+
+The parts: :mod:`.base` (ops, buffers, transfers, routes), :mod:`.activations`
+(values between ops), this module (weights, compute, gradients, updates),
+:mod:`.disk_tier`.
 
 Gradients leaving the GPU and the optimizer updates are policy-specific
 (one G_OUT per group, per microbatch, or after a reduce-scatter), so the
@@ -40,32 +47,23 @@ builder records each backward group and the policy finishes it off.
 
 from __future__ import annotations
 
-import bisect
-import math
 from dataclasses import dataclass, field
 
 from ..costs.hardware import Hardware
 from ..costs.spec import ModelSpec
-from ..errors import HarmonyError
 from ..graph import (
     ACT_IN,
-    ACT_OUT,
     BWD,
     DATA_IN,
     FWD,
     FWDBWD,
     G_OUT,
-    P2P,
     REC,
     STASH_IN,
-    STASH_OUT,
     UPD,
     W_IN,
-    Activation,
     Batch,
-    Buffer,
     Gradients,
-    Payload,
     Task,
     TaskGraph,
     TiedGradients,
@@ -73,32 +71,11 @@ from ..graph import (
     Weights,
 )
 from ..plan import Plan, layer_shard
+from .activations import ActivationFlow
+from .base import HOST, Op
+from .disk_tier import add_disk_tasks
 
-HOST = "host"
-
-
-@dataclass(frozen=True)
-class Op:
-    """One compute task the policy wants: ``kind`` of pack ``pack`` on ``samples``."""
-
-    kind: str  # FWD, BWD or FWDBWD
-    gpu: int
-    pack: int  # index into plan.fwd_packs (FWD) or plan.bwd_packs (BWD, FWDBWD)
-    layers: tuple[int, int]
-    samples: tuple[int, int]
-    microbatch: int
-    group: tuple  # ops with equal group on one GPU, back to back, share one weight load
-    offload_output: bool = False  # send the output through host memory
-
-
-@dataclass
-class Value:
-    """An activation (or activation gradient) for a sample range at a pack boundary."""
-
-    samples: tuple[int, int]
-    device: str  # "gpuN" or HOST
-    task: int | None  # the task after which it is there (None: there from the start)
-    buffer: int | None  # its buffer while on a GPU
+__all__ = ["BwdGroup", "GraphBuilder", "Op"]
 
 
 @dataclass
@@ -123,7 +100,9 @@ class _Group:
     bwd: BwdGroup | None
 
 
-class GraphBuilder:
+class GraphBuilder(ActivationFlow):
+    """A policy's ops turned into a :class:`TaskGraph` (see the module docstring)."""
+
     def __init__(
         self,
         spec: ModelSpec,
@@ -141,111 +120,18 @@ class GraphBuilder:
         ``overlap_recompute``: whether a backward op's REC may run before its
         output gradient is there (None: as the plan's option says; False for
         systems that recompute only once the gradient has arrived)."""
-        if plan.n_gpus > hw.n_gpus:
-            raise HarmonyError(
-                f"plan uses {plan.n_gpus} GPUs but hardware {hw.name!r} has {hw.n_gpus}"
-            )
-        plan.validate(len(spec))
-        self.spec, self.hw, self.plan, self.model = spec, hw, plan, model
-        self.tasks: list[Task] = []
-        self.buffers: list[Buffer] = []
-        self.links: dict[str, float] = {}
-        for g in range(plan.n_gpus):
-            self.links[f"gpu{g}.h2d"] = hw.h2d
-            self.links[f"gpu{g}.d2h"] = hw.d2h
-            s = hw.switch_of(g)
-            self.links[f"switch{s}.down"] = hw.uplink
-            self.links[f"switch{s}.up"] = hw.uplink
+        super().__init__(spec, hw, plan, model)
         self._k = 0  # seq of compute ops
-        self._sub = 0  # seq tiebreak of everything else
-        self._ops_on: dict[int, list[int]] = {g: [] for g in range(plan.n_gpus)}
         self._groups_on: dict[int, list[_Group]] = {g: [] for g in range(plan.n_gpus)}
-        self._values: dict[
-            tuple, tuple[list[int], list[Value]]
-        ] = {}  # key -> (starts, values) sorted
         self.bwd_groups: list[BwdGroup] = []
         self._costs: dict[tuple, tuple[float, float]] = {}
-        self._stash_layers = set(plan.stash_layers())
         self._prefetch = plan.option("prefetch_packs")
         self._overlap = (
             plan.option("overlap_recompute") if overlap_recompute is None else overlap_recompute
         )
         self.split_ties = split_ties and bool(spec.ties)
-        self._tie_pieces: list[
-            tuple[tuple[int, int], int]
-        ] = []  # (layers of the op, its tied-gradient G_OUT)
-
-    # ---- primitives ------------------------------------------------------------
-    def buffer(
-        self, device: str, nbytes: float, what: str, samples: tuple[int, int] = (0, 0)
-    ) -> int:
-        self.buffers.append(
-            Buffer(len(self.buffers), device, float(nbytes), what, samples=samples)
-        )
-        return len(self.buffers) - 1
-
-    def release(self, task: Task, buffer: int) -> None:
-        task.releases.append(buffer)
-        self.buffers[buffer].refs += 1
-
-    def _add(self, task: Task) -> Task:
-        self.tasks.append(task)
-        return task
-
-    def _next_seq(self, deps: list[int], for_op: int | None) -> tuple[int, int, int]:
-        """Priority of a transfer or update: an input of compute op ``for_op`` comes
-        just before it; anything else just after the newest op it depends on."""
-        self._sub += 1
-        if for_op is not None:
-            return (for_op, 0, self._sub)
-        return (max((self.tasks[d].seq[0] for d in deps), default=0), 2, self._sub)
-
-    def transfer(
-        self,
-        kind: str,
-        lane: str,
-        device: str,
-        route: tuple[str, ...],
-        nbytes: float,
-        deps: list[int],
-        what: str,
-        *,
-        alloc_on: str | None = None,
-        max_rate: float = math.inf,
-        for_op: int | None = None,
-        data: Payload = None,
-        src: list[int] | None = None,
-        **meta,
-    ) -> Task:
-        """A transfer of ``data``; it reads buffers ``src`` (and releases them) and,
-        with ``alloc_on``, writes a new buffer there (``io["dst"]``)."""
-        deps = sorted(set(deps))
-        t = self._add(
-            Task(
-                len(self.tasks),
-                kind,
-                lane,
-                device,
-                self._next_seq(deps, for_op),
-                deps,
-                nbytes=float(nbytes),
-                links=route,
-                max_rate=max_rate,
-                model=self.model,
-                what=what,
-                data=data,
-                **meta,
-            )
-        )
-        if src:
-            t.io["src"] = list(src)
-            for b in src:
-                self.release(t, b)
-        if alloc_on is not None:
-            samples = data.samples if isinstance(data, (Batch, Activation)) else (0, 0)
-            t.io["dst"] = self.buffer(alloc_on, nbytes, what, samples)
-            t.allocs.append(t.io["dst"])
-        return t
+        # (layers of the op, its tied-gradient G_OUT)
+        self._tie_pieces: list[tuple[tuple[int, int], int]] = []
 
     def update(
         self,
@@ -287,19 +173,6 @@ class GraphBuilder:
             )
         )
 
-    # ---- routes ----------------------------------------------------------------
-    def h2d_route(self, g: int) -> tuple[str, ...]:
-        return (f"gpu{g}.h2d", f"switch{self.hw.switch_of(g)}.down")
-
-    def d2h_route(self, g: int) -> tuple[str, ...]:
-        return (f"gpu{g}.d2h", f"switch{self.hw.switch_of(g)}.up")
-
-    def p2p_route(self, src: int, dst: int) -> tuple[tuple[str, ...], float]:
-        """GPU->GPU: direct on one switch with peer access; else staged through host memory."""
-        if self.hw.p2p is not None and self.hw.switch_of(src) == self.hw.switch_of(dst):
-            return (f"gpu{src}.d2h", f"gpu{dst}.h2d"), self.hw.p2p
-        return self.d2h_route(src) + self.h2d_route(dst), math.inf
-
     # ---- ops -------------------------------------------------------------------
     def run(self, ops: list[Op]) -> None:
         for op in ops:
@@ -307,11 +180,6 @@ class GraphBuilder:
         for g, groups in self._groups_on.items():
             if groups:
                 self._close_group(g)
-
-    def _release_dep(self, gpu: int, back: int) -> list[int]:
-        """The op ``back`` ops before the next one on ``gpu`` (prefetch window)."""
-        ops = self._ops_on[gpu]
-        return [ops[-back]] if len(ops) >= back else []
 
     def _op(self, op: Op) -> None:
         spec, g = self.spec, op.gpu
@@ -556,138 +424,6 @@ class GraphBuilder:
         group = self._groups_on[g][-1]
         self.release(self.tasks[group.ops[-1]], self.tasks[group.w_task].allocs[0])
 
-    # ---- activations between ops ------------------------------------------------
-    def _produce(self, key: tuple, op: Op, task: Task, buf: int) -> None:
-        dev = f"gpu{op.gpu}"
-        value = Value(op.samples, dev, task.id, buf)
-        if op.offload_output:
-            out = self.transfer(
-                ACT_OUT,
-                f"{dev}.d2h",
-                dev,
-                self.d2h_route(op.gpu),
-                self.buffers[buf].nbytes,
-                [task.id],
-                f"offload {key} {op.samples}",
-                data=Activation(*key, op.samples),
-                src=[buf],
-                microbatch=op.microbatch,
-                samples=op.samples,
-            )
-            value = Value(op.samples, HOST, out.id, None)
-        self._add_value(key, value)
-
-    def _stash(self, op: Op, task: Task, input_buffers: list[int]) -> None:
-        """Save the inputs of backward packs that start inside this forward op."""
-        dev = f"gpu{op.gpu}"
-        n = op.samples[1] - op.samples[0]
-        for layer in range(op.layers[0], op.layers[1]):
-            if layer not in self._stash_layers:
-                continue
-            if layer == 0:  # the minibatch input is in host memory already
-                self._add_value(("stash", 0), Value(op.samples, HOST, None, None))
-                continue
-            nbytes = self.spec.input_bytes(layer, n)
-            if layer == op.layers[0] and len(input_buffers) == 1:
-                buf = input_buffers[
-                    0
-                ]  # the op's own input: its buffer lives until the copy is done
-            else:
-                buf = self.buffer(
-                    dev, nbytes, f"stash of layer {layer} input {op.samples}", op.samples
-                )
-                task.allocs.append(buf)
-                task.io.setdefault("stash", {})[layer] = buf
-            out = self.transfer(
-                STASH_OUT,
-                f"{dev}.d2h",
-                dev,
-                self.d2h_route(op.gpu),
-                nbytes,
-                [task.id],
-                f"stash layer {layer} {op.samples}",
-                data=Activation("stash", layer, op.samples),
-                src=[buf],
-                microbatch=op.microbatch,
-                samples=op.samples,
-                layers=(layer, layer + 1),
-            )
-            self._add_value(("stash", layer), Value(op.samples, HOST, out.id, None))
-
-    def _add_value(self, key: tuple, value: Value) -> None:
-        starts, values = self._values.setdefault(key, ([], []))
-        i = bisect.bisect(starts, value.samples[0])
-        starts.insert(i, value.samples[0])
-        values.insert(i, value)
-
-    def _overlapping(self, key: tuple, samples: tuple[int, int]) -> list[Value]:
-        """Values of ``key`` whose samples overlap ``samples`` (they never overlap each other)."""
-        a, b = samples
-        starts, values = self._values.get(key, ([], []))
-        i = max(0, bisect.bisect_right(starts, a) - 1)
-        out = []
-        while i < len(values) and values[i].samples[0] < b:
-            if values[i].samples[1] > a:
-                out.append(values[i])
-            i += 1
-        return out
-
-    def _bring(
-        self, key: tuple, op: Op, k: int, kind_via_host: str, nbytes: float
-    ) -> tuple[list[int], list[int]]:
-        """Make the values of ``key`` for the op's samples available on its GPU.
-
-        Returns the tasks the op waits on and the buffers it releases."""
-        dev = f"gpu{op.gpu}"
-        values = self._overlapping(key, op.samples)
-        covered = sum(
-            min(v.samples[1], op.samples[1]) - max(v.samples[0], op.samples[0]) for v in values
-        )
-        if covered != op.samples[1] - op.samples[0]:
-            raise AssertionError(f"{key} for samples {op.samples} not produced before {op}")
-        deps = [v.task for v in values if v.task is not None]
-        if all(v.device == dev for v in values):
-            return deps, [v.buffer for v in values]
-        if all(v.device == HOST for v in values):
-            kind = STASH_IN if key[0] == "stash" else kind_via_host
-            t = self.transfer(
-                kind,
-                f"{dev}.h2d",
-                dev,
-                self.h2d_route(op.gpu),
-                nbytes,
-                deps + self._release_dep(op.gpu, 2),
-                f"{key[0]} layer {key[1]} {op.samples}",
-                alloc_on=dev,
-                for_op=k,
-                data=Activation(*key, op.samples),
-                microbatch=op.microbatch,
-                samples=op.samples,
-            )
-            return [t.id], list(t.allocs)
-        src = {v.device for v in values}
-        if len(src) != 1 or HOST in src:
-            raise AssertionError(f"{key} for {op.samples} spread over {src}")
-        src_gpu = int(next(iter(src))[3:])
-        route, rate = self.p2p_route(src_gpu, op.gpu)
-        t = self.transfer(
-            P2P,
-            f"{dev}.p2p",
-            dev,
-            route,
-            nbytes,
-            deps + self._release_dep(op.gpu, 2),
-            f"{key[0]} layer {key[1]} {op.samples} from gpu{src_gpu}",
-            alloc_on=dev,
-            max_rate=rate,
-            for_op=k,
-            data=Activation(*key, op.samples),
-            src=[v.buffer for v in values],
-            microbatch=op.microbatch,
-            samples=op.samples,
-        )
-        return [t.id], list(t.allocs)
-
     # ---- gradients out -----------------------------------------------------------
     def grad_out(
         self,
@@ -721,9 +457,14 @@ class GraphBuilder:
         )
 
     def graph(self, **info) -> TaskGraph:
+        """The graph built, with the disk tier's transfers where the plan's state
+        does not fit host memory (:mod:`.disk_tier`)."""
         for buf in self.buffers:
             if buf.device != HOST and buf.refs == 0:
                 raise AssertionError(f"buffer never freed: {buf}")
+        disk = add_disk_tasks(self)
+        if disk is not None:
+            info["disk"] = disk
         return TaskGraph(
             tasks=self.tasks,
             buffers=self.buffers,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Container, Iterable
 
+from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..graph import (
@@ -23,6 +24,7 @@ from ..graph import (
 )
 from ..plan import Plan, split_samples
 from .builder import BwdGroup, GraphBuilder, Op
+from .disk_tier import disk_volume
 
 
 def replica_shares(minibatch: int, n: int) -> list[tuple[int, int]]:
@@ -255,6 +257,7 @@ def volume(
     via_host: float = 0.0,
     reduce: float = 0.0,
     tie_passes: float | None = None,
+    disk: Placement | None = None,
 ) -> dict[str, float]:
     """Bytes per transfer kind of one iteration: ``weight_passes`` loads of every
     pack (:func:`pack_weight_bytes`), ``grad_passes`` of every pack's gradient
@@ -263,14 +266,15 @@ def volume(
     microbatch anyway), the minibatch's stashes and data, ``p2p`` bytes of
     activations between GPUs, ``via_host`` bytes of activations out to host
     memory (and as many back) and ``reduce`` bytes of gradient exchange between
-    GPUs."""
+    GPUs; with ``disk``, the plan's placement (:func:`.disk_tier.place`), the
+    disk tier's bytes too (:func:`.disk_tier.disk_volume`)."""
     B = plan.minibatch
     stash_out, stash_in = stash_bytes(spec, plan, B)
     grads = sum(
         spec.grad_bytes(*p) for p in plan.bwd_packs
     )  # a parameter tied across packs in each
     split = sum(spec.split_tie_bytes(*p) for p in plan.bwd_packs)
-    return {
+    out = {
         W_IN: weight_passes * pack_weight_bytes(spec, plan),
         G_OUT: grad_passes * (grads - split)
         + (grad_passes if tie_passes is None else tie_passes) * split,
@@ -282,6 +286,10 @@ def volume(
         ACT_IN: via_host,
         REDUCE: reduce,
     }
+    if disk is not None and disk.on_disk:
+        loads = [(p, weight_passes) for p in (*plan.fwd_packs, *plan.bwd_packs)]
+        out.update(disk_volume(spec, plan, disk, loads))
+    return out
 
 
 def offloaded_bytes(spec: ModelSpec, plan: Plan) -> float:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import bisect
 
 from ..costs.hardware import Hardware
+from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..graph import FWD, TaskGraph
@@ -122,7 +123,7 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     return b.graph(policy=NAME)
 
 
-def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
+def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> dict[str, float]:
     _, cross, via_host = _placement(plan)
     B = plan.minibatch
     n_mb = len(microbatches((0, B), plan.fwd_microbatch))
@@ -133,6 +134,7 @@ def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
         grad_passes=n_mb,
         p2p=boundary_bytes(spec, plan, B, cross),
         via_host=boundary_bytes(spec, plan, B, via_host),
+        disk=disk,
     )
     out.update(state_volume(spec, plan, {q: [n_mb] for q in range(len(plan.bwd_packs))}))
     return out

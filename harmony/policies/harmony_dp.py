@@ -15,6 +15,7 @@ others does not pile up gradient accumulators waiting for the exchange.
 from __future__ import annotations
 
 from ..costs.hardware import Hardware
+from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..graph import TaskGraph
 from ..plan import Plan
@@ -64,7 +65,7 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     return b.graph(policy=NAME)
 
 
-def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
+def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> dict[str, float]:
     k = sum(1 for a, b in replica_shares(plan.minibatch, plan.n_gpus) if b > a)
     return volume(
         spec,
@@ -74,4 +75,5 @@ def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
         via_host=offloaded_bytes(spec, plan),
         reduce=(k - 1) * sum(spec.grad_bytes(*p) for p in plan.bwd_packs),
         tie_passes=len(plan.bwd_microbatches()) if plan.n_gpus == 1 else None,
+        disk=disk,
     )

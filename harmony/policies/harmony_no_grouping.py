@@ -17,6 +17,7 @@ run them are :mod:`.layer_swap`, :mod:`.gpipe_swap` and :mod:`.karma`.)
 from __future__ import annotations
 
 from ..costs.hardware import Hardware
+from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..graph import TaskGraph
 from ..plan import Plan
@@ -48,9 +49,14 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     return b.graph(policy=NAME)
 
 
-def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
+def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> dict[str, float]:
     check_one_microbatch_size(plan)
     n_mb = sum(len(mbs) for mbs in replica_microbatches(plan))
     return volume(
-        spec, plan, weight_passes=n_mb, grad_passes=n_mb, via_host=offloaded_bytes(spec, plan)
+        spec,
+        plan,
+        weight_passes=n_mb,
+        grad_passes=n_mb,
+        via_host=offloaded_bytes(spec, plan),
+        disk=disk,
     )

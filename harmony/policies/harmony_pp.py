@@ -18,6 +18,7 @@ simulator's ledger, :mod:`harmony.simulate`, which the engine follows).
 from __future__ import annotations
 
 from ..costs.hardware import Hardware
+from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..graph import TaskGraph
 from ..plan import Plan
@@ -48,7 +49,7 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     return b.graph(policy=NAME)
 
 
-def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
+def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> dict[str, float]:
     moved = boundary_bytes(spec, plan, plan.minibatch)
     offload = plan.option("offload_activations") and plan.n_gpus == 1
     return volume(
@@ -59,4 +60,5 @@ def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
         p2p=moved if plan.n_gpus > 1 else 0.0,
         via_host=moved if offload else 0.0,
         tie_passes=len(plan.bwd_microbatches()),
+        disk=disk,
     )

@@ -36,6 +36,7 @@ offloaded: input-batch grouping and model spilling coincide there.
 from __future__ import annotations
 
 from ..costs.hardware import Hardware
+from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..graph import TaskGraph
@@ -70,7 +71,7 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     return b.graph(policy=NAME)
 
 
-def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
+def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> dict[str, float]:
     _check(plan)
     return volume(
         spec,
@@ -79,4 +80,5 @@ def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
         grad_passes=1,
         via_host=boundary_bytes(spec, plan, plan.minibatch),
         tie_passes=len(plan.bwd_microbatches()),
+        disk=disk,
     )

@@ -41,6 +41,7 @@ autograd would reach it.
 from __future__ import annotations
 
 from ..costs.hardware import Hardware
+from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..graph import TaskGraph
 from ..plan import Plan
@@ -81,12 +82,17 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     return b.graph(policy=NAME)
 
 
-def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
+def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> dict[str, float]:
     check_one_microbatch_size(plan)
     counts = [len(mbs) for mbs in replica_microbatches(plan)]
     n_mb = sum(counts)
     out = volume(
-        spec, plan, weight_passes=n_mb, grad_passes=n_mb, via_host=offloaded_bytes(spec, plan)
+        spec,
+        plan,
+        weight_passes=n_mb,
+        grad_passes=n_mb,
+        via_host=offloaded_bytes(spec, plan),
+        disk=disk,
     )
     out.update(state_volume(spec, plan, {q: counts for q in range(len(plan.bwd_packs))}))
     return out

@@ -24,6 +24,10 @@ runs, since its weights live on the host), each pack's weights come in once
 at the start of the iteration and stay, its gradient goes out once, and the
 CPU steps it.
 
+With ``gpu_optimizer`` the host keeps none of the state, so host memory
+never limits it; without it, state that does not fit host memory goes to the
+disk tier as for every CPU update (:mod:`.disk_tier`).
+
 Simplified: backward rebuilds a pack's activations from its input (the IR's
 recompute; the reference profiles' backward time includes it), where plain
 model parallelism keeps them; ``offload_activations``, ``prefetch_packs`` and
@@ -34,6 +38,7 @@ across packs keeps its parts in each pack's gradient, summed on the host.
 from __future__ import annotations
 
 from ..costs.hardware import Hardware
+from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..graph import (
@@ -54,6 +59,7 @@ from ..graph import (
 from ..plan import Plan
 from .builder import BwdGroup, GraphBuilder
 from .common import check_one_microbatch_size, data_bytes, microbatches, replica_shares
+from .disk_tier import disk_volume
 from .swapping import gpu_update_seconds
 
 NAME = "model-parallel"
@@ -343,15 +349,18 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     return sched.b.graph(policy=NAME)
 
 
-def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
+def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> dict[str, float]:
     stage = stages(plan)
     B, packs = plan.minibatch, plan.bwd_packs
     crossing = [packs[q][0] for q in range(1, len(packs)) if stage[q] != stage[q - 1]]
     moved = sum(spec.input_bytes(layer, B) + spec.input_grad_bytes(layer, B) for layer in crossing)
     loaded = 0.0 if plan.option("gpu_optimizer") else 1.0
-    return {
+    out = {
         W_IN: loaded * sum(spec.weight_bytes(*p) for p in packs),
         G_OUT: loaded * sum(spec.grad_bytes(*p) for p in packs),
         DATA_IN: data_bytes(spec, B),
         P2P: moved,
     }
+    if disk is not None and disk.on_disk:  # each pack's weights load once
+        out.update(disk_volume(spec, plan, disk, [(p, loaded) for p in packs]))
+    return out

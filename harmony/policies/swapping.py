@@ -20,6 +20,11 @@ way the baselines treat that state, as the plan options say:
   next pack's state is prefetched as weights are (``prefetch_packs``). Without
   it, each pack's CPU update starts once all of its gradients are in (Harmony's).
 
+Host memory: with ``gpu_optimizer`` the state waits in host memory between
+the GPU steps and never goes to a disk tier (the systems reproduced have none;
+a plan whose state does not fit is refused, see :mod:`.disk_tier`); without
+it, the CPU update reads what does not fit from the disk tier, as Harmony's.
+
 Simplified: the accumulator and the state are swapped every time, as a fixed
 schedule would, not only when memory runs short; parameters cross in the
 spec's dtype (no float32 master copy on the GPU); the step streams its bytes
@@ -33,6 +38,7 @@ from ..graph import BWD, FWDBWD, G_IN, OPT_IN, OPT_OUT, REDUCE, W_IN, Gradients,
 from ..plan import Plan
 from .builder import BwdGroup, GraphBuilder
 from .common import reuse_gradient_buffers
+from .state import stepped_numel
 
 #: bytes/s an optimizer step streams on a GPU (parameters and state read and written,
 #: the gradient read). Hardware says no memory bandwidth; 400 GB/s is most of a GTX
@@ -40,15 +46,6 @@ from .common import reuse_gradient_buffers
 GPU_UPDATE_BANDWIDTH = 400e9
 #: the plan options this module reads
 OPTIONS = ("gpu_optimizer", "gpu_gradients")
-
-
-def stepped_numel(spec: ModelSpec, start: int, stop: int) -> int:
-    """Parameters whose optimizer step belongs to layers [start, stop): a tied
-    parameter is stepped with its first layer."""
-    n = sum(c.param_numel for c in spec.layers[start:stop])
-    for tie in spec.ties:
-        n -= tie.numel * sum(1 for i in tie.layers[1:] if start <= i < stop)
-    return n
 
 
 def update_bytes(spec: ModelSpec, layers: tuple[int, int]) -> tuple[float, float]:

@@ -29,6 +29,11 @@ every microbatch), so each one must have the same number of microbatches.
 :func:`choose_plan` uses one layer per pack, as ZeRO fetches parameters
 module by module and checkpoints every layer.
 
+Where the server has a disk tier and the state does not fit host memory,
+the optimizer state and then the master weights of the last packs live on
+disk, read around their updates and, for weights, before every load, as
+ZeRO-Infinity's NVMe offload does (:mod:`.disk_tier`).
+
 Simplified: each GPU loads a whole pack from host memory, where ZeRO-Infinity
 fetches its 1/k partition and all-gathers the rest from the other GPUs, so
 the host links carry k times ZeRO's parameter traffic and the peer links
@@ -41,6 +46,7 @@ one of :mod:`.harmony_no_grouping`.
 from __future__ import annotations
 
 from ..costs.hardware import Hardware
+from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..graph import TaskGraph
@@ -122,7 +128,7 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     return b.graph(policy=NAME)
 
 
-def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
+def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> dict[str, float]:
     m, k = microbatches_per_gpu(plan), plan.n_gpus
     return volume(
         spec,
@@ -131,4 +137,5 @@ def swap_volume(spec: ModelSpec, plan: Plan) -> dict[str, float]:
         grad_passes=m,
         via_host=offloaded_bytes(spec, plan),
         reduce=m * (k - 1) * spec.grad_bytes(),
+        disk=disk,
     )

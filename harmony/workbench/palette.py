@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from .. import graph as g
 from ..policies import POLICIES, names
 
-#: task kind -> (colour, what it is in words). Compute warm, host link cool, GPU<->GPU green.
+#: task kind -> (colour, what it is in words). Compute warm, host link cool, GPU<->GPU green,
+#: disk greys.
 KINDS: dict[str, tuple[str, str]] = {
     g.FWD: ("#f58518", "forward of a pack, all its microbatches"),
     g.REC: ("#ff9da6", "recompute a pack's forward from its stashed input"),
@@ -37,6 +38,8 @@ KINDS: dict[str, tuple[str, str]] = {
     g.G_IN: ("#9ecae9", "gradient accumulator host → GPU"),
     g.OPT_IN: ("#8c6bb1", "weights, gradients, optimizer state host → GPU"),
     g.OPT_OUT: ("#c7b3e5", "updated weights and optimizer state GPU → host"),
+    g.DISK_IN: ("#636363", "optimizer state or weights disk → host"),
+    g.DISK_OUT: ("#bdbdbd", "updated optimizer state or weights host → disk"),
 }
 KIND_COLORS = {kind: color for kind, (color, _) in KINDS.items()}
 KIND_WORDS = {kind: words for kind, (_, words) in KINDS.items()}

@@ -9,25 +9,50 @@ weights, then gradients).
   front; ``staging.py`` holds the host buffers it reads into.
 * ``files.py``: the bytes themselves: chunked parallel reads and writes with
   checksums, pacing to a bandwidth and page-cache hygiene.
-* :func:`measure_disk_bandwidth`, :data:`NVME_PCIE4` (``bandwidth.py``).
+* :func:`measure_disk_bandwidth`, :data:`NVME_PCIE4` (``bandwidth.py``; the
+  preset's numbers are :mod:`harmony.costs.hardware`'s).
 * :func:`place_state` (``placement.py``): what lives where, and the disk
-  bytes of a step.
+  bytes of a step; the arithmetic is :mod:`harmony.costs.placement`'s, which
+  the task-graph builder uses too.
 * :func:`export_state` / :func:`adopt_state` / :func:`drop_state`
   (``optimizer_state.py``): a torch optimizer's state in and out of a tier.
 
-Not yet part of the task graph. To wire it in: ``Hardware`` gets ``disk_read`` /
-``disk_write`` (bytes/s, None: no disk); the builder adds links ``host.disk_read``
-and ``host.disk_write`` and, for a pack whose state :func:`place_state` put on
-disk, a ``DISK_IN`` transfer (own lane, prefetched) before its UPD and a
-``DISK_OUT`` after it, so the simulator, the closed form and the search see the
-bytes; the engine's ``Engine.set_plan`` builds the placement and the tier, the
-step's DISK_IN / DISK_OUT handlers call :meth:`DiskTier.read` / :meth:`DiskTier.write`
-around the update (the committed slot is the undo copy, so the update journal
-skips that state), ``Engine.step`` calls :meth:`DiskTier.commit` after a step and
-:meth:`DiskTier.discard` on roll-back, and ``Engine.load`` opens the tier with
-``expect_step``. Two generations are kept, so an engine checkpoint may lag the
-tier by one step at most. ``FlatAdamW`` copies adopted state into buffers of its
-own, which would keep it resident: it must step the staged buffers in place.
+**In the task graph** (built by :mod:`harmony.policies.disk_tier`; simulated,
+counted in closed form and searched): ``Hardware.disk_read`` / ``disk_write``
+(bytes/s; None: no disk tier) and ``Hardware.host_memory`` (the budget). Where
+the plan's state does not fit, :func:`harmony.policies.disk_placement` gives the
+placement (also in ``graph.info["disk"]``): optimizer state, then master
+weights, of the last packs first; gradients and, with ``gpu_optimizer``, all of
+a swapped plan's state stay in host memory. The graph then has, on device
+``host``:
+
+* ``DISK_IN`` on lane and link ``host.disk_read``, payload
+  :class:`~harmony.graph.DiskState` ``(packs, kinds, shard)``: read ``kinds``
+  (``"optimizer"``, ``"weights"``) of those backward packs from the tier into
+  host staging, ``task.nbytes`` bytes (the stepped parameters' master weights,
+  float32 optimizer slots). Two uses: (a) before a CPU ``UPD`` of pack ``p``,
+  shard ``(r, k)``: ``DiskState((p,), kinds on disk, (r, k))``; the UPD depends
+  on it and steps the staged buffers in place; it waits for the ``DISK_OUT`` three
+  such updates back (three packs staged: one updated, one read ahead, one
+  written back); (b) before
+  a ``W_IN`` whose layers need weights on disk: ``DiskState(packs, ("weights",))``,
+  whole packs (shard ``(0, 1)``: every file of the pack); the W_IN depends on it
+  and copies to the GPU from the staged weights, which it then gives back.
+* ``DISK_OUT`` on lane and link ``host.disk_write``, the same payload and bytes
+  as the update's ``DISK_IN``: depends on the ``UPD``; writes the updated state
+  back (the next step's slot) and gives the staging back.
+
+Neither allocates or frees graph buffers (host memory is not a ledger of the
+graph; the placement's ``host_bytes`` is what the host holds). The engine's
+side, to do: ``Engine.set_plan`` builds the tier from the graph's placement;
+the DISK_IN / DISK_OUT handlers call :meth:`DiskTier.read` / :meth:`DiskTier.write`
+per (pack, shard, kind) around the update (the committed slot is the undo copy,
+so the update journal skips that state), ``Engine.step`` calls
+:meth:`DiskTier.commit` after a step and :meth:`DiskTier.discard` on roll-back,
+and ``Engine.load`` opens the tier with ``expect_step``. Two generations are
+kept, so an engine checkpoint may lag the tier by one step at most.
+``FlatAdamW`` copies adopted state into buffers of its own, which would keep it
+resident: it must step the staged buffers in place.
 """
 
 from .bandwidth import NVME_PCIE4, DiskBandwidth, measure_disk_bandwidth

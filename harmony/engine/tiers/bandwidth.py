@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 
-from ...costs.hardware import format_bytes, parse_bytes
+from ...costs.hardware import (
+    NVME_PCIE4_READ,
+    NVME_PCIE4_SOURCE,
+    NVME_PCIE4_WRITE,
+    format_bytes,
+    parse_bytes,
+)
 from .directory import check_room, usable_directory
 from .files import CHUNK, ChunkIO, byte_view
 
@@ -42,14 +48,10 @@ class DiskBandwidth:
         )
 
 
-#: A PCIe 4.0 x4 NVMe SSD, as its spec sheet gives it: sequential read up to
-#: 7,000 MB/s and write up to 5,000 MB/s (Samsung 980 PRO 1 TB data sheet; the
-#: typical figures of that generation). Peak figures at a deep queue: a run's
-#: large sequential requests on several threads come near them; writes slow
-#: down once a drive's SLC cache is full.
-NVME_PCIE4 = DiskBandwidth(
-    read=7.0e9, write=5.0e9, source="PCIe 4.0 NVMe spec sheet (Samsung 980 PRO 1 TB)"
-)
+#: A PCIe 4.0 x4 NVMe SSD: the numbers (and where they come from) are
+#: :mod:`harmony.costs.hardware`'s, which the simulator's ``Hardware.with_disk("nvme")``
+#: uses too.
+NVME_PCIE4 = DiskBandwidth(read=NVME_PCIE4_READ, write=NVME_PCIE4_WRITE, source=NVME_PCIE4_SOURCE)
 
 
 def measure_disk_bandwidth(

@@ -1,74 +1,17 @@
-"""Which training state lives in host memory and which on disk: :func:`place_state`.
-
-Rule: optimizer state goes to disk first (only the update touches it, once
-per step), then master weights, then gradients, pack by pack, until what
-stays fits the host budget. Packs go out last pack first: in the backward
-pass the last pack's update runs first, so its disk traffic overlaps the
-backward of the packs before it, while the first pack's update ends the
-step and nothing hides its disk traffic.
-
-A (pack, kind) on disk still passes through host memory while it is used:
-the tier's staging buffers hold two packs' worth of what is on disk (the pack
-being updated and the next one, read ahead), and they count in the budget.
-"""
+"""Which training state lives in host memory and which on disk, for a
+:class:`HostBudget`: the arithmetic is :mod:`harmony.costs.placement`'s (the
+task-graph builder uses it too); this takes a budget's free bytes and speaks
+the tier's error."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
-from ...costs.hardware import format_bytes, parse_bytes
+from ...costs import placement as costs
+from ...costs.placement import KINDS, STAGED_PACKS, PackBytes, Placement
 from .budget import HostBudget, HostBudgetError
 
-#: the order state goes to disk
-KINDS = ("optimizer", "weights", "gradients")
-#: packs whose on-disk state is in host memory at once: one updated, one read ahead
-STAGED_PACKS = 2
-
-
-@dataclass(frozen=True)
-class PackBytes:
-    """The host state of one pack, bytes: master weights, gradients, optimizer state."""
-
-    weights: int
-    gradients: int
-    optimizer: int
-
-    def of(self, kind: str) -> int:
-        return getattr(self, kind)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where each pack's state lives, what it costs the host, and the disk
-    traffic of one training step (closed form)."""
-
-    on_disk: tuple[tuple[int, str], ...]  # (pack, kind), in the order they went out
-    budget: int  # host bytes available to the training state
-    reserve: int  # of which kept for the engine's own buffers
-    host_state_bytes: int  # state that stays in host memory
-    staging_bytes: int  # the disk tier's staging buffers
-    disk_bytes: int  # state on disk (the tier keeps two slots of each: twice this on disk)
-    read_bytes_per_step: int
-    write_bytes_per_step: int
-
-    @property
-    def host_bytes(self) -> int:
-        """Host memory used: state kept there, staging buffers and the reserve."""
-        return self.host_state_bytes + self.staging_bytes + self.reserve
-
-    @property
-    def disk_bytes_per_step(self) -> int:
-        return self.read_bytes_per_step + self.write_bytes_per_step
-
-    def where(self, pack: int, kind: str) -> str:
-        """``"disk"`` or ``"host"``."""
-        return "disk" if (pack, kind) in self.on_disk else "host"
-
-    def disk_seconds(self, read_rate: float, write_rate: float) -> float:
-        """Seconds per step the disk is busy at these bandwidths (bytes/s): a lower
-        bound of the step when nothing overlaps it."""
-        return self.read_bytes_per_step / read_rate + self.write_bytes_per_step / write_rate
+__all__ = ["KINDS", "STAGED_PACKS", "PackBytes", "Placement", "place_state"]
 
 
 def place_state(
@@ -78,57 +21,13 @@ def place_state(
     reserve: str | int,
     weight_reads: int = 1,
 ) -> Placement:
-    """The placement of ``packs`` (in layer order) that fits ``budget`` (bytes, a
-    size such as ``"24GiB"``, or a :class:`HostBudget`: its free bytes) less
-    ``reserve`` (the engine's stashes, buffer pools and the like; see
-    :func:`harmony.engine.host_memory.host_bytes_needed`), moving as little
-    as the rule in the module docstring allows.
-
-    Disk bytes per step, closed form: every (pack, kind) on disk is read once
-    and written once, as its update reads it and writes it back (gradients:
-    written when they reach the host, read by the update). ``weight_reads``:
-    reads of on-disk master weights per step (1: the update's; a plan that also
-    fetches them from disk for its forward and backward passes reads 3)."""
-    if isinstance(budget, HostBudget):
-        limit = budget.free
-    else:
-        limit = parse_bytes(budget, "host memory budget")
-    reserve = parse_bytes(reserve, "host memory reserve")
-    for i, pack in enumerate(packs):
-        if min(pack.weights, pack.gradients, pack.optimizer) < 0:
-            raise HostBudgetError(f"pack {i}: state sizes must be >= 0, got {pack}")
-    on_disk: list[tuple[int, str]] = []
-    disk_of = [0] * len(packs)  # per pack, bytes on disk
-    total = sum(p.weights + p.gradients + p.optimizer for p in packs)
-
-    def staging() -> int:
-        return STAGED_PACKS * max(disk_of, default=0)
-
-    def host_use() -> int:
-        return total - sum(disk_of) + staging() + reserve
-
-    moves = [(i, kind) for kind in KINDS for i in reversed(range(len(packs))) if packs[i].of(kind)]
-    for i, kind in moves:
-        if host_use() <= limit:
-            break
-        on_disk.append((i, kind))
-        disk_of[i] += packs[i].of(kind)
-    if host_use() > limit:
-        raise HostBudgetError(
-            f"host memory: even with all the state on disk the host needs "
-            f"{format_bytes(host_use())} (staging for {STAGED_PACKS} packs "
-            f"{format_bytes(staging())}, reserve {format_bytes(reserve)}) but the budget is "
-            f"{format_bytes(limit)}: use smaller packs, a smaller reserve (fewer stashes in "
-            "flight) or a larger budget"
-        )
-    reads = sum(packs[i].of(k) * (weight_reads if k == "weights" else 1) for i, k in on_disk)
-    return Placement(
-        on_disk=tuple(on_disk),
-        budget=limit,
-        reserve=reserve,
-        host_state_bytes=total - sum(disk_of),
-        staging_bytes=staging(),
-        disk_bytes=sum(disk_of),
-        read_bytes_per_step=reads,
-        write_bytes_per_step=sum(disk_of),
-    )
+    """:func:`harmony.costs.placement.place_state` within ``budget``: bytes, a size
+    such as ``"24GiB"``, or a :class:`HostBudget` (its free bytes); ``reserve``:
+    the engine's stashes, buffer pools and the like (see
+    :func:`harmony.engine.host_memory.host_bytes_needed`). A placement that
+    cannot fit raises :class:`HostBudgetError`."""
+    limit = budget.free if isinstance(budget, HostBudget) else budget
+    try:
+        return costs.place_state(packs, limit, reserve=reserve, weight_reads=weight_reads)
+    except costs.HostMemoryError as e:
+        raise HostBudgetError(str(e)) from None

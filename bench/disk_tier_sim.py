@@ -1,0 +1,123 @@
+"""What a disk tier costs in simulation: GPT-2 XL, fp32, AdamW (the zoo's analytic
+cost model) on the Harmony paper's 4 x GTX 1080 Ti server, with the host memory
+of a commodity machine (``--host-memory``, 24 GiB) over a PCIe 4.0 NVMe drive
+(``--disk``), against the same server with host memory to spare (the preset's
+750 GB), side by side in one run.
+
+1. The best plan the search finds with host memory to spare, simulated on both
+   servers: seconds per iteration and their ratio; what the placement puts on
+   disk; the disk bytes per iteration, simulated and in closed form, and their
+   ratio (1.0: the graph moves what the formula says); the disk's time
+   (bytes over bandwidth) and the lower bound against the iteration.
+2. The search run on the short-memory server itself: its best plan's seconds
+   per iteration against the best with memory to spare.
+
+    python bench/disk_tier_sim.py [--minibatch 64] [--host-memory 24GiB] [--disk nvme]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import harmony
+from harmony.costs.catalog import model_spec
+from harmony.costs.hardware import format_bytes, preset
+from harmony.costs.placement import HostMemoryError
+from harmony.graph import DISK_IN, DISK_OUT
+from harmony.policies import disk_placement, swap_volume
+from harmony.trace import Summary
+
+
+def simulate(spec, hw, plan) -> Summary:
+    return harmony.simulate(spec, hw, plan).summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt2-xl")
+    ap.add_argument("--hardware", default="paper-4x1080ti")
+    ap.add_argument("--minibatch", type=int, default=64)
+    ap.add_argument("--host-memory", default="24GiB")
+    ap.add_argument("--disk", default="nvme", help="'nvme' or read,write bandwidths")
+    ap.add_argument("--workers", type=int, default=1, help="search processes")
+    args = ap.parse_args()
+
+    spec = model_spec(args.model, "zoo")
+    roomy = preset(args.hardware)
+    short = roomy.with_host_memory(args.host_memory).with_disk(args.disk)
+    print(
+        f"{spec.name} ({spec.num_params / 1e9:.2f} B parameters, {spec.param_dtype}, "
+        f"{spec.optimizer}) on {roomy.name}, minibatch {args.minibatch}"
+    )
+    print(
+        f"short server: host memory {format_bytes(short.host_memory)}, disk read "
+        f"{format_bytes(short.disk_read)}/s, write {format_bytes(short.disk_write)}/s; "
+        f"roomy: host memory {format_bytes(roomy.host_memory)}, no disk"
+    )
+
+    started = time.perf_counter()
+    best = harmony.search(spec, roomy, args.minibatch, workers=args.workers)
+    plan = best.iloc[0]["plan"]
+    print(
+        f"\n1. best plan with memory to spare ({time.perf_counter() - started:.0f} s of search):"
+    )
+    print(f"   {plan.describe()}")
+    try:
+        same_plan(spec, roomy, short, plan)
+    except HostMemoryError as e:
+        print(f"   does not fit the short server: {e}")
+
+    started = time.perf_counter()
+    try:
+        chosen = harmony.search(spec, short, args.minibatch, workers=args.workers)
+    except HostMemoryError as e:
+        print(f"\n2. no plan the search tries fits the short server: {e}")
+        return
+    row, ratio = chosen.iloc[0], chosen.iloc[0]["iteration_s"] / best.iloc[0]["iteration_s"]
+    print(f"\n2. the search on the short server ({time.perf_counter() - started:.0f} s):")
+    print(f"   {row['plan'].describe()}: {row['iteration_s']:.3f} s/iter, ", end="")
+    print(f"disk {row['disk_gb']:.2f} GB read + written")
+    print(
+        f"   best s/iter short + disk / roomy: {ratio:.4f} "
+        f"({chosen.attrs['rejected_host_memory']} candidates did not fit the host)"
+    )
+
+
+def same_plan(spec, roomy, short, plan) -> None:
+    """``plan`` simulated on both servers: time, placement, disk bytes against the
+    closed form, the disk's share of the iteration."""
+    fast, spilled = simulate(spec, roomy, plan), simulate(spec, short, plan)
+    placement = disk_placement(spec, short, plan)
+    kinds = sorted({k for _, k in placement.on_disk})
+    print(
+        f"   on disk: {len(placement.on_disk)} (pack, kind) of {len(plan.bwd_packs)} packs "
+        f"({', '.join(kinds) or 'nothing'}), {format_bytes(placement.disk_bytes)}; host holds "
+        f"{format_bytes(placement.host_bytes)} (staging {format_bytes(placement.staging_bytes)},"
+        f" stashes and gradients {format_bytes(placement.reserve)})"
+    )
+    print(
+        f"   s/iter: roomy {fast.iteration_s:.3f}, short + disk {spilled.iteration_s:.3f}, "
+        f"ratio {spilled.iteration_s / fast.iteration_s:.4f}"
+    )
+    closed = swap_volume(spec, plan, short)
+    for kind, got in ((DISK_IN, spilled.disk_read_bytes), (DISK_OUT, spilled.disk_write_bytes)):
+        want = closed.get(kind, 0.0)
+        ratio = got / want if want else float("nan")
+        print(
+            f"   {kind:8s} simulated {got / 1e9:.3f} GB/iter, closed form {want / 1e9:.3f} GB, "
+            f"ratio {ratio:.6f}"
+        )
+    disk_s = (
+        spilled.disk_read_bytes / short.disk_read + spilled.disk_write_bytes / short.disk_write
+    )
+    print(
+        f"   disk reads + writes at bandwidth {disk_s:.3f} s/iter "
+        f"({disk_s / spilled.iteration_s:.3f} x the iteration; they overlap each other); "
+        f"lower bound {spilled.lower_bound_s:.3f} s ({spilled.lower_bound_by}), "
+        f"time / lower bound {spilled.time_over_lower_bound:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

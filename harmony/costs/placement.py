@@ -1,0 +1,149 @@
+"""Which training state lives in host memory and which on disk: :func:`place_state`.
+
+Pure arithmetic, shared by the task-graph builder (which adds the disk
+transfers a placement implies) and the engine's disk tier (which stores them).
+
+Rule: optimizer state goes to disk first (only the update touches it, once
+per step), then master weights, then gradients, pack by pack, until what
+stays fits the host budget. Packs go out last pack first: in the backward
+pass the last pack's update runs first, so its disk traffic overlaps the
+backward of the packs before it, while the first pack's update ends the
+step and nothing hides its disk traffic.
+
+A (pack, kind) on disk still passes through host memory while it is used:
+the tier's staging buffers hold three packs' worth of what is on disk (the
+pack being updated, the next one, read ahead, and the previous one, being
+written back: so the update overlaps both), and they count in the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import HarmonyError
+from .hardware import format_bytes, parse_bytes
+
+#: the order state goes to disk
+KINDS = ("optimizer", "weights", "gradients")
+#: packs whose on-disk state is in host memory at once: one updated, one read ahead and
+#: one written back (with two, a read would wait for the previous write to end)
+STAGED_PACKS = 3
+
+
+class HostMemoryError(HarmonyError):
+    """Training state and what a run keeps in host memory do not fit the host
+    budget (with what a disk tier can take, where there is one)."""
+
+
+@dataclass(frozen=True)
+class PackBytes:
+    """The host state of one pack, bytes: master weights, gradients, optimizer state."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+
+    def of(self, kind: str) -> int:
+        return getattr(self, kind)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each pack's state lives, what it costs the host, and the disk
+    traffic of one training step (closed form)."""
+
+    on_disk: tuple[tuple[int, str], ...]  # (pack, kind), in the order they went out
+    budget: int  # host bytes available to the training state
+    reserve: int  # of which kept for the engine's own buffers
+    host_state_bytes: int  # state that stays in host memory
+    staging_bytes: int  # the disk tier's staging buffers
+    disk_bytes: int  # state on disk (the tier keeps two slots of each: twice this on disk)
+    read_bytes_per_step: int
+    write_bytes_per_step: int
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory used: state kept there, staging buffers and the reserve."""
+        return self.host_state_bytes + self.staging_bytes + self.reserve
+
+    @property
+    def disk_bytes_per_step(self) -> int:
+        return self.read_bytes_per_step + self.write_bytes_per_step
+
+    def where(self, pack: int, kind: str) -> str:
+        """``"disk"`` or ``"host"``."""
+        return "disk" if (pack, kind) in self.on_disk else "host"
+
+    def kinds_on_disk(self, pack: int) -> tuple[str, ...]:
+        """The kinds of ``pack``'s state on disk, in :data:`KINDS` order."""
+        return tuple(k for k in KINDS if (pack, k) in self.on_disk)
+
+    def disk_seconds(self, read_rate: float, write_rate: float) -> float:
+        """Seconds per step the disk is busy at these bandwidths (bytes/s): a lower
+        bound of the step when nothing overlaps it."""
+        return self.read_bytes_per_step / read_rate + self.write_bytes_per_step / write_rate
+
+
+def place_state(
+    packs: Sequence[PackBytes],
+    budget: str | int,
+    *,
+    reserve: str | int,
+    weight_reads: int = 1,
+) -> Placement:
+    """The placement of ``packs`` (in layer order) that fits ``budget`` (bytes, or
+    a size such as ``"24GiB"``) less ``reserve`` (what the run keeps in host
+    memory beside this state: stashes, buffer pools and the like), moving as
+    little as the rule in the module docstring allows. :class:`HostMemoryError`
+    when even all of it on disk does not fit.
+
+    Disk bytes per step, closed form: every (pack, kind) on disk is read once
+    and written once, as its update reads it and writes it back (gradients:
+    written when they reach the host, read by the update). ``weight_reads``:
+    reads of on-disk master weights per step (1: the update's; a plan that also
+    fetches them from disk for its forward and backward passes reads 3)."""
+    limit = parse_bytes(budget, "host memory budget")
+    reserve = parse_bytes(reserve, "host memory reserve")
+    for i, pack in enumerate(packs):
+        if min(pack.weights, pack.gradients, pack.optimizer) < 0:
+            raise HostMemoryError(f"pack {i}: state sizes must be >= 0, got {pack}")
+    on_disk: list[tuple[int, str]] = []
+    disk_of = [0] * len(packs)  # per pack, bytes on disk
+    total = sum(p.total for p in packs)
+
+    def staging() -> int:
+        return STAGED_PACKS * max(disk_of, default=0)
+
+    def host_use() -> int:
+        return total - sum(disk_of) + staging() + reserve
+
+    moves = [(i, kind) for kind in KINDS for i in reversed(range(len(packs))) if packs[i].of(kind)]
+    for i, kind in moves:
+        if host_use() <= limit:
+            break
+        on_disk.append((i, kind))
+        disk_of[i] += packs[i].of(kind)
+    if host_use() > limit:
+        raise HostMemoryError(
+            f"host memory: even with all the state on disk the host needs "
+            f"{format_bytes(host_use())} (staging for {STAGED_PACKS} packs "
+            f"{format_bytes(staging())}, reserve {format_bytes(reserve)}) but the budget is "
+            f"{format_bytes(limit)}: use smaller packs, a smaller reserve (fewer stashes in "
+            "flight) or a larger budget"
+        )
+    reads = sum(packs[i].of(k) * (weight_reads if k == "weights" else 1) for i, k in on_disk)
+    return Placement(
+        on_disk=tuple(on_disk),
+        budget=limit,
+        reserve=reserve,
+        host_state_bytes=total - sum(disk_of),
+        staging_bytes=staging(),
+        disk_bytes=sum(disk_of),
+        read_bytes_per_step=reads,
+        write_bytes_per_step=sum(disk_of),
+    )

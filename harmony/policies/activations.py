@@ -1,0 +1,168 @@
+"""Activations, their gradients and stashes between the ops of a graph: where
+each value is (a GPU, or host memory) after the task that made it, and the
+transfers that bring it to the op that needs it (nothing on the same GPU, a
+P2P copy from another, a copy in from host memory), prefetched while the op
+two before it on that GPU computes."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from ..costs.hardware import Hardware
+from ..costs.spec import ModelSpec
+from ..graph import ACT_OUT, P2P, STASH_IN, STASH_OUT, Activation, Task
+from ..plan import Plan
+from .base import HOST, GraphBase, Op
+
+
+@dataclass
+class Value:
+    """An activation (or activation gradient) for a sample range at a pack boundary."""
+
+    samples: tuple[int, int]
+    device: str  # "gpuN" or HOST
+    task: int | None  # the task after which it is there (None: there from the start)
+    buffer: int | None  # its buffer while on a GPU
+
+
+class ActivationFlow(GraphBase):
+    """:class:`GraphBase` with the values passed between ops, by key: ``("act",
+    layer)`` the input of a layer, ``("grad", layer)`` its gradient, ``("stash",
+    layer)`` the input kept in host memory for recompute."""
+
+    def __init__(self, spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0):
+        super().__init__(spec, hw, plan, model)
+        self._values: dict[tuple, tuple[list[int], list[Value]]] = {}  # key -> sorted values
+        self._stash_layers = set(plan.stash_layers())
+
+    def _produce(self, key: tuple, op: Op, task: Task, buf: int) -> None:
+        dev = f"gpu{op.gpu}"
+        value = Value(op.samples, dev, task.id, buf)
+        if op.offload_output:
+            out = self.transfer(
+                ACT_OUT,
+                f"{dev}.d2h",
+                dev,
+                self.d2h_route(op.gpu),
+                self.buffers[buf].nbytes,
+                [task.id],
+                f"offload {key} {op.samples}",
+                data=Activation(*key, op.samples),
+                src=[buf],
+                microbatch=op.microbatch,
+                samples=op.samples,
+            )
+            value = Value(op.samples, HOST, out.id, None)
+        self._add_value(key, value)
+
+    def _stash(self, op: Op, task: Task, input_buffers: list[int]) -> None:
+        """Save the inputs of backward packs that start inside this forward op."""
+        dev = f"gpu{op.gpu}"
+        n = op.samples[1] - op.samples[0]
+        for layer in range(op.layers[0], op.layers[1]):
+            if layer not in self._stash_layers:
+                continue
+            if layer == 0:  # the minibatch input is in host memory already
+                self._add_value(("stash", 0), Value(op.samples, HOST, None, None))
+                continue
+            nbytes = self.spec.input_bytes(layer, n)
+            if layer == op.layers[0] and len(input_buffers) == 1:
+                buf = input_buffers[
+                    0
+                ]  # the op's own input: its buffer lives until the copy is done
+            else:
+                buf = self.buffer(
+                    dev, nbytes, f"stash of layer {layer} input {op.samples}", op.samples
+                )
+                task.allocs.append(buf)
+                task.io.setdefault("stash", {})[layer] = buf
+            out = self.transfer(
+                STASH_OUT,
+                f"{dev}.d2h",
+                dev,
+                self.d2h_route(op.gpu),
+                nbytes,
+                [task.id],
+                f"stash layer {layer} {op.samples}",
+                data=Activation("stash", layer, op.samples),
+                src=[buf],
+                microbatch=op.microbatch,
+                samples=op.samples,
+                layers=(layer, layer + 1),
+            )
+            self._add_value(("stash", layer), Value(op.samples, HOST, out.id, None))
+
+    def _add_value(self, key: tuple, value: Value) -> None:
+        starts, values = self._values.setdefault(key, ([], []))
+        i = bisect.bisect(starts, value.samples[0])
+        starts.insert(i, value.samples[0])
+        values.insert(i, value)
+
+    def _overlapping(self, key: tuple, samples: tuple[int, int]) -> list[Value]:
+        """Values of ``key`` whose samples overlap ``samples`` (they never overlap each other)."""
+        a, b = samples
+        starts, values = self._values.get(key, ([], []))
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        out = []
+        while i < len(values) and values[i].samples[0] < b:
+            if values[i].samples[1] > a:
+                out.append(values[i])
+            i += 1
+        return out
+
+    def _bring(
+        self, key: tuple, op: Op, k: int, kind_via_host: str, nbytes: float
+    ) -> tuple[list[int], list[int]]:
+        """Make the values of ``key`` for the op's samples available on its GPU.
+
+        Returns the tasks the op waits on and the buffers it releases."""
+        dev = f"gpu{op.gpu}"
+        values = self._overlapping(key, op.samples)
+        covered = sum(
+            min(v.samples[1], op.samples[1]) - max(v.samples[0], op.samples[0]) for v in values
+        )
+        if covered != op.samples[1] - op.samples[0]:
+            raise AssertionError(f"{key} for samples {op.samples} not produced before {op}")
+        deps = [v.task for v in values if v.task is not None]
+        if all(v.device == dev for v in values):
+            return deps, [v.buffer for v in values]
+        if all(v.device == HOST for v in values):
+            kind = STASH_IN if key[0] == "stash" else kind_via_host
+            t = self.transfer(
+                kind,
+                f"{dev}.h2d",
+                dev,
+                self.h2d_route(op.gpu),
+                nbytes,
+                deps + self._release_dep(op.gpu, 2),
+                f"{key[0]} layer {key[1]} {op.samples}",
+                alloc_on=dev,
+                for_op=k,
+                data=Activation(*key, op.samples),
+                microbatch=op.microbatch,
+                samples=op.samples,
+            )
+            return [t.id], list(t.allocs)
+        src = {v.device for v in values}
+        if len(src) != 1 or HOST in src:
+            raise AssertionError(f"{key} for {op.samples} spread over {src}")
+        src_gpu = int(next(iter(src))[3:])
+        route, rate = self.p2p_route(src_gpu, op.gpu)
+        t = self.transfer(
+            P2P,
+            f"{dev}.p2p",
+            dev,
+            route,
+            nbytes,
+            deps + self._release_dep(op.gpu, 2),
+            f"{key[0]} layer {key[1]} {op.samples} from gpu{src_gpu}",
+            alloc_on=dev,
+            max_rate=rate,
+            for_op=k,
+            data=Activation(*key, op.samples),
+            src=[v.buffer for v in values],
+            microbatch=op.microbatch,
+            samples=op.samples,
+        )
+        return [t.id], list(t.allocs)

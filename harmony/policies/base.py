@@ -1,0 +1,150 @@
+"""The bottom of the graph builder: what a policy asks for (:class:`Op`) and the
+primitives every part of the builder adds tasks with (:class:`GraphBase`):
+buffers, transfers on routes of links, and the priorities (``seq``) that keep
+a graph free of deadlock (see :mod:`harmony.graph`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..costs.hardware import Hardware
+from ..costs.spec import ModelSpec
+from ..errors import HarmonyError
+from ..graph import Activation, Batch, Buffer, Payload, Task
+from ..plan import Plan
+
+HOST = "host"
+#: steps between the priorities :meth:`GraphBase._next_seq` hands out: the room just
+#: before and just after each transfer and update, where the disk tier's reads and
+#: writes of the state it needs go (:mod:`.disk_tier`)
+SEQ_ROOM = 4
+
+
+@dataclass(frozen=True)
+class Op:
+    """One compute task the policy wants: ``kind`` of pack ``pack`` on ``samples``."""
+
+    kind: str  # FWD, BWD or FWDBWD
+    gpu: int
+    pack: int  # index into plan.fwd_packs (FWD) or plan.bwd_packs (BWD, FWDBWD)
+    layers: tuple[int, int]
+    samples: tuple[int, int]
+    microbatch: int
+    group: tuple  # ops with equal group on one GPU, back to back, share one weight load
+    offload_output: bool = False  # send the output through host memory
+
+
+class GraphBase:
+    """Tasks, buffers and links of one graph under construction, and the
+    primitives that add them."""
+
+    def __init__(self, spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0):
+        if plan.n_gpus > hw.n_gpus:
+            raise HarmonyError(
+                f"plan uses {plan.n_gpus} GPUs but hardware {hw.name!r} has {hw.n_gpus}"
+            )
+        plan.validate(len(spec))
+        self.spec, self.hw, self.plan, self.model = spec, hw, plan, model
+        self.tasks: list[Task] = []
+        self.buffers: list[Buffer] = []
+        self.links: dict[str, float] = {}
+        for g in range(plan.n_gpus):
+            self.links[f"gpu{g}.h2d"] = hw.h2d
+            self.links[f"gpu{g}.d2h"] = hw.d2h
+            s = hw.switch_of(g)
+            self.links[f"switch{s}.down"] = hw.uplink
+            self.links[f"switch{s}.up"] = hw.uplink
+        self._sub = 0  # seq tiebreak of everything but compute ops
+        self._ops_on: dict[int, list[int]] = {g: [] for g in range(plan.n_gpus)}
+
+    def buffer(
+        self, device: str, nbytes: float, what: str, samples: tuple[int, int] = (0, 0)
+    ) -> int:
+        self.buffers.append(
+            Buffer(len(self.buffers), device, float(nbytes), what, samples=samples)
+        )
+        return len(self.buffers) - 1
+
+    def release(self, task: Task, buffer: int) -> None:
+        task.releases.append(buffer)
+        self.buffers[buffer].refs += 1
+
+    def _add(self, task: Task) -> Task:
+        self.tasks.append(task)
+        return task
+
+    def _next_seq(self, deps: list[int], for_op: int | None) -> tuple[int, int, int]:
+        """Priority of a transfer or update: an input of compute op ``for_op`` comes
+        just before it; anything else just after the newest op it depends on."""
+        self._sub += SEQ_ROOM
+        if for_op is not None:
+            return (for_op, 0, self._sub)
+        return (max((self.tasks[d].seq[0] for d in deps), default=0), 2, self._sub)
+
+    def transfer(
+        self,
+        kind: str,
+        lane: str,
+        device: str,
+        route: tuple[str, ...],
+        nbytes: float,
+        deps: list[int],
+        what: str,
+        *,
+        alloc_on: str | None = None,
+        max_rate: float = math.inf,
+        for_op: int | None = None,
+        seq: tuple[int, int, int] | None = None,
+        data: Payload = None,
+        src: list[int] | None = None,
+        **meta,
+    ) -> Task:
+        """A transfer of ``data``; it reads buffers ``src`` (and releases them) and,
+        with ``alloc_on``, writes a new buffer there (``io["dst"]``). ``seq``: its
+        priority, where it is not :meth:`_next_seq`'s."""
+        deps = sorted(set(deps))
+        t = self._add(
+            Task(
+                len(self.tasks),
+                kind,
+                lane,
+                device,
+                self._next_seq(deps, for_op) if seq is None else seq,
+                deps,
+                nbytes=float(nbytes),
+                links=route,
+                max_rate=max_rate,
+                model=self.model,
+                what=what,
+                data=data,
+                **meta,
+            )
+        )
+        if src:
+            t.io["src"] = list(src)
+            for b in src:
+                self.release(t, b)
+        if alloc_on is not None:
+            samples = data.samples if isinstance(data, (Batch, Activation)) else (0, 0)
+            t.io["dst"] = self.buffer(alloc_on, nbytes, what, samples)
+            t.allocs.append(t.io["dst"])
+        return t
+
+    # ---- routes ----------------------------------------------------------------
+    def h2d_route(self, g: int) -> tuple[str, ...]:
+        return (f"gpu{g}.h2d", f"switch{self.hw.switch_of(g)}.down")
+
+    def d2h_route(self, g: int) -> tuple[str, ...]:
+        return (f"gpu{g}.d2h", f"switch{self.hw.switch_of(g)}.up")
+
+    def p2p_route(self, src: int, dst: int) -> tuple[tuple[str, ...], float]:
+        """GPU->GPU: direct on one switch with peer access; else staged through host memory."""
+        if self.hw.p2p is not None and self.hw.switch_of(src) == self.hw.switch_of(dst):
+            return (f"gpu{src}.d2h", f"gpu{dst}.h2d"), self.hw.p2p
+        return self.d2h_route(src) + self.h2d_route(dst), math.inf
+
+    def _release_dep(self, gpu: int, back: int) -> list[int]:
+        """The op ``back`` ops before the next one on ``gpu`` (prefetch window)."""
+        ops = self._ops_on[gpu]
+        return [ops[-back]] if len(ops) >= back else []

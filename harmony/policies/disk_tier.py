@@ -1,0 +1,191 @@
+"""The disk tier in the task graph: which training state of a plan lives on
+disk (:func:`place`) and the transfers that move it (:func:`add_disk_tasks`),
+with their bytes in closed form (:func:`disk_volume`).
+
+**Placement.** The host budget is ``Hardware.host_memory``. Beside the
+training state (per backward pack: master weights, gradients, optimizer
+state; :func:`~.state.host_state`) the run keeps in host memory a *reserve*:
+
+* every stashed pack input and offloaded activation of the minibatch (the
+  plan's STASH_OUT + ACT_OUT bytes: at the end of forward they are all there
+  at once, as the engine's host check counts them);
+* the gradients: the host sums them as they arrive, microbatch by
+  microbatch (or shard by shard), so a copy on disk would save nothing
+  while they are summed; they never go to disk here;
+* with ``gpu_optimizer``, the whole state of a plan that swaps it to the
+  GPU for the update (OPT_IN / OPT_OUT): the baselines that do so (virtual
+  memory, GPipe with swapping) have no disk tier; a plan whose state stays
+  on its GPUs (``model-parallel``) keeps none on the host.
+
+What does not fit goes to disk by :func:`harmony.costs.placement.place_state`'s
+rule: optimizer state, then master weights, last pack first. A server
+without a disk tier (``Hardware.disk_read`` None) must fit it all:
+:class:`~harmony.costs.placement.HostMemoryError` otherwise, saying what to set.
+
+**Tasks** (only where something is on disk, so a plan that fits host memory
+gets the graph it always had), on lanes and links ``host.disk_read`` and
+``host.disk_write``, device ``host``:
+
+* around each CPU update (UPD) of a pack with state on disk: a DISK_IN
+  before it reads that state (payload :class:`~harmony.graph.DiskState`: the
+  pack, its kinds on disk and the update's shard), a DISK_OUT after it writes
+  it back, updated. The staging buffers hold three packs (``STAGED_PACKS``),
+  so the read for the j-th such update (in priority order: last pack first)
+  waits for the write of the (j-3)-th: while a pack updates, the next pack's
+  state is read and the previous one's written;
+* before each weight load (W_IN) whose layers hold weights on disk: a
+  DISK_IN of the whole weights of every backward pack it touches whose
+  weights are on disk (files hold whole packs; a parameter tied into the
+  load counts its owner's pack), once the load's own dependencies are met.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, replace
+from typing import Iterable, Mapping
+
+from ..costs.hardware import Hardware, format_bytes
+from ..costs.placement import STAGED_PACKS, HostMemoryError, PackBytes, Placement, place_state
+from ..costs.spec import ModelSpec
+from ..graph import ACT_OUT, DISK_IN, DISK_OUT, OPT_IN, STASH_OUT, UPD, W_IN, DiskState, Task
+from ..plan import Pack, Plan, layer_shard
+from .base import HOST, GraphBase
+from .state import host_state
+
+READ = "host.disk_read"
+WRITE = "host.disk_write"
+
+
+def place(spec: ModelSpec, plan: Plan, hw: Hardware, moved: Mapping[str, float]) -> Placement:
+    """Where ``plan``'s state lives on ``hw`` (the module docstring's rule);
+    ``moved``: its bytes per transfer kind (the closed form, or a graph's)."""
+    state = [host_state(spec, range(*p)) for p in plan.bwd_packs]
+    stash = moved.get(STASH_OUT, 0.0) + moved.get(ACT_OUT, 0.0)
+    if plan.option("gpu_optimizer"):
+        pinned = sum(p.total for p in state) if moved.get(OPT_IN, 0.0) else 0
+        movable = [PackBytes(0, 0, 0)] * len(state)
+    else:
+        pinned = sum(p.gradients for p in state)
+        movable = [replace(p, gradients=0) for p in state]
+    reserve = int(stash) + pinned
+    try:
+        placement = place_state(movable, hw.host_memory, reserve=reserve)
+        if not placement.on_disk or hw.has_disk:
+            return placement
+    except HostMemoryError:
+        if hw.has_disk and any(p.total for p in movable):
+            least = reserve + STAGED_PACKS * max(p.total for p in movable)
+            raise HostMemoryError(
+                f"host memory: {plan.policy} on {hw.name!r} needs at least "
+                f"{format_bytes(least)} of host memory even with its optimizer state and "
+                f"master weights on disk (gradients {format_bytes(pinned)}, stashes and "
+                f"offloaded activations {format_bytes(stash)}, staging for {STAGED_PACKS} "
+                f"packs) but host_memory is {format_bytes(hw.host_memory)}: give more host "
+                "memory (--host-memory, Hardware.with_host_memory), or smaller backward packs "
+                "(less to stage) or fewer stashes"
+            ) from None
+    total = sum(p.total for p in state) + stash
+    if plan.option("gpu_optimizer"):
+        fix = "run without gpu_optimizer (the CPU update can read its state from a disk tier) or "
+    else:
+        fix = "give the server a disk tier (--disk nvme, Hardware.with_disk) or "
+    raise HostMemoryError(
+        f"host memory: {plan.policy} on {hw.name!r} keeps {format_bytes(total)} in host "
+        f"memory (training state {format_bytes(total - stash)}, stashes and offloaded "
+        f"activations {format_bytes(stash)}) but host_memory is "
+        f"{format_bytes(hw.host_memory)}: {fix}more host memory (--host-memory)"
+    )
+
+
+def weight_packs(spec: ModelSpec, plan: Plan, layers: Pack) -> list[int]:
+    """The backward packs whose weights a load of ``layers`` reads: those it
+    overlaps, and the pack stepping each tied parameter it holds."""
+    s, e = layers
+    owners = {tie.layers[0] for tie in spec.ties if tie.in_range(s, e)}
+    return [
+        q
+        for q, (a, b) in enumerate(plan.bwd_packs)
+        if (a < e and s < b) or any(a <= i < b for i in owners)
+    ]
+
+
+def disk_volume(
+    spec: ModelSpec, plan: Plan, placement: Placement, loads: Iterable[tuple[Pack, float]]
+) -> dict[str, float]:
+    """DISK_IN and DISK_OUT bytes of one iteration, closed form: every (pack, kind)
+    on disk read by its update and written back, and the weights on disk read
+    again by every load of a pack that needs them (``loads``: the layers of each
+    pack the plan loads, and how many times per iteration)."""
+    weights = _disk_weights(spec, plan, placement)
+    reads = sum(n * sum(weights[q] for q in weight_packs(spec, plan, p)) for p, n in loads)
+    return {
+        DISK_IN: float(placement.read_bytes_per_step + reads),
+        DISK_OUT: float(placement.write_bytes_per_step),
+    }
+
+
+def add_disk_tasks(b: GraphBase) -> dict | None:
+    """Place the state of ``b``'s plan and add the disk transfers it implies (see
+    the module docstring). Returns the placement for the graph's ``info``, or
+    None when nothing is on disk (the graph is left as it was)."""
+    moved: dict[str, float] = defaultdict(float)
+    for t in b.tasks:
+        if t.is_transfer:
+            moved[t.kind] += t.nbytes
+    placement = place(b.spec, b.plan, b.hw, moved)
+    if not placement.on_disk:
+        return None
+    b.links[READ], b.links[WRITE] = b.hw.disk_read, b.hw.disk_write
+    weights = _disk_weights(b.spec, b.plan, placement)
+    for load in [t for t in b.tasks if t.kind == W_IN]:
+        packs = [q for q in weight_packs(b.spec, b.plan, load.layers) if weights[q]]
+        if packs:
+            data = DiskState(tuple(packs), ("weights",))
+            read = _disk(b, DISK_IN, load, -1, sum(weights[q] for q in packs), load.deps, data)
+            load.deps = sorted(set(load.deps) | {read.id})
+    written: list[int] = []  # the DISK_OUTs so far: each frees a staging slot
+    cpu_updates = [t for t in b.tasks if t.kind == UPD and t.device == "cpu"]
+    for update in sorted(cpu_updates, key=lambda t: t.seq):
+        kinds = placement.kinds_on_disk(update.pack)
+        shard = update.data.shard
+        state = host_state(b.spec, layer_shard(b.plan.bwd_packs[update.pack], *shard))
+        nbytes = sum(state.of(k) for k in kinds)
+        if not nbytes:
+            continue
+        data = DiskState((update.pack,), kinds, shard)
+        slot = [written[-STAGED_PACKS]] if len(written) >= STAGED_PACKS else []
+        read = _disk(b, DISK_IN, update, -1, nbytes, slot, data)
+        update.deps = sorted(set(update.deps) | {read.id})
+        written.append(_disk(b, DISK_OUT, update, +1, nbytes, [update.id], data).id)
+    return asdict(placement)
+
+
+def _disk_weights(spec: ModelSpec, plan: Plan, placement: Placement) -> list[int]:
+    """Per backward pack, the bytes of its master weights on disk (0: in host memory)."""
+    return [
+        host_state(spec, range(*p)).weights if placement.where(q, "weights") == "disk" else 0
+        for q, p in enumerate(plan.bwd_packs)
+    ]
+
+
+def _disk(
+    b: GraphBase, kind: str, of: Task, side: int, nbytes: int, deps: list[int], data: DiskState
+) -> Task:
+    """A disk transfer for task ``of``, just before (``side`` -1) or after (+1) it in
+    priority: the room :data:`~.base.SEQ_ROOM` left there."""
+    link = READ if kind == DISK_IN else WRITE
+    verb = "read" if kind == DISK_IN else "write"
+    return b.transfer(
+        kind,
+        link,
+        HOST,
+        (link,),
+        nbytes,
+        deps,
+        f"{verb} {'+'.join(data.kinds)} of packs {list(data.packs)} for {of.kind} {of.layers}",
+        seq=(of.seq[0], of.seq[1], of.seq[2] + side),
+        data=data,
+        pack=of.pack,
+        layers=of.layers,
+    )

@@ -1,0 +1,218 @@
+"""The disk tier in the task graph: a server's disk link, where the plan's state
+goes when host memory is short, the DISK_IN / DISK_OUT transfers around each
+update (read ahead, written behind), weight loads that read through it, their
+bytes in closed form, the simulator's lower bound and the search's view."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from conftest import simple_hardware, tiny_spec
+
+import harmony
+from harmony import Plan
+from harmony.costs.hardware import (
+    NVME_PCIE4_READ,
+    NVME_PCIE4_WRITE,
+    PRESETS,
+    Hardware,
+    parse_disk,
+)
+from harmony.costs.placement import STAGED_PACKS, HostMemoryError
+from harmony.costs.spec import Tie
+from harmony.engine.tiers import NVME_PCIE4
+from harmony.errors import HarmonyError
+from harmony.graph import DISK_IN, DISK_OUT, UPD, W_IN, DiskState
+from harmony.policies import build_graph, disk_placement, swap_volume
+from harmony.policies.disk_tier import READ, WRITE
+from harmony.policies.state import host_state
+
+MB = 1e6
+# 6 layers of 1e6 fp32 parameters: per layer 4 MB of weights, 4 MB of gradients and
+# 8 MB of AdamW state; updates of 50 ms, so a disk at 100 MB/s reads a pack's
+# optimizer state (80 ms) in about the time of an update
+SPEC = tiny_spec(6, update_s=0.05)
+PLAN = Plan.uniform("harmony-pp", 1, 4, 2, 6, 1)
+DISK = (100 * MB, 100 * MB)
+
+
+def host_for(spec, plan) -> int:
+    """Host memory that sends every pack's optimizer state to disk and nothing else:
+    stashes, gradients and weights, and the staging of three packs' optimizer state."""
+    stash = swap_volume(spec, plan)["STASH_OUT"]
+    return int(stash + 24 * MB + 24 * MB + STAGED_PACKS * 8 * MB)
+
+
+def server(host: int, disk=DISK, n_gpus: int = 1, **kw) -> Hardware:
+    return replace(simple_hardware(n_gpus, **kw), host_memory=host).with_disk(disk)
+
+
+# ---- the disk link ------------------------------------------------------------------
+def test_hardware_disk_link_is_validated_and_named():
+    hw = simple_hardware(1)
+    assert hw.disk_read is None and not hw.has_disk
+    nvme = hw.with_disk("nvme")
+    assert (nvme.disk_read, nvme.disk_write) == (NVME_PCIE4_READ, NVME_PCIE4_WRITE)
+    assert (NVME_PCIE4.read, NVME_PCIE4.write) == (NVME_PCIE4_READ, NVME_PCIE4_WRITE)
+    assert hw.with_disk("3GB/s, 2GB/s").disk_write == 2e9
+    assert nvme.with_disk(None).disk_read is None
+    assert hw.with_host_memory("24GiB").host_memory == 24 * 1024**3
+    with pytest.raises(HarmonyError, match="both disk_read and disk_write"):
+        replace(hw, disk_read=1e9)
+    with pytest.raises(HarmonyError, match="disk_write must be positive or None"):
+        replace(hw, disk_read=1e9, disk_write=0.0)
+    with pytest.raises(HarmonyError, match="give a disk by name"):
+        parse_disk("floppy")
+    with pytest.raises(HarmonyError, match="cannot read disk read bandwidth"):
+        parse_disk("fast,2GB/s")
+    assert all(p.disk_read is None for p in PRESETS.values())  # presets fit their state
+
+
+# ---- placement ------------------------------------------------------------------------
+def test_a_plan_that_fits_host_memory_has_no_disk_tasks_and_the_same_trace():
+    roomy = simple_hardware(1)
+    with_disk = roomy.with_disk("nvme")
+    graph = build_graph(SPEC, with_disk, PLAN)
+    assert not [t for t in graph.tasks if t.kind in (DISK_IN, DISK_OUT)]
+    assert READ not in graph.links and "disk" not in graph.info
+    a, b = harmony.simulate(SPEC, roomy, PLAN), harmony.simulate(SPEC, with_disk, PLAN)
+    assert a.summary == b.summary and a.timeline.equals(b.timeline)
+    assert b.summary.disk_bytes == 0
+    assert swap_volume(SPEC, PLAN, with_disk) == swap_volume(SPEC, PLAN)
+
+
+def test_state_that_does_not_fit_says_what_to_set():
+    short = replace(simple_hardware(1), host_memory=host_for(SPEC, PLAN))
+    with pytest.raises(HostMemoryError, match=r"give the server a disk tier \(--disk nvme"):
+        build_graph(SPEC, short, PLAN)
+    with pytest.raises(HostMemoryError, match="needs at least .* even with its optimizer state"):
+        build_graph(SPEC, server(30 * MB), PLAN)
+    # a baseline that swaps its state to the GPU keeps it in host memory
+    swap = Plan.uniform("layer-swap", 1, 4, 2, 6, 1, gpu_optimizer=True)
+    with pytest.raises(HostMemoryError, match="run without gpu_optimizer"):
+        build_graph(SPEC, server(host_for(SPEC, swap)), swap)
+    # ... and one whose state stays on its GPUs keeps none there
+    resident = Plan("model-parallel", 1, 4, 2, 2, PLAN.bwd_packs[:-1], PLAN.bwd_packs)
+    resident = resident.with_options(gpu_optimizer=True)
+    tiny_host = replace(simple_hardware(1), host_memory=1)
+    assert not disk_placement(SPEC, tiny_host, resident).on_disk
+
+
+def test_optimizer_state_goes_to_disk_last_pack_first():
+    placement = disk_placement(SPEC, server(host_for(SPEC, PLAN)), PLAN)
+    assert placement.on_disk == tuple((q, "optimizer") for q in range(5, -1, -1))
+    # a pack out saves 8 MB, but staging three packs costs 24 MB: it takes four
+    fewer = disk_placement(SPEC, server(host_for(SPEC, PLAN) + 16 * MB), PLAN)
+    assert fewer.on_disk == tuple((q, "optimizer") for q in (5, 4, 3, 2))
+
+
+# ---- the tasks ------------------------------------------------------------------------
+def test_updates_read_ahead_and_write_behind():
+    hw = server(host_for(SPEC, PLAN))
+    graph = build_graph(SPEC, hw, PLAN)
+    graph.check()
+    assert graph.links[READ] == DISK[0] and graph.links[WRITE] == DISK[1]
+    tasks = graph.tasks
+    updates = sorted((t for t in tasks if t.kind == UPD), key=lambda t: t.seq)
+    writes = []
+    for u in updates:
+        (read,) = [tasks[d] for d in u.deps if tasks[d].kind == DISK_IN]
+        (write,) = [t for t in tasks if t.kind == DISK_OUT and u.id in t.deps]
+        assert read.data == write.data == DiskState((u.pack,), ("optimizer",))
+        assert read.nbytes == write.nbytes == 8 * MB
+        assert (read.lane, write.lane, read.device) == (READ, WRITE, "host")
+        # three packs staged: this read waits for the write three updates back
+        back = [writes[-STAGED_PACKS]] if len(writes) >= STAGED_PACKS else []
+        assert [tasks[d] for d in read.deps] == back
+        writes.append(write)
+    trace = harmony.simulate(SPEC, hw, PLAN)
+    tl = trace.timeline
+    for k in range(1, 6):  # the update of pack k overlaps the read of pack k-1's state
+        upd = tl[(tl.kind == UPD) & (tl.pack == k)].iloc[0]
+        read = tl[(tl.kind == DISK_IN) & (tl.pack == k - 1)].iloc[0]
+        assert read.start_s < upd.end_s and upd.start_s < read.end_s, k
+    s = trace.summary
+    assert s.disk_read_bytes == s.disk_write_bytes == 48 * MB
+    assert s.swap_bytes == harmony.simulate(SPEC, simple_hardware(1), PLAN).summary.swap_bytes
+    # disk-bound: the lower bound is the disk's reads (or writes) at its bandwidth
+    assert s.lower_bound_by in (f"link:{READ}", f"link:{WRITE}")
+    assert s.lower_bound_s == pytest.approx(48 * MB / DISK[0])
+    assert s.to_dict()["disk_read_bytes"] == 48 * MB
+
+
+def test_weight_loads_read_weights_on_disk_through_the_tier():
+    # a little less memory than optimizer state alone on disk frees: weights go too,
+    # and staging grows to 12 MB a pack, so four packs' weights must go
+    hw = server(host_for(SPEC, PLAN) - 1)
+    placement = disk_placement(SPEC, hw, PLAN)
+    assert [q for q, k in placement.on_disk if k == "weights"] == [5, 4, 3, 2]
+    graph = build_graph(SPEC, hw, PLAN)
+    graph.check()
+    for load in (t for t in graph.tasks if t.kind == W_IN):
+        reads = [graph.tasks[d] for d in load.deps if graph.tasks[d].kind == DISK_IN]
+        pack = load.layers[0]  # packs of one layer: the load's layer is its pack
+        assert [r.data for r in reads] == ([DiskState((pack,), ("weights",))] if pack >= 2 else [])
+    s = harmony.simulate(SPEC, hw, PLAN).summary
+    closed = swap_volume(SPEC, PLAN, hw)
+    # the updates read and write all optimizer state and four packs' weights; seven
+    # loads (three forward, four backward) read those weights again
+    assert closed[DISK_OUT] == s.disk_write_bytes == 48 * MB + 16 * MB
+    assert closed[DISK_IN] == s.disk_read_bytes == 48 * MB + 16 * MB + 7 * 4 * MB
+
+
+def test_a_tied_parameter_is_read_from_its_owners_pack():
+    layers = tuple(replace(c, param_numel=1_000_000) for c in SPEC.layers)
+    tied = replace(SPEC, layers=layers, ties=(Tie(numel=500_000, layers=(0, 5)),))
+    plan = PLAN
+    # the least host memory: stashes, gradients and three packs staged, all else on disk
+    state = [host_state(tied, range(*p)) for p in plan.bwd_packs]
+    stash = swap_volume(tied, plan)["STASH_OUT"]
+    staged = STAGED_PACKS * max(p.total - p.gradients for p in state)
+    least = stash + sum(p.gradients for p in state) + staged
+    hw = server(int(least))
+    placement = disk_placement(tied, hw, plan)
+    assert placement.where(0, "weights") == "disk"
+    with pytest.raises(HostMemoryError, match="needs at least"):
+        disk_placement(tied, server(int(least) - 1), plan)
+    graph = build_graph(tied, hw, plan)
+    fused = next(t for t in graph.tasks if t.kind == W_IN and t.layers == (5, 6))
+    (read,) = [graph.tasks[d] for d in fused.deps if graph.tasks[d].kind == DISK_IN]
+    assert read.data.packs == (0, 5)  # its layer's pack, and the owner of its tied weight
+    s = harmony.simulate(tied, hw, plan).summary
+    closed = swap_volume(tied, plan, hw)
+    assert closed[DISK_IN] == pytest.approx(s.disk_read_bytes)
+
+
+@pytest.mark.parametrize(
+    "policy", ["harmony-dp", "zero-offload", "harmony-no-grouping", "karma", "hydra"]
+)
+def test_every_cpu_update_policy_gets_the_disk_tier(policy):
+    n = 1 if policy == "hydra" else 2
+    plan = Plan.uniform(policy, n, 4, 2, 6, 1)
+    moved = swap_volume(SPEC, plan)
+    # 96 MB of state, of which 24 MB of gradients stay: two packs' optimizer state go
+    hw = server(int(moved["STASH_OUT"] + moved["ACT_OUT"] + 80 * MB), n_gpus=n)
+    graph = build_graph(SPEC, hw, plan)
+    graph.check()
+    placement = disk_placement(SPEC, hw, plan)
+    assert placement.on_disk
+    s = harmony.simulate(SPEC, hw, plan).summary
+    closed = swap_volume(SPEC, plan, hw)
+    assert s.disk_read_bytes == pytest.approx(closed[DISK_IN])
+    assert s.disk_write_bytes == pytest.approx(closed[DISK_OUT])
+    assert s.disk_write_bytes == pytest.approx(placement.write_bytes_per_step)
+
+
+# ---- the search ---------------------------------------------------------------------
+def test_the_search_pays_for_a_slow_disk_and_skips_plans_that_cannot_fit():
+    roomy = simple_hardware(1, memory=40 * 10**6)  # GPUs that take packs of one layer
+    fast = harmony.search(SPEC, roomy, 4, policies=["harmony-pp"], workers=1)
+    slow_disk = replace(roomy, host_memory=host_for(SPEC, PLAN)).with_disk((20 * MB, 20 * MB))
+    slow = harmony.search(SPEC, slow_disk, 4, policies=["harmony-pp"], workers=1)
+    assert slow.iloc[0].iteration_s > fast.iloc[0].iteration_s
+    assert slow.iloc[0].disk_gb > 0 and fast.iloc[0].disk_gb == 0
+    # plans of larger packs stage more than the host has: not returned
+    assert slow.attrs["rejected_host_memory"] > 0
+    with pytest.raises(HostMemoryError, match="host memory"):
+        harmony.search(SPEC, replace(roomy, host_memory=10), 4, policies=["harmony-pp"])
