@@ -199,9 +199,13 @@ def tied_model() -> torch.nn.Sequential:
     return torch.nn.Sequential(a, torch.nn.ReLU(), b, torch.nn.ReLU(), torch.nn.Linear(16, 5))
 
 
-def test_weights_tied_across_packs_sum_on_the_host_beside_the_gpus_sums():
+@pytest.mark.parametrize("options", ["gradients", "optimizer", "both"])
+def test_weights_tied_across_packs_step_once_every_part_of_their_gradient_is_in(options):
+    """gradients: the tied parts sum on the host beside the GPUs' sums; optimizer: the
+    pack of a tied weight's first layer takes its state in (OPT_IN) only after the
+    other packs' parts of its gradient are in, so it steps the whole gradient."""
     packs = tuple((i, i + 1) for i in range(5))
-    plan = Plan("layer-swap", 1, 8, 4, 4, packs[:-1], packs, OPTIONS["gradients"])
+    plan = Plan("layer-swap", 1, 8, 4, 4, packs[:-1], packs, OPTIONS[options])
     engine = Engine(tied_model(), ADAMW, loss_fn, device(1), 8, plan)
     expected = tied_model()
     opt = ADAMW(list(expected.parameters()))
@@ -212,9 +216,3 @@ def test_weights_tied_across_packs_sum_on_the_host_beside_the_gpus_sums():
         assert engine.step(x, y) == ref
     assert all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), expected.parameters()))
     check_bytes_and_memory(engine)
-    # the graph brings the tied pack's state in before the other packs' parts of its
-    # gradient are in: refused rather than stepped with part of it
-    plan = Plan("layer-swap", 1, 8, 4, 4, packs[:-1], packs, OPTIONS["optimizer"])
-    engine = Engine(tied_model(), ADAMW, loss_fn, device(1), 8, plan)
-    with pytest.raises(HarmonyError, match="before every part of their tied weights' gradient"):
-        engine.step(x, y)

@@ -134,25 +134,11 @@ def check_options(plan: Plan) -> None:
         )
 
 
-def check_engine_runs(plan: Plan) -> None:
-    """Refuse, before anything runs, a plan the engine cannot run yet: it keeps
-    weights, gradient sums and optimizer state on the host, and has no task that
-    swaps a gradient accumulator or optimizer state (G_IN, OPT_IN, OPT_OUT)."""
-    on_gpu = [k for k in STATE_OPTIONS if plan.option(k)]
-    if on_gpu:
-        raise HarmonyError(
-            f"the engine sums gradients and steps the optimizer on the host; {plan.policy} with "
-            f"{', '.join(on_gpu)} is simulated only (harmony.simulate): train the same schedule "
-            f"with {', '.join(f'{k}=False' for k in on_gpu)}"
-        )
-
-
 def update_shards(plan: Plan) -> int:
     """How many shards each backward pack's CPU update is split into: one per
-    GPU with samples for policies that partition the update, else one. The
-    engine asks when it takes a plan, so a plan it cannot run is refused here
-    (:func:`check_engine_runs`)."""
-    check_engine_runs(plan)
+    GPU with samples for policies that partition the update, else one (the
+    state options of the baselines keep one optimizer per pack: every GPU that
+    runs the pack steps it whole)."""
     if plan.policy not in SHARDED_UPDATES:
         return 1
     return sum(1 for a, b in replica_shares(plan.minibatch, plan.n_gpus) if b > a)

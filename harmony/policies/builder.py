@@ -133,6 +133,15 @@ class GraphBuilder(ActivationFlow):
         # (layers of the op, its tied-gradient G_OUT)
         self._tie_pieces: list[tuple[tuple[int, int], int]] = []
 
+    def tie_parts(self, layers: tuple[int, int]) -> list[int]:
+        """The tasks that bring in the parts of the gradients of parameters tied
+        into ``layers`` from other packs: all are in before the pack of a tied
+        parameter's first layer steps it (on the host, or on a GPU after OPT_IN)."""
+        owned = {tie for tie in self.spec.ties if layers[0] <= tie.layers[0] < layers[1]}
+        return [
+            out for (a, b), out in self._tie_pieces if any(tie.in_range(a, b) for tie in owned)
+        ]
+
     def update(
         self,
         pack: int,
@@ -143,13 +152,7 @@ class GraphBuilder(ActivationFlow):
     ) -> Task:
         """The CPU optimizer step of a pack's parameters, or of its ``shard``
         ``(r, k)``: the layers :func:`layer_shard` gives."""
-        # the parts of a tied parameter's gradient, from every pack that holds it,
-        # are all in before the pack of its first layer steps it
-        owned = {tie for tie in self.spec.ties if layers[0] <= tie.layers[0] < layers[1]}
-        deps = sorted(
-            set(deps)
-            | {out for (a, b), out in self._tie_pieces if any(tie.in_range(a, b) for tie in owned)}
-        )
+        deps = sorted(set(deps) | set(self.tie_parts(layers)))
         duration = sum(
             self.spec.update_time(i, i + 1, self.hw.cpu_update_bandwidth)
             for i in layer_shard(layers, *shard)

@@ -194,7 +194,7 @@ def update_on_gpus(
                 dev,
                 b.h2d_route(gpu),
                 into,
-                outs[pack] + wait,
+                outs[pack] + wait + b.tie_parts(layers),
                 f"optimizer state {layers}",
                 alloc_on=dev,
                 for_op=k,
