@@ -1,13 +1,15 @@
-"""Swap volume of the best Harmony plan vs per-layer swapping (``layer-swap``,
-vDNN / LMS as those systems run it, chosen by its own rule) and vs Harmony
-without input-batch grouping (``harmony-no-grouping``, an ablation).
+"""Swap volume and speed of Harmony against per-layer swapping (``layer-swap``, vDNN /
+LMS as those systems run it, chosen by its own rule), GPipe with swapping, and
+Harmony without input-batch grouping (``harmony-no-grouping``, an ablation).
 
-For GPT-2 XL and BERT-96 (1080 Ti reference profiles) on the paper's 4-GPU
-server at minibatch 16, 64 and 256: the search picks the fastest plan of each
-policy that fits; we print their host<->GPU bytes per iteration and the ratio
-(the paper reports up to two orders of magnitude). Also prints the
-minimum-swap Harmony plan, since the fastest plan need not be the one that
-moves the fewest bytes.
+For each model (1080 Ti reference profiles) and minibatch on the paper's 4-GPU
+server: Harmony's fastest plan and its least-swap plan that fits (the search
+over harmony-pp and harmony-dp), each baseline by its own chooser (the largest
+microbatch that fits), the ablation by the search; host<->GPU bytes per
+iteration, simulated seconds, and per case the ratios against ``layer-swap``:
+its bytes over Harmony's fastest and least-swap plans', its time over Harmony's
+(with and without the preset's fixed cost per pack task). The computation is
+the one figures 10 and 11 use (:func:`harmony.workbench.experiments.paper_grid`).
 
     python bench/swap_volume.py [--models gpt2-xl,bert-96] [--minibatches 16,64,256]
 """
@@ -17,7 +19,11 @@ import time
 
 import pandas as pd
 
-import harmony
+from harmony.workbench.experiments import BASELINE, paper_grid, versus_baselines
+
+
+def show(df: pd.DataFrame) -> str:
+    return df.to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-")
 
 
 def main() -> None:
@@ -25,52 +31,68 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2-xl,bert-96")
     ap.add_argument("--minibatches", default="16,64,256")
     ap.add_argument("--hardware", default="paper-4x1080ti")
+    ap.add_argument("--workers", type=int, default=None, help="search processes (default: auto)")
     args = ap.parse_args()
-    hw = harmony.preset(args.hardware)
-    rows = []
-    for name in args.models.split(","):
-        spec = harmony.model_spec(name)
-        for mb in (int(x) for x in args.minibatches.split(",")):
-            t0 = time.perf_counter()
-            df = harmony.search(spec, hw, mb)
-            harmony_rows = df[df.policy.isin(["harmony-pp", "harmony-dp"])]
-            vm = df[df.policy == "harmony-no-grouping"]
-            fastest, leanest, base = (
-                harmony_rows.iloc[0],
-                harmony_rows.sort_values("swap_gb").iloc[0],
-                vm.iloc[0],
-            )
-            swap = harmony.simulate(spec, hw, harmony.plan_for("layer-swap", spec, hw, mb)).summary
-            rows.append(
-                {
-                    "model": name,
-                    "minibatch": mb,
-                    "harmony_fastest": fastest.plan.describe(),
-                    "harmony_swap_GB": fastest.swap_gb,
-                    "harmony_iter_s": fastest.iteration_s,
-                    "harmony_min_swap_GB": leanest.swap_gb,
-                    "layer_swap_GB": swap.swap_bytes / 1e9,
-                    "layer_swap_iter_s": swap.iteration_s,
-                    "swap_ratio_vs_layer_swap": swap.swap_bytes / 1e9 / fastest.swap_gb,
-                    "speedup_vs_layer_swap": swap.iteration_s / fastest.iteration_s,
-                    "ablation_best": base.plan.describe(),
-                    "ablation_swap_GB": base.swap_gb,
-                    "swap_ratio_fastest": base.swap_gb / fastest.swap_gb,
-                    "swap_ratio_min": base.swap_gb / leanest.swap_gb,
-                    "speedup_vs_ablation": base.iteration_s / fastest.iteration_s,
-                    "search_s": time.perf_counter() - t0,
-                }
-            )
-            print(
-                pd.DataFrame(rows[-1:]).to_string(index=False, float_format=lambda v: f"{v:.3g}"),
-                flush=True,
-            )
-    print("\nsummary")
-    print(
-        pd.DataFrame(rows)
-        .drop(columns=["harmony_fastest", "ablation_best"])
-        .to_string(index=False, float_format=lambda v: f"{v:.3g}")
+    t0 = time.perf_counter()
+    grid = paper_grid(
+        args.models.split(","),
+        [int(b) for b in args.minibatches.split(",")],
+        args.hardware,
+        workers=args.workers,
     )
+    versus = versus_baselines(grid)
+    pd.set_option("display.width", 250)
+    print(f"== every system's plan on {args.hardware} (simulated) ==")
+    print(
+        show(
+            grid[
+                [
+                    "model",
+                    "minibatch",
+                    "system",
+                    "plan",
+                    "microbatch",
+                    "fits",
+                    "swap_gb",
+                    "iteration_s",
+                    "iteration_s_no_fixed",
+                ]
+            ]
+        )
+    )
+    print("\n== Harmony against each baseline and the ablation ==")
+    print(
+        show(
+            versus[
+                [
+                    "model",
+                    "minibatch",
+                    "baseline",
+                    "role",
+                    "microbatch",
+                    "baseline_swap_gb",
+                    "harmony_swap_gb",
+                    "harmony_min_swap_gb",
+                    "swap_ratio",
+                    "swap_ratio_min",
+                    "speedup",
+                    "speedup_no_fixed",
+                ]
+            ]
+        )
+    )
+    print(f"\nagainst {BASELINE} (per-layer swapping as vDNN / LMS run it):")
+    for r in versus[versus.baseline == BASELINE].itertuples():
+        if not r.fits:
+            print(f"  {r.model} minibatch {r.minibatch}: no {BASELINE} plan fits ({r.reason})")
+            continue
+        print(
+            f"  {r.model} minibatch {r.minibatch}: {BASELINE} (microbatch {r.microbatch}) moves "
+            f"{r.swap_ratio:.2f}x the bytes of Harmony's fastest plan and {r.swap_ratio_min:.2f}x "
+            f"those of its least-swap plan, and takes {r.speedup:.2f}x Harmony's time "
+            f"({r.speedup_no_fixed:.2f}x without the fixed cost per pack task)"
+        )
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

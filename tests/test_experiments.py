@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 from test_notebooks import NOTEBOOKS, ROOT, parameter_names
 
+import harmony
 from harmony.errors import HarmonyError
+from harmony.workbench import experiments as E
 from harmony.workbench import reproduce as rp
 
 EXPERIMENTS = rp.load_experiments(ROOT / "experiments")
@@ -188,3 +192,88 @@ def test_each_claim_gets_a_verdict_against_the_papers_number(ours, target, bette
         better=better,
     )
     assert o.verdict == verdict
+
+
+def test_a_gap_sentence_is_filled_from_the_runs_results():
+    results = {"max": 4.321, "per": {"model": 2.0}, "none": None}
+    text = rp.fill_gap("up to {max:.2f}x, {per.model:.1f}x, {none:.1f}, {missing}", results)
+    assert text == "up to 4.32x, 2.0x, n/a, n/a"
+    assert rp.fill_gap("no fields", results) == "no fields"
+
+
+def test_further_claims_of_an_experiment_get_their_own_rows(tmp_path):
+    pytest.importorskip("papermill")
+    experiments = _project(tmp_path, a_tiny=GOOD)
+    path = experiments / "a_tiny.yaml"
+    path.write_text(
+        path.read_text()
+        + "target: 84\ngap: 'ours {answer.value:.0f}'\nclaims:\n"
+        + "  - {label: half, claim: half of it, paper: '21', summary: answer.value, target: 21,"
+        + " better: lower, gap: 'at {answer.value} it is over'}\n"
+    )
+    report = _run(experiments, tmp_path / "figures")
+    main, half = report.outcomes
+    assert (main.name, main.ours, main.verdict, main.gap) == ("a_tiny", "42", "partly", "ours 42")
+    assert (half.name, half.ours, half.of, half.status) == ("a_tiny/half", "42", "a_tiny", "ok")
+    assert half.verdict == "partly" and half.gap == "at 42 it is over"
+    assert report.failures == [] and "with a_tiny" in report.table()
+    summary = (tmp_path / "figures" / "summary.md").read_text()
+    assert "a_tiny/half" in summary and "at 42 it is over" in summary
+
+
+def _grid_row(system, role, samples_per_s, swap_gb, fits=True, microbatch=4):
+    s = 1 / samples_per_s if samples_per_s else math.nan
+    return {
+        "model": "m",
+        "minibatch": 16,
+        "system": system,
+        "role": role,
+        "plan": f"{system} plan",
+        "microbatch": microbatch,
+        "fits": fits,
+        "reason": "chosen" if fits else "does not fit",
+        "samples_per_s": samples_per_s if fits else math.nan,
+        "swap_gb": swap_gb if fits else math.nan,
+        "iteration_s": s,
+        "iteration_s_no_fixed": s / 2,
+    }
+
+
+def test_harmony_is_held_against_each_baseline_and_the_ablation_apart():
+    grid = pd.DataFrame(
+        [
+            _grid_row("harmony", "harmony", 4.0, 10.0, microbatch=2),
+            _grid_row("harmony (least swap)", "harmony", 3.0, 5.0),
+            _grid_row("harmony-pp", "harmony", 3.0, 5.0),
+            _grid_row("harmony-dp", "harmony", 4.0, 10.0),
+            _grid_row(E.ABLATION, "ablation", 2.0, 20.0),
+            _grid_row(E.BASELINE, "baseline", 1.0, 100.0, microbatch=8),
+            _grid_row("gpipe-swap", "baseline", 1.0, 100.0, fits=False),
+        ]
+    )
+    versus = E.versus_baselines(grid).set_index("baseline")
+    assert {"microbatch", "fits", "reason"} <= set(versus.columns)
+    base = versus.loc[E.BASELINE]
+    assert (base.microbatch, base.harmony_microbatch) == (8, 2)
+    assert (base.swap_ratio, base.swap_ratio_min, base.speedup) == (10.0, 20.0, 4.0)
+    assert base["speedup_harmony-pp"] == 3.0 and base.speedup_no_fixed == pytest.approx(4.0)
+    assert math.isnan(versus.loc["gpipe-swap", "speedup"])  # no plan: nothing to compare
+    claims = E.grid_claims(versus.reset_index())
+    assert claims["max_speedup"] == 4.0 and claims["max_swap_ratio_min"] == 20.0
+    assert claims["ablation_max_speedup"] == 2.0  # the ablation never counts as a baseline
+
+
+def test_each_rung_of_the_ladder_adds_one_technique():
+    spec, hw = harmony.model_spec("bert-large"), harmony.preset("paper-4x1080ti")
+    rungs = [plan for _, _, plan in E.ladder_plans(spec, hw, 16, workers=1)]
+    assert len(rungs) == len(E.RUNGS)
+    bottom, packs, prefetch, cpu, grouped, p2p, top = rungs
+    assert bottom.policy == E.BASELINE and all(b - a == 1 for a, b in bottom.bwd_packs[:-1])
+    assert bottom.option("prefetch_packs") == 1 and bottom.option("gpu_optimizer")
+    assert (packs.bwd_packs, packs.bwd_microbatch) == (top.bwd_packs, top.bwd_microbatch)
+    assert packs.option("prefetch_packs") == 1 and packs.option("gpu_gradients")
+    assert prefetch == packs.with_options(prefetch_packs=2)
+    assert cpu == prefetch.with_options(gpu_gradients=False, gpu_optimizer=False)
+    assert (grouped.policy, grouped.option("overlap_recompute")) == ("harmony-dp", False)
+    assert (p2p.policy, p2p.option("overlap_recompute")) == ("harmony-pp", False)
+    assert top == p2p.with_options(overlap_recompute=True) and top.policy == "harmony-pp"

@@ -16,7 +16,7 @@ from test_notebooks import parameter_names, parameters_cell
 import harmony
 from harmony.policies import names
 from harmony.workbench import lessons as L
-from harmony.workbench.experiments import BASELINE
+from harmony.workbench.experiments import ABLATION, BASELINE
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted((ROOT / "notebooks" / "lessons").glob("*.ipynb"))
@@ -123,24 +123,43 @@ def test_lesson_runs_with_small_parameters(path, tmp_path):
     if path.stem == "01_swapping":
         assert results["closed_form_agrees"] and results["simulator_agrees"]
         assert results["engine_agrees"] is True
-        assert results["w_in_ratio"] == pytest.approx(results["microbatches"])
+        # counted in passes, exactly M; in bytes about M (one-layer packs weigh a little more)
+        assert results["passes_ratio"] == pytest.approx(results["microbatches"])
+        assert results["w_in_ratio"] == pytest.approx(results["microbatches"], rel=0.05)
 
 
 # ---- the functions behind the lessons -------------------------------------------------------
 def test_the_policies_the_lessons_name_exist():
     assert {L.PIPELINE, L.DATA_PARALLEL} <= set(names(role="harmony"))
-    assert BASELINE in names()
+    assert BASELINE in names(role="system") and ABLATION in names(role="ablation")
 
 
-@pytest.mark.parametrize("policy", [L.PIPELINE, BASELINE])
+@pytest.mark.parametrize("policy", [L.PIPELINE, BASELINE, ABLATION])
 def test_closed_form_agrees_with_the_library_and_counts_passes(policy):
     spec = harmony.model_spec("bert-large")
-    plan = harmony.Plan.uniform(policy, 1, 16, 4, len(spec), 7)
+    hw = harmony.preset("paper-4x1080ti")
+    plan = L.lesson_plan(policy, spec, hw, 1, 16, 4, 7)
     form = L.closed_form(spec, plan)
     assert form["agrees"].all()
     passes = L.weight_passes(plan)
-    assert passes == (4 if policy == BASELINE else 1)
+    assert passes == (1 if policy == L.PIPELINE else 4)
     assert form.loc[form["kind"] == "W_IN", "formula"].iloc[0].startswith(f"{passes} x")
+    assert L.passes_counted(spec, plan, harmony.simulate(spec, hw, plan)) == pytest.approx(passes)
+
+
+def test_the_lessons_baseline_is_per_layer_swapping_with_the_state_on_the_gpu():
+    spec = harmony.model_spec("bert-large")
+    hw = harmony.preset("paper-4x1080ti")
+    plan = L.lesson_plan(BASELINE, spec, hw, 1, 16, 4, 7)
+    assert all(b - a == 1 for a, b in plan.bwd_packs[:-1])  # one layer per pack
+    assert plan.option("gpu_gradients") and plan.option("gpu_optimizer")
+    form = L.closed_form(spec, plan).set_index("kind")
+    grads = spec.grad_bytes()
+    assert form.loc["G_IN", "GB"] == pytest.approx(3 * grads / 1e9)  # M - 1 accumulators back
+    assert form.loc["OPT_IN", "GB"] == pytest.approx(
+        (2 * grads + spec.optimizer_state_bytes()) / 1e9
+    )
+    assert form["agrees"].all()
 
 
 def test_grouping_keeps_weight_bytes_flat_and_per_microbatch_swapping_does_not():
@@ -148,7 +167,7 @@ def test_grouping_keeps_weight_bytes_flat_and_per_microbatch_swapping_does_not()
     hw = harmony.preset("paper-4x1080ti")
     df = L.grouping_sweep(spec, hw, 16, [2, 4, 8], 7)
     harmony_w = df[df["policy"] == L.PIPELINE]["w_in_gb"]
-    base_w = df[df["policy"] == L.policy_label(BASELINE)].set_index("microbatches")["w_in_gb"]
+    base_w = df[df["policy"] == L.policy_label(ABLATION)].set_index("microbatches")["w_in_gb"]
     assert harmony_w.nunique() == 1
     assert base_w[8] == pytest.approx(4 * base_w[2])
 

@@ -15,12 +15,17 @@ experiments with papermill, one after the other:
 * a notebook that fails keeps its partial output notebook, is reported, and
   the others still run.
 
-At the end a table gives, per experiment, the paper's number, ours, the
+At the end a table gives, per claim, the paper's number, ours, the
 verdict (``reproduced`` when ours is within 25% of the paper's number or
 beyond it, ``partly`` within 50%, else ``not reproduced``, with the YAML's
 ``gap`` sentence saying why; ``-`` where the claim has no number), whether it
 ran and the time; it is also written to ``<out>/summary.md`` and
-``<out>/summary.json``.
+``<out>/summary.json``. An experiment whose notebook checks several claims
+lists the others under ``claims`` (each with its own ``label``, ``claim``,
+``paper``, ``summary``, ``target``, ``better`` and ``gap``); each gets its row,
+``<name>/<label>``. A ``gap`` sentence may name fields of ``results.json``
+in braces, with a format (``{max_speedup_no_fixed:.2f}``): they are filled
+from the run, so the sentence's numbers are this run's.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import string
 import sys
 import time
 import uuid
@@ -53,6 +59,19 @@ CLOSE = 0.25
 
 
 @dataclass(frozen=True)
+class Claim:
+    """A further claim an experiment's notebook checks (``claims`` in its YAML)."""
+
+    label: str  # short, unique within the experiment: its row is <name>/<label>
+    claim: str
+    paper: str
+    summary: str
+    target: float | None = None
+    better: str = "higher"
+    gap: str = ""
+
+
+@dataclass(frozen=True)
 class Experiment:
     """One ``experiments/<name>.yaml``."""
 
@@ -70,6 +89,7 @@ class Experiment:
     target: float | None = None
     better: str = "higher"
     gap: str = ""
+    claims: tuple[Claim, ...] = ()
 
     @property
     def root(self) -> Path:
@@ -105,7 +125,27 @@ def load_experiment(path: Path) -> Experiment:
         summary=str(data["summary"]),
         quick=dict(data["quick"] or {}),
         full=dict(data["full"] or {}),
-        target=None if data.get("target") is None else float(data["target"]),
+        target=_target(data),
+        better=_better(path, data.get("better", "higher")),
+        gap=str(data.get("gap", "")).strip(),
+        claims=tuple(_claim(path, c) for c in data.get("claims") or ()),
+    )
+
+
+def _target(data: dict) -> float | None:
+    return None if data.get("target") is None else float(data["target"])
+
+
+def _claim(path: Path, data: Any) -> Claim:
+    keys = ("label", "claim", "paper", "summary")
+    if not isinstance(data, dict) or any(k not in data for k in keys):
+        raise HarmonyError(f"{path}: each of claims needs the keys {', '.join(keys)}")
+    return Claim(
+        label=str(data["label"]),
+        claim=str(data["claim"]).strip(),
+        paper=str(data["paper"]).strip(),
+        summary=str(data["summary"]),
+        target=_target(data),
         better=_better(path, data.get("better", "higher")),
         gap=str(data.get("gap", "")).strip(),
     )
@@ -162,6 +202,11 @@ def _package_hash(package_dir: Path = PACKAGE_DIR) -> str:
     return h.hexdigest()
 
 
+def source_hash() -> str:
+    """Hash of the ``harmony`` source: results computed under another are stale."""
+    return _package_hash()
+
+
 def run_hash(exp: Experiment, params: dict[str, Any], kernel_name: str = KERNEL) -> str:
     """Hash of the notebook file, its parameters, the kernel and the ``harmony`` source."""
     h = hashlib.sha256()
@@ -188,6 +233,7 @@ class Outcome:
     target: float | None = None
     better: str = "higher"
     gap: str = ""
+    of: str = ""  # a further claim of this experiment's run (its time is the experiment's)
 
     @property
     def verdict(self) -> str:
@@ -218,7 +264,7 @@ class Report:
 
     @property
     def failures(self) -> list[str]:
-        return [o.name for o in self.outcomes if o.status == "failed"]
+        return [o.name for o in self.outcomes if o.status == "failed" and not o.of]
 
     @property
     def ok(self) -> bool:
@@ -238,7 +284,17 @@ class Report:
 
 def _table(outcomes: Sequence[Outcome], markdown: bool = False) -> str:
     head = ["experiment", "paper", "ours", "verdict", "ran", "time"]
-    rows = [[o.name, o.paper, o.ours, o.verdict, o.status, f"{o.seconds:.1f} s"] for o in outcomes]
+    rows = [
+        [
+            o.name,
+            o.paper,
+            o.ours,
+            o.verdict,
+            o.status,
+            f"with {o.of}" if o.of else f"{o.seconds:.1f} s",
+        ]
+        for o in outcomes
+    ]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -259,7 +315,7 @@ def _table(outcomes: Sequence[Outcome], markdown: bool = False) -> str:
         fmt.format(*r) for r in rows
     ]
     for o in outcomes:
-        if o.status == "failed":
+        if o.status == "failed" and not o.of:
             lines.append(f"FAILED {o.name}: {o.error} (see {o.run_dir})")
     return "\n".join(lines)
 
@@ -283,14 +339,64 @@ def _format(value: Any) -> str:
     return str(value)
 
 
-def _our_number(exp: Experiment, run_dir: Path) -> str:
-    path = run_dir / "results.json"
-    if not path.exists():
-        return "n/a"
+def _results(run_dir: Path) -> dict:
+    """The run's ``results.json`` ({} when it has none or cannot be read)."""
     try:
-        return _format(_lookup(json.loads(path.read_text()), exp.summary))
+        return json.loads((run_dir / "results.json").read_text())
     except (ValueError, OSError):
-        return "n/a"
+        return {}
+
+
+def _our_number(summary: str, results: dict) -> str:
+    return _format(_lookup(results, summary))
+
+
+class _Gap(string.Formatter):
+    """Fills a gap sentence's ``{dotted.path:format}`` fields from ``results.json``."""
+
+    def __init__(self, results: dict):
+        self.results = results
+
+    def get_field(self, field_name, args, kwargs):
+        return _lookup(self.results, field_name), field_name
+
+    def format_field(self, value, format_spec):
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "n/a"
+        return format(value, format_spec)
+
+
+def fill_gap(gap: str, results: dict) -> str:
+    """``gap`` with each ``{field:format}`` replaced by that field of ``results``
+    ("n/a" where the run has none)."""
+    try:
+        return _Gap(results).format(gap)
+    except (ValueError, TypeError) as e:  # a malformed template is shown as written
+        return f"{gap} (gap template: {e})"
+
+
+def further_claims(exp: Experiment, outcome: Outcome) -> list[Outcome]:
+    """The outcomes of ``exp``'s further claims (``claims`` in its YAML) from the
+    same run as ``outcome``."""
+    results = _results(Path(outcome.run_dir))
+    return [
+        Outcome(
+            name=f"{exp.name}/{c.label}",
+            claim=c.claim,
+            paper=c.paper,
+            ours=_our_number(c.summary, results),
+            status=outcome.status,
+            seconds=outcome.seconds,
+            mode=outcome.mode,
+            error=outcome.error,
+            run_dir=outcome.run_dir,
+            target=c.target,
+            better=c.better,
+            gap=fill_gap(c.gap, results),
+            of=exp.name,
+        )
+        for c in exp.claims
+    ]
 
 
 # ---- running ---------------------------------------------------------------------------
@@ -389,7 +495,7 @@ def run_experiment(
         run_dir=str(run_dir),
         target=exp.target,
         better=exp.better,
-        gap=exp.gap,
+        gap=fill_gap(exp.gap, {}),  # filled from the run once it has results
     )
     params = exp.params(full)
     try:
@@ -406,9 +512,10 @@ def run_experiment(
             and stamp.get("status") == "ok"
             and (run_dir / "results.json").exists()
         ):
+            results = _results(run_dir)
             return Outcome(
-                **base,
-                ours=_our_number(exp, run_dir),
+                **{**base, "gap": fill_gap(exp.gap, results)},
+                ours=_our_number(exp.summary, results),
                 status="skipped",
                 seconds=float(stamp.get("seconds", 0.0)),
                 files=_copy_outputs(exp, run_dir, out),
@@ -440,7 +547,9 @@ def run_experiment(
     seconds = time.perf_counter() - t0
     status = "failed" if error else "ok"
     files = [] if error else _copy_outputs(exp, run_dir, out)
-    ours = _our_number(exp, run_dir)
+    results = _results(run_dir)
+    ours = _our_number(exp.summary, results)
+    base["gap"] = fill_gap(exp.gap, results)
     stamp_path.write_text(
         json.dumps(
             {
@@ -517,7 +626,7 @@ def reproduce(
         o = run_experiment(
             exp, full, out, runs_dir, force=force, kernel_name=kernel_name, timeout=timeout
         )
-        outcomes.append(o)
+        outcomes += [o, *further_claims(exp, o)]
         bar.write(
             f"{o.name}: {o.status} ({o.seconds:.1f} s){': ' + o.error if o.error else ''}",
             file=sys.stderr,

@@ -3,49 +3,183 @@
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import pandas as pd
 
+from .. import palette
 from ..charts import bar_chart
+from .settings import ABLATION, BASELINES, HARMONY_POLICIES
+
+#: the systems of :func:`~.simulated.paper_grid` the charts show: system -> (label, policy
+#: whose colour it takes)
+_SHOWN = {
+    "harmony": ("Harmony, fastest plan", "harmony-pp"),
+    "harmony (least swap)": ("Harmony, least-swap plan", "harmony-dp"),
+    "harmony-pp": ("harmony-pp", "harmony-pp"),
+    "harmony-dp": ("harmony-dp", "harmony-dp"),
+    **{b: (b, b) for b in BASELINES},
+    ABLATION: (f"{ABLATION} (ablation)", ABLATION),
+}
 
 
-def swap_volume_chart(df: pd.DataFrame, title: str = ""):
-    names = {
-        "harmony_swap_gb": "Harmony (fastest plan)",
-        "harmony_pp_swap_gb": "Harmony-PP (fastest)",
-        "harmony_min_swap_gb": "Harmony (least swap)",
-        "baseline_swap_gb": "virtual memory (fastest)",
-    }
-    long = df.melt(
-        id_vars=["model", "minibatch"],
-        value_vars=list(names),
-        var_name="system",
-        value_name="swap_GB",
+def system_bars(
+    df: pd.DataFrame,
+    y: str,
+    systems: Sequence[str],
+    title: str = "",
+    log: bool = False,
+    y_title: str | None = None,
+):
+    """Bars of ``y`` per case (model / minibatch), one per system of ``systems``
+    (rows of :func:`~.simulated.paper_grid` that fit), each labelled as in
+    :data:`_SHOWN` and in its policy's colour: the ablation apart from the baselines."""
+    import altair as alt
+
+    rows = df[df["system"].isin(systems) & df["fits"].astype(bool)].dropna(subset=[y])
+    rows = rows.assign(
+        case=rows["model"] + " / " + rows["minibatch"].astype(str),
+        label=rows["system"].map(lambda s: _SHOWN[s][0]),
     )
-    long["system"] = long["system"].map(names)
-    long["case"] = long["model"] + " / " + long["minibatch"].astype(str)
+    labels = [_SHOWN[s][0] for s in systems]
+    colors = [palette.color(_SHOWN[s][1]) for s in systems]
+    return (
+        alt.Chart(rows)
+        .mark_bar()
+        .encode(
+            x=alt.X(
+                "case:N", title=None, sort=None, axis=alt.Axis(labelAngle=-30, labelAlign="right")
+            ),
+            xOffset=alt.XOffset("label:N", sort=labels),
+            y=alt.Y(
+                f"{y}:Q",
+                title=y_title or y,
+                stack=None,
+                scale=alt.Scale(type="log") if log else alt.Scale(zero=True),
+            ),
+            color=alt.Color(
+                "label:N",
+                title=None,
+                scale=alt.Scale(domain=labels, range=colors),
+                legend=alt.Legend(orient="bottom", columns=3, labelLimit=300),
+            ),
+            tooltip=["model", "minibatch", "label", "plan", "microbatch", y, "reason"],
+        )
+        .properties(title=title, width=max(320, 26 * len(systems) * rows["case"].nunique()))
+    )
+
+
+def swap_volume_chart(grid: pd.DataFrame, title: str = ""):
+    """Host<->GPU GB per iteration (log) of Harmony's fastest and least-swap plans,
+    the faithful baselines and the ablation, per model and minibatch."""
+    systems = ["harmony", "harmony (least swap)", *BASELINES, ABLATION]
+    return system_bars(
+        grid, "swap_gb", systems, title, log=True, y_title="host<->GPU GB per iteration (log)"
+    )
+
+
+def throughput_chart(grid: pd.DataFrame, title: str = ""):
+    """Simulated samples/s of each Harmony placement, the faithful baselines and the ablation."""
+    systems = [*HARMONY_POLICIES, *BASELINES, ABLATION]
+    return system_bars(grid, "samples_per_s", systems, title, y_title="samples/s (simulated)")
+
+
+def ladder_chart(ladder: pd.DataFrame, title: str = ""):
+    """The ablation ladder per model: seconds per iteration of each rung (top)
+    and its PCIe GB per iteration (bottom), bottom rung to Harmony left to right."""
+    import altair as alt
+
+    rows = ladder[ladder["rung"].notna()].assign(
+        step=lambda d: d["rung"].astype(int).astype(str) + " " + d["technique"]
+    )
+    order = list(dict.fromkeys(rows.sort_values("rung")["step"]))
+    base = alt.Chart(rows).encode(
+        x=alt.X(
+            "step:N",
+            sort=order,
+            title=None,
+            axis=alt.Axis(labelAngle=-35, labelAlign="right", labelLimit=260),
+        ),
+        color=alt.Color(
+            "policy:N",
+            title=None,
+            scale=alt.Scale(**palette.series_scale(rows["policy"])),
+            legend=alt.Legend(orient="bottom"),
+        ),
+        tooltip=[
+            "model",
+            "rung",
+            "technique",
+            "how",
+            "plan",
+            "microbatch",
+            "iteration_s",
+            "speedup_vs_previous",
+            "speedup_vs_bottom",
+            "host_gpu_gb",
+            "gpu_gpu_gb",
+        ],
+    )
+    time = base.mark_bar().encode(
+        x=alt.X("step:N", sort=order, title=None, axis=alt.Axis(labels=False, ticks=False)),
+        y=alt.Y("iteration_s:Q", title="s / iteration (simulated)"),
+    )
+    pcie = base.mark_bar().encode(
+        y=alt.Y(
+            "pcie_gb:Q", title="PCIe GB / iteration (log)", scale=alt.Scale(type="log"), stack=None
+        )
+    )
+    models = list(dict.fromkeys(rows["model"]))
+
+    def by_model(chart, height: int, labels: bool):
+        column = alt.Column("model:N", title=None, sort=models)
+        return (
+            chart.properties(width=260, height=height)
+            .facet(column=column if labels else column.header(labels=False))
+            .resolve_scale(y="independent")
+        )
+
+    # one panel per model, each on its own scale: the models' times differ by 10x
+    return alt.vconcat(by_model(time, 170, True), by_model(pcie, 120, False)).properties(
+        title=title
+    )
+
+
+def karma_chart(karma: pd.DataFrame, title: str = ""):
+    """KARMA's speedup over each per-layer swapping baseline, per model and minibatch."""
+    rows = karma.dropna(subset=["karma_speedup"]).assign(
+        case=lambda d: d["model"] + " / " + d["minibatch"].astype(str)
+    )
     return bar_chart(
-        long.dropna(subset=["swap_GB"]),
+        rows[["case", "baseline", "karma_speedup", "plan", "karma_plan", "microbatch"]],
         "case",
-        "swap_GB",
+        "karma_speedup",
+        "baseline",
+        title=title,
+        y_title="baseline time / KARMA's (simulated)",
+    )
+
+
+def hydra_chart(hydra: pd.DataFrame, title: str = ""):
+    """Time to train the model-selection jobs: each baseline one model after
+    another, and HYDRA's merged schedule on the same jobs."""
+    rows = hydra.dropna(subset=["hydra_total_s"])
+    long = pd.concat(
+        [
+            rows.assign(
+                system=rows["baseline"] + ", one model after another",
+                total_s=rows["baseline_total_s"],
+            ),
+            rows.assign(system="hydra, merged", total_s=rows["hydra_total_s"]),
+        ]
+    ).assign(against=lambda d: "vs " + d["baseline"])
+    return bar_chart(
+        long[["against", "system", "total_s", "jobs", "microbatch"]],
+        "against",
+        "total_s",
         "system",
         title=title,
-        log=True,
-        y_title="host<->GPU GB per iteration (log)",
-    )
-
-
-def throughput_chart(long: pd.DataFrame, title: str = ""):
-    df = long.assign(case=long["model"] + " / " + long["minibatch"].astype(str)).dropna(
-        subset=["samples_per_s"]
-    )
-    return bar_chart(
-        df[["case", "policy", "samples_per_s", "plan"]],
-        "case",
-        "samples_per_s",
-        "policy",
-        title=title,
-        y_title="samples/s (simulated)",
+        y_title="seconds to train every job (simulated)",
     )
 
 
@@ -190,8 +324,9 @@ def fidelity_chart(df: pd.DataFrame, title: str = ""):
 
 
 def systems_chart(df: pd.DataFrame, title: str = ""):
-    """Samples/s of every system, one group of bars per model and minibatch."""
-    long = df.assign(case=[f"{m}, B={b}" for m, b in zip(df.model, df.minibatch)])
+    """Samples/s of every system that has a plan, one group of bars per model and minibatch."""
+    ran = df[df["fits"].astype(bool)]
+    long = ran.assign(case=[f"{m}, B={b}" for m, b in zip(ran.model, ran.minibatch)])
     return bar_chart(
         long, "case", "samples_per_s", color="policy", title=title, y_title="samples/s (simulated)"
     )

@@ -4,9 +4,10 @@ the simulator or PyTorch's own offload recipe."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import pandas as pd
 
@@ -14,11 +15,11 @@ from ...costs.zoo import example_input
 from ...engine import EmulatedDevice, EmulatedServer, Engine, reference_step
 from ...engine.calibrate import calibrate
 from ...engine.profiler import profile
-from ...errors import HarmonyError
+from ...errors import HarmonyError, OutOfMemoryError
 from ...plan import Plan
-from ...planner import search, simulate
+from ...planner import plan_for, simulate
 from ..training import build_model, lm_loss, torch_threads
-from .settings import BASELINE
+from .settings import ABLATION, BASELINE, BASELINE_STATE
 
 
 def gpt2_tiny(seed: int = 0, dropout: float = 0.0, **overrides):
@@ -83,53 +84,42 @@ def train_side_by_side(
     n_batches: int = 2,
     seed: int = 0,
     threads: int | None = 1,
+    batches: Sequence[tuple] | None = None,
+    model: Callable[[], Any] | None = None,
     **model_overrides,
 ) -> TrainingRun:
-    """Train the toy GPT-2 for ``steps`` with :class:`harmony.Engine` on
-    ``device`` under ``plan``, and an identical copy with
-    :func:`harmony.reference_step` (the plain PyTorch loop) at the engine's
-    backward microbatch size (or ``microbatch``), on the same batches, with
-    ``threads`` torch threads."""
+    """Train a model for ``steps`` with :class:`harmony.Engine` on ``device``
+    under ``plan``, and an identical copy with :func:`harmony.reference_step`
+    (the plain PyTorch loop) at the engine's backward microbatch size (or
+    ``microbatch``), on the same minibatches in the same order, with
+    ``threads`` torch threads. The minibatches are ``batches`` (cycled), else
+    ``n_batches`` synthetic ones; the model is a fresh ``model()`` each side,
+    else the toy GPT-2 (``seed``, ``dropout``, ``model_overrides``)."""
+    data = batches or synthetic_batches(n_batches, minibatch, seed=seed + 1, **model_overrides)
+    make = model or (lambda: gpt2_tiny(seed, dropout, **model_overrides))
+    steps_data = [data[i % len(data)] for i in range(steps)]
     with torch_threads(threads):
-        return _train_side_by_side(
-            steps,
-            minibatch,
-            device,
-            plan,
-            microbatch,
-            lr,
-            dropout,
-            n_batches,
-            seed,
-            **model_overrides,
+        engine = Engine(
+            make(),
+            adamw(lr),
+            lm_loss,
+            device=device,
+            minibatch_size=minibatch,
+            plan=plan,
+            seed=seed,
         )
-
-
-def _train_side_by_side(
-    steps, minibatch, device, plan, microbatch, lr, dropout, n_batches, seed, **model_overrides
-) -> TrainingRun:
-    data = synthetic_batches(n_batches, minibatch, seed=seed + 1, **model_overrides)
-    engine = Engine(
-        gpt2_tiny(seed, dropout, **model_overrides),
-        adamw(lr),
-        lm_loss,
-        device=device,
-        minibatch_size=minibatch,
-        plan=plan,
-        seed=seed,
-    )
-    t0 = time.perf_counter()
-    eng = [engine.step(x, y) for x, y in (data[i % len(data)] for i in range(steps))]
-    t_engine = time.perf_counter() - t0
-    u = microbatch or engine.plan.bwd_microbatch
-    ref_model = gpt2_tiny(seed, dropout, **model_overrides)
-    opt = adamw(lr)(list(ref_model.parameters()))
-    t0 = time.perf_counter()
-    ref = [
-        reference_step(list(ref_model), lm_loss, opt, x, y, u, step, seed=seed)
-        for step, (x, y) in enumerate(data[i % len(data)] for i in range(steps))
-    ]
-    t_ref = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        eng = [engine.step(x, y) for x, y in steps_data]
+        t_engine = time.perf_counter() - t0
+        u = microbatch or engine.plan.bwd_microbatch
+        ref_model = make()
+        opt = adamw(lr)(list(ref_model.parameters()))
+        t0 = time.perf_counter()
+        ref = [
+            reference_step(list(ref_model), lm_loss, opt, x, y, u, step, seed=seed)
+            for step, (x, y) in enumerate(steps_data)
+        ]
+        t_ref = time.perf_counter() - t0
     losses = pd.DataFrame({"step": range(steps), "engine": eng, "reference": ref})
     losses["abs_diff"] = (losses["engine"] - losses["reference"]).abs()
     return TrainingRun(engine, ref_model, losses, u, t_engine, t_ref)
@@ -182,7 +172,7 @@ def exactness_variants(
     many = EmulatedServer(gpus=multi_gpu, memory=memory, h2d=bandwidth, d2h=bandwidth)
     variants = [
         ("harmony-pp x1, uF = uB", "bitwise", dropout, one, plan()),
-        (f"{BASELINE} x1", "bitwise", dropout, one, plan(BASELINE)),
+        (f"{BASELINE} x1", "bitwise", dropout, one, plan(BASELINE).with_options(**BASELINE_STATE)),
         (
             "harmony-pp x1, uF = 2 uB (no dropout)",
             "allclose (forward batched differently)",
@@ -236,57 +226,59 @@ def baseline_comparison(
     engine, device, batch: tuple, run_engine: bool = True, threads: int | None = 1
 ) -> pd.DataFrame:
     """Bytes over the emulated link per step: the engine's Harmony plan (as
-    measured and as simulated on the engine's measured profile) against the
-    best virtualized-memory plan for the same device (simulated and, with
-    ``run_engine``, run for one step in a fresh engine)."""
+    measured and as simulated on the engine's measured profile) against
+    :data:`BASELINE` as its own chooser plans it for the same device
+    (simulated and, with ``run_engine``, its second step in a fresh engine).
+    Where the baseline has no plan that fits the device, its row says why
+    (``status``)."""
     hw = device.hardware()
     spec = engine.profile or engine.spec
-    vm = search(spec, hw, engine.minibatch_size, policies=[BASELINE], n_gpus=1, workers=1).iloc[0][
-        "plan"
-    ]
+    try:
+        base, why = plan_for(BASELINE, spec, hw, engine.minibatch_size), ""
+    except OutOfMemoryError as e:
+        base, why = None, f"does not fit: {e}"
     rows = []
-    for policy, plan in (("harmony-pp", engine.plan), (BASELINE, vm)):
+    for policy, plan in (("harmony-pp", engine.plan), (BASELINE, base)):
+        if plan is None:
+            rows.append({"policy": policy, "how": "simulated", "status": why})
+            continue
         sim = simulate(spec, hw, plan).summary
         rows.append(
             {
                 "policy": policy,
                 "plan": plan.describe(),
                 "how": "simulated",
+                "status": "fits" if sim.fits else "does not fit (simulated)",
                 "swap_mb": sim.swap_bytes / 1e6,
                 "iteration_s": sim.iteration_s,
                 "peak_mb": max(sim.peak_memory.values()) / 1e6,
             }
         )
-    measured = engine.trace.summary
-    rows.append(
-        {
-            "policy": "harmony-pp",
-            "plan": engine.plan.describe(),
-            "how": "measured (engine)",
-            "swap_mb": measured.swap_bytes / 1e6,
-            "iteration_s": measured.iteration_s,
-            "peak_mb": max(measured.peak_memory.values()) / 1e6,
-        }
-    )
-    if run_engine:
+    runs = [("harmony-pp", engine.plan, engine.trace.summary)]
+    if run_engine and base is not None:
         other = Engine(
             gpt2_tiny(engine.seed),
             adamw(1e-3),
             engine.loss_fn,
             device=device,
             minibatch_size=engine.minibatch_size,
-            plan=vm,
+            plan=base,
             seed=engine.seed,
         )
         x, y = batch
         with torch_threads(threads):
-            other.step(x, y)
-        s = other.trace.summary
+            # the second step is counted: AdamW creates its state in its first, so only
+            # from then on does an optimizer step on the GPU bring the state in
+            for _ in range(2):
+                other.step(x, y)
+        runs.append((BASELINE, base, other.trace.summary))
+    for policy, plan, s in runs:
         rows.append(
             {
-                "policy": BASELINE,
-                "plan": vm.describe(),
+                "policy": policy,
+                "plan": plan.describe(),
                 "how": "measured (engine)",
+                "status": "ran",
                 "swap_mb": s.swap_bytes / 1e6,
                 "iteration_s": s.iteration_s,
                 "peak_mb": max(s.peak_memory.values()) / 1e6,
@@ -319,15 +311,26 @@ def emulated_throughput(
 ) -> pd.DataFrame:
     """Samples/s of the toy GPT-2 measured by the engine on an emulated server
     of ``gpus`` GPUs (per-GPU links of ``bandwidth``, one uplink as fast as two
-    of them), for Harmony-PP, Harmony-DP and the harmony-no-grouping baseline on
-    the same packs and microbatches (median step after a warm-up)."""
+    of them), median step after a warm-up, at one microbatch size for all:
+    Harmony-PP and Harmony-DP on packs of ``layers_per_pack`` layers,
+    :data:`BASELINE` as vDNN / LMS run it (one layer per pack, the next layer
+    prefetched, gradient sums and the optimizer on the GPU, data parallel) and
+    the :data:`ABLATION` on Harmony's packs. ``speedup_vs_baseline``: samples/s
+    over the baseline's."""
     server = EmulatedServer(gpus=gpus, memory=memory, h2d=bandwidth, d2h=bandwidth, p2p=bandwidth)
     rows = []
     with torch_threads(threads):
         n = len(gpt2_tiny(seed, **model_overrides))
         (x,), y = synthetic_batches(1, minibatch, seed=seed + 1, **model_overrides)[0]
-        for policy in ("harmony-pp", "harmony-dp", BASELINE):
-            plan = Plan.uniform(policy, gpus, minibatch, microbatch, n, layers_per_pack)
+        runs = [
+            (p, Plan.uniform(p, gpus, minibatch, microbatch, n, layers_per_pack))
+            for p in ("harmony-pp", "harmony-dp")
+        ]
+        faithful = Plan.uniform(BASELINE, gpus, minibatch, microbatch, n, 1, **BASELINE_STATE)
+        runs.append((BASELINE, faithful))
+        ablation = Plan.uniform(ABLATION, gpus, minibatch, microbatch, n, layers_per_pack)
+        runs.append((f"{ABLATION} (ablation)", ablation))
+        for label, plan in runs:
             engine = Engine(
                 gpt2_tiny(seed, **model_overrides),
                 adamw(1e-3),
@@ -337,20 +340,33 @@ def emulated_throughput(
                 plan=plan,
                 seed=seed,
             )
-            step_s = median_step_s(engine, (x,), y, steps)
+            row = {
+                "policy": plan.policy,
+                "label": label,
+                "gpus": gpus,
+                "plan": plan.describe(),
+                "microbatch": plan.bwd_microbatch,
+            }
+            try:
+                step_s = median_step_s(engine, (x,), y, steps)
+            except OutOfMemoryError as e:  # the emulated GPUs' ledgers enforce their memory
+                rows.append({**row, "fits": False, "reason": str(e)})
+                continue
             rows.append(
                 {
-                    "policy": policy,
-                    "gpus": gpus,
-                    "plan": plan.describe(),
+                    **row,
+                    "fits": True,
+                    "reason": "ran",
                     "step_s": step_s,
                     "samples_per_s": minibatch / step_s,
                     "swap_mb": engine.trace.summary.swap_bytes / 1e6,
                 }
             )
     df = pd.DataFrame(rows)
-    base = df.loc[df.policy == BASELINE, "samples_per_s"].iloc[0]
-    df["speedup_vs_baseline"] = df["samples_per_s"] / base
+    base = df.loc[(df.policy == BASELINE) & df.fits, "samples_per_s"] if "step_s" in df else []
+    df["speedup_vs_baseline"] = df.get("samples_per_s", math.nan) / (
+        base.iloc[0] if len(base) else math.nan
+    )
     return df
 
 

@@ -13,7 +13,16 @@ from ..reproduce import EXPERIMENTS_DIR, load_experiment
 HARDWARE = "paper-4x1080ti"
 HARDWARE_8 = "paper-8x1080ti"
 HARMONY_POLICIES = tuple(names("harmony"))
-BASELINE = "harmony-no-grouping"
+#: the baseline the figures and lessons hold Harmony against: per-layer swapping as vDNN /
+#: LMS run it, planned by its own chooser (harmony.planner.systems.choose_layer_swap)
+BASELINE = "layer-swap"
+#: where the baseline keeps training state, as a framework with virtualized GPU memory does:
+#: gradient sums and the optimizer on the GPU, swapped (the options its chooser sets)
+BASELINE_STATE = {"gpu_gradients": True, "gpu_optimizer": True}
+#: the systems that virtualize GPU memory as their authors run them (the paper's baselines)
+BASELINES = (BASELINE, "gpipe-swap")
+#: Harmony without input-batch grouping: an ablation, shown beside the baselines, never as one
+ABLATION = "harmony-no-grouping"
 PAPER_MODELS = ["bert-96", "gpt2-xl", "vgg416", "resnet1026"]
 
 

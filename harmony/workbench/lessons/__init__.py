@@ -9,13 +9,16 @@ lesson stays markdown and short calls.
   update (:func:`scheduling_sweep`, :func:`update_overlap`, :func:`pack_story`),
   many GPUs (:func:`wirings`, :func:`scaling_sweep`).
 * Lesson 5 trains the zoo's small GPT-2 on real text shipped with Python
-  (:func:`load_corpus`), with the engine on an emulated GPU next to the plain
-  PyTorch loop (:func:`train_both`), and shows what keeps it exact and what
-  does not (:func:`dropout_masks`, :func:`exactness_table`).
+  (:func:`load_corpus`, :func:`char_gpt2`), with the engine on an emulated GPU
+  next to the plain PyTorch loop
+  (:func:`~harmony.workbench.experiments.train_side_by_side`), and shows what
+  keeps it exact and what does not (:func:`dropout_masks`, :func:`exactness_table`).
 
 :func:`try_this` puts a computation behind ipywidgets controls; run in batch
-(papermill) it computes nothing. The per-microbatch swapping baseline is
-:data:`~harmony.workbench.experiments.BASELINE`, whatever its name.
+(papermill) it computes nothing. The baseline is
+:data:`~harmony.workbench.experiments.BASELINE` (per-layer swapping as vDNN / LMS run
+it); lessons about input-batch grouping alone compare with
+:data:`~harmony.workbench.experiments.ABLATION` (Harmony without grouping).
 """
 
 from .common import (
@@ -25,6 +28,7 @@ from .common import (
     LEGEND,
     PIPELINE,
     compute_s,
+    lesson_plan,
     play,
     policy_label,
     policy_scale,
@@ -42,7 +46,6 @@ from .exactness import (
     generate,
     load_corpus,
     loss_lines,
-    train_both,
 )
 from .grouping import grouping_chart, grouping_sweep, task_counts, timelines
 from .many_gpus import describe_servers, scaling_lesson_chart, scaling_sweep, wirings
@@ -62,6 +65,7 @@ from .swapping import (
     link_chart,
     link_sweep,
     model_overview,
+    passes_counted,
     weight_passes,
 )
 
@@ -88,11 +92,13 @@ __all__ = [
     "grouping_sweep",
     "idle_gaps",
     "link_chart",
+    "lesson_plan",
     "link_sweep",
     "load_corpus",
     "loss_lines",
     "model_overview",
     "pack_story",
+    "passes_counted",
     "play",
     "policy_label",
     "policy_scale",
@@ -103,7 +109,6 @@ __all__ = [
     "summary_table",
     "task_counts",
     "timelines",
-    "train_both",
     "try_this",
     "update_overlap",
     "weight_passes",

@@ -16,7 +16,10 @@ from ...graph import (
     DATA_IN,
     FWD,
     FWDBWD,
+    G_IN,
     G_OUT,
+    OPT_IN,
+    OPT_OUT,
     REC,
     STASH_IN,
     STASH_OUT,
@@ -24,14 +27,16 @@ from ...graph import (
 )
 from ...plan import Plan
 from ...planner import simulate
+from ...planner.systems import layer_swap_plans
 from ...trace import Trace
 from .. import palette
-from ..experiments import BASELINE
+from ..experiments import ABLATION, BASELINE
 
 #: Harmony's two placements: packs round-robin over the GPUs, or every GPU runs every pack
 PIPELINE, DATA_PARALLEL = "harmony-pp", "harmony-dp"
-#: the transfers between host and GPU memory, in the order the lessons introduce them
-HOST_KINDS = (W_IN, G_OUT, STASH_OUT, STASH_IN, DATA_IN)
+#: the transfers between host and GPU memory, in the order the lessons introduce them (the
+#: last three only where training state lives on the GPU, as in the baseline)
+HOST_KINDS = (W_IN, G_OUT, STASH_OUT, STASH_IN, DATA_IN, G_IN, OPT_IN, OPT_OUT)
 #: GPU compute task kinds (REC is the recompute half of a backward task)
 COMPUTE_KINDS = (FWD, FWDBWD, REC, BWD)
 #: legends under the charts, wide enough for a policy's name and what it is
@@ -46,8 +51,29 @@ def _gb(n: float) -> float:
 def policy_label(policy: str) -> str:
     """A policy name with what it is, for legends."""
     if policy == BASELINE:
-        return f"{policy} (per-microbatch swapping)"
+        return f"{policy} (per-layer swapping, vDNN / LMS)"
+    if policy == ABLATION:
+        return f"{policy} (Harmony without grouping)"
     return policy
+
+
+def lesson_plan(
+    policy: str,
+    spec: ModelSpec,
+    hw: Hardware,
+    n_gpus: int,
+    minibatch: int,
+    microbatch: int,
+    layers_per_pack: int,
+) -> Plan:
+    """The plan a lesson plays for ``policy`` on ``n_gpus`` GPUs: Harmony's (and
+    the ablation's) on uniform packs of ``layers_per_pack`` layers; the
+    :data:`BASELINE` as its own chooser builds it (one layer at a time, every
+    layer's input swapped, the next layer prefetched, gradient sums and the
+    optimizer on the GPU), at the same ``microbatch``."""
+    if policy == BASELINE:
+        return layer_swap_plans(spec, hw, minibatch, n_gpus).plan_at(microbatch)
+    return Plan.uniform(policy, n_gpus, minibatch, microbatch, len(spec), layers_per_pack)
 
 
 def policy_scale(labels) -> dict[str, list[str]]:

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import pandas as pd
 import torch
 
-from ...engine import EmulatedDevice, EmulatedServer, Engine, reference_step
+from ...engine import EmulatedDevice, EmulatedServer
 from ...engine.reference_loop import as_args, seed_layer
 from ...errors import HarmonyError
 from ...plan import Plan
 from .. import charts
-from ..experiments import BASELINE, TrainingRun, adamw
-from ..training import build_model, lm_loss, torch_threads
+from ..experiments import BASELINE, BASELINE_STATE, TrainingRun, train_side_by_side
+from ..training import build_model
 from .common import (
     DATA_PARALLEL,
     PIPELINE,
@@ -81,56 +80,9 @@ def char_gpt2(
     )
 
 
-def train_both(
-    corpus: Corpus,
-    batches: Sequence[tuple],
-    plan: Plan,
-    device,
-    dropout: float,
-    lr: float,
-    seed: int = 0,
-    n_layer: int = 2,
-    threads: int | None = 1,
-) -> TrainingRun:
-    """Train two identical character-level GPT-2s on ``batches`` in order: one
-    with :class:`harmony.Engine` under ``plan`` on ``device``, one with
-    :func:`harmony.reference_step` (the plain loop, microbatches of the plan's
-    backward size). Losses per step side by side."""
-    seq_len = batches[0][0].shape[1]
-
-    def make():
-        return char_gpt2(corpus, seed, dropout, n_layer, seq_len)
-
-    with torch_threads(threads):
-        engine = Engine(
-            make(),
-            adamw(lr),
-            lm_loss,
-            device=device,
-            minibatch_size=plan.minibatch,
-            plan=plan,
-            seed=seed,
-        )
-        t0 = time.perf_counter()
-        eng = [engine.step(x, y) for x, y in batches]
-        t_engine = time.perf_counter() - t0
-        reference = make()
-        optimizer = adamw(lr)(list(reference.parameters()))
-        t0 = time.perf_counter()
-        ref = [
-            reference_step(
-                list(reference), lm_loss, optimizer, x, y, plan.bwd_microbatch, step, seed=seed
-            )
-            for step, (x, y) in enumerate(batches)
-        ]
-        t_ref = time.perf_counter() - t0
-    losses = pd.DataFrame({"step": range(len(batches)), "engine": eng, "reference": ref})
-    losses["abs_diff"] = (losses["engine"] - losses["reference"]).abs()
-    return TrainingRun(engine, reference, losses, plan.bwd_microbatch, t_engine, t_ref)
-
-
 def loss_lines(losses: pd.DataFrame, title: str = ""):
-    """The two loss curves of :func:`train_both`, each labelled in the legend
+    """The two loss curves of a
+    :func:`~harmony.workbench.experiments.train_side_by_side` run, each labelled in the legend
     (:func:`harmony.workbench.charts.loss_chart`: equal curves show as a dashed
     line inside a broad one)."""
     return charts.loss_chart(
@@ -227,8 +179,8 @@ def exactness_table(
     """The engine against the plain loop under several plans on ``batches``:
     what is expected, and what happened (max |loss difference|, max |weight
     difference|, bitwise equal). A plan the engine refuses gets its reason."""
-    minibatch = batches[0][0].shape[0]
-    n = len(char_gpt2(corpus, seed, 0.0, n_layer, batches[0][0].shape[1]))
+    minibatch, seq_len = batches[0][0].shape
+    n = len(char_gpt2(corpus, seed, 0.0, n_layer, seq_len))
     one = EmulatedDevice(memory=memory, h2d=bandwidth, d2h=bandwidth)
     many = EmulatedServer(gpus=gpus, memory=memory, h2d=bandwidth, d2h=bandwidth)
 
@@ -240,7 +192,7 @@ def exactness_table(
     twice = min(2 * microbatch, minibatch)
     variants = [
         (f"{PIPELINE} x1, uF = uB", "bitwise", dropout, one, plan(PIPELINE)),
-        (f"{BASELINE} x1", "bitwise", dropout, one, plan(BASELINE)),
+        (f"{BASELINE} x1", "bitwise", dropout, one, plan(BASELINE).with_options(**BASELINE_STATE)),
         (f"{PIPELINE} x{gpus}", "bitwise", dropout, many, plan(PIPELINE, gpus)),
         (
             f"{DATA_PARALLEL} x{gpus}",
@@ -268,7 +220,17 @@ def exactness_table(
     for name, expected, p, device, chosen in variants:
         row = {"variant": name, "plan": chosen.describe(), "dropout": p, "expected": expected}
         try:
-            run = train_both(corpus, batches, chosen, device, p, lr, seed, n_layer, threads)
+            run = train_side_by_side(
+                len(batches),
+                minibatch,
+                device,
+                chosen,
+                lr=lr,
+                seed=seed,
+                threads=threads,
+                batches=batches,
+                model=lambda p=p: char_gpt2(corpus, seed, p, n_layer, seq_len),
+            )
         except HarmonyError as e:
             rows.append({**row, "outcome": f"refused: {e}"})
             continue

@@ -16,15 +16,15 @@ from ...graph import (
     STASH_OUT,
     W_IN,
 )
-from ...plan import Plan
 from ...planner import simulate
 from ...trace import Trace
-from ..experiments import BASELINE
+from ..experiments import ABLATION
 from .common import (
     COMPUTE_KINDS,
     LEGEND,
     PIPELINE,
     _gb,
+    lesson_plan,
     policy_label,
     policy_scale,
 )
@@ -37,7 +37,7 @@ def grouping_sweep(
     minibatch: int,
     microbatch_counts: Sequence[int],
     layers_per_pack: int,
-    policies: Sequence[str] = (PIPELINE, BASELINE),
+    policies: Sequence[str] = (PIPELINE, ABLATION),
 ) -> pd.DataFrame:
     """One GPU, fixed packs and minibatch; for every count M of microbatches
     that divides the minibatch (microbatch size = minibatch / M), each policy's
@@ -48,7 +48,7 @@ def grouping_sweep(
         if m < 1 or minibatch % m:
             continue
         for policy in policies:
-            plan = Plan.uniform(policy, 1, minibatch, minibatch // m, len(spec), layers_per_pack)
+            plan = lesson_plan(policy, spec, hw, 1, minibatch, minibatch // m, layers_per_pack)
             s = simulate(spec, hw, plan).summary
             kinds = s.bytes_by_kind
             rows.append(

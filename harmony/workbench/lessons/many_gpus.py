@@ -15,7 +15,6 @@ from ...graph import (
     REDUCE,
     W_IN,
 )
-from ...plan import Plan
 from ...planner import simulate
 from ..experiments import BASELINE
 from .common import (
@@ -23,6 +22,7 @@ from .common import (
     LEGEND,
     PIPELINE,
     _gb,
+    lesson_plan,
     policy_label,
     policy_scale,
 )
@@ -82,7 +82,7 @@ def scaling_sweep(
             for n in sorted(gpu_counts):
                 if n > hw.n_gpus:
                     continue
-                plan = Plan.uniform(policy, n, minibatch, microbatch, len(spec), layers_per_pack)
+                plan = lesson_plan(policy, spec, hw, n, minibatch, microbatch, layers_per_pack)
                 s = simulate(spec, hw, plan).summary
                 kinds = s.bytes_by_kind
                 rows.append(

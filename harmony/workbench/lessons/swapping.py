@@ -13,7 +13,10 @@ from ...engine import EmulatedDevice, Engine
 from ...errors import HarmonyError
 from ...graph import (
     DATA_IN,
+    G_IN,
     G_OUT,
+    OPT_IN,
+    OPT_OUT,
     STASH_IN,
     STASH_OUT,
     W_IN,
@@ -22,7 +25,7 @@ from ...plan import Plan
 from ...planner import simulate
 from ...policies import get_policy, swap_volume
 from ...trace import Trace
-from ..experiments import adamw, synthetic_batches
+from ..experiments import BASELINE, BASELINE_STATE, adamw, synthetic_batches
 from ..training import build_model, lm_loss, torch_threads
 from .common import (
     HOST_KINDS,
@@ -60,9 +63,13 @@ def closed_form(spec: ModelSpec, plan: Plan) -> pd.DataFrame:
     the formula (``formula``, ``GB``) and from :func:`harmony.swap_volume`
     (``library_GB``). W_IN = passes x (weights of the forward packs + weights of
     the backward packs); G_OUT = passes x gradients of the backward packs; the
-    stashes and the data depend on the minibatch only. (A parameter tied across
-    packs leaves once per microbatch in both policies; ``agrees`` says whether
-    the formula and the library give the same number.)"""
+    stashes and the data depend on the minibatch only. Where training state
+    lives on the GPU (the baseline's ``gpu_gradients`` and ``gpu_optimizer``):
+    G_IN = (passes - 1) x gradients (the accumulator back in for every
+    microbatch but the first), OPT_IN = parameters + gradients + optimizer
+    state, OPT_OUT = parameters + optimizer state (once per iteration). (A
+    parameter tied across packs leaves once per microbatch in every policy;
+    ``agrees`` says whether the formula and the library give the same number.)"""
     if plan.n_gpus != 1:
         raise HarmonyError("closed_form explains one-GPU plans; use harmony.swap_volume for more")
     n = weight_passes(plan)
@@ -70,6 +77,7 @@ def closed_form(spec: ModelSpec, plan: Plan) -> pd.DataFrame:
     fwd_w = sum(spec.weight_bytes(*p) for p in plan.fwd_packs)
     bwd_w = sum(spec.weight_bytes(*p) for p in plan.bwd_packs)
     grads = sum(spec.grad_bytes(*p) for p in plan.bwd_packs)
+    state = spec.optimizer_state_bytes()
     stashed = plan.stash_layers()
     out = sum(spec.input_bytes(layer, B) for layer in stashed if layer > 0)
     back = sum(spec.input_bytes(layer, B) for layer in stashed)
@@ -93,6 +101,20 @@ def closed_form(spec: ModelSpec, plan: Plan) -> pd.DataFrame:
         (STASH_IN, f"the same, back, plus the minibatch itself for pack 0 ({B} samples)", back),
         (DATA_IN, f"inputs and labels of {B} samples", data),
     ]
+    if plan.option("gpu_gradients"):
+        rows.append(
+            (G_IN, f"{n - 1} x {_gb(grads):.3g} GB of gradient accumulators", (n - 1) * grads)
+        )
+    if plan.option("gpu_optimizer"):
+        rows += [
+            (
+                OPT_IN,
+                f"{_gb(grads):.3g} GB parameters + {_gb(grads):.3g} GB gradients + "
+                f"{_gb(state):.3g} GB optimizer state, once",
+                2 * grads + state,
+            ),
+            (OPT_OUT, "the same but the gradients, back", grads + state),
+        ]
     library = swap_volume(spec, plan)
     return pd.DataFrame(
         [
@@ -106,6 +128,14 @@ def closed_form(spec: ModelSpec, plan: Plan) -> pd.DataFrame:
             for kind, text, value in rows
         ]
     )
+
+
+def passes_counted(spec: ModelSpec, plan: Plan, trace: Trace) -> float:
+    """How many times each pack's weights crossed to the GPU in ``trace`` (of
+    ``plan`` on ``spec``): the W_IN bytes the simulator counted over one pass of
+    the plan's packs."""
+    one_pass = sum(spec.weight_bytes(*p) for p in (*plan.fwd_packs, *plan.bwd_packs))
+    return trace.summary.bytes_by_kind.get(W_IN, 0.0) / one_pass
 
 
 def bytes_table(
@@ -203,15 +233,18 @@ def engine_bytes(
     seed: int = 0,
     threads: int | None = 1,
 ) -> pd.DataFrame:
-    """One real step of the zoo's ``gpt2-tiny`` under each policy (one layer per
-    pack) on an emulated GPU: bytes the engine moved over the link by kind,
-    next to the closed form on the spec the engine built for the model."""
+    """A real step of the zoo's ``gpt2-tiny`` under each policy (one layer per
+    pack) on an emulated GPU, the second of two: bytes the engine moved over the
+    link by kind, next to the closed form on the spec the engine built for the
+    model; the baseline with its gradient sums and optimizer on the GPU, as in
+    the lesson."""
     (x,), y = synthetic_batches(1, minibatch, seed=seed + 1)[0]
     rows = []
     with torch_threads(threads):
         for policy in policies:
             model = build_model("gpt2-tiny", seed, dropout=0.0)
-            plan = Plan.uniform(policy, 1, minibatch, microbatch, len(model), 1)
+            state = BASELINE_STATE if policy == BASELINE else {}
+            plan = Plan.uniform(policy, 1, minibatch, microbatch, len(model), 1, **state)
             engine = Engine(
                 model,
                 adamw(1e-3),
@@ -221,7 +254,10 @@ def engine_bytes(
                 device=EmulatedDevice(memory=memory, h2d=bandwidth, d2h=bandwidth),
                 seed=seed,
             )
-            engine.step(x, y)
+            # two steps, the second counted: AdamW creates its state in its first step, so
+            # only from the second on does an optimizer step on the GPU bring the state in
+            for _ in range(2):
+                engine.step(x, y)
             moved = engine.trace.summary.bytes_by_kind
             for kind, value in swap_volume(engine.spec, plan).items():
                 if kind in HOST_KINDS:
