@@ -116,14 +116,19 @@ class HostLayout:
     """The host weights of a chain of layers in flat storage (see the module
     docstring), and the gradient buffers that mirror them."""
 
-    def __init__(self, layers: list[nn.Module], pin: bool = False, available: int | None = None):
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        pin: bool = False,
+        available: int | None = None,
+        flatten: bool = True,
+    ):
         """``available``: host bytes free now (None: ask the kernel). Flattening
         makes each flat buffer before the tensors it replaces are freed; if that
         does not fit, the weights stay as they are (copies then go per tensor)
-        on the CPU, and on CUDA, which must page-lock them, it is an error."""
-        from .host_memory import available_host_bytes
-
-        self.pin = pin
+        on the CPU, and on CUDA, which must page-lock them, it is an error.
+        ``flatten`` False: not yet (see :meth:`flatten`)."""
+        self.layers, self.pin = layers, pin
         self._flats: dict[int, torch.Tensor] = {}  # storage pointer -> a flat buffer of parameters
         self._grads: dict[int, torch.Tensor] = {}  # storage pointer of a flat -> its gradient flat
         self._loose_grads: dict[
@@ -132,9 +137,19 @@ class HostLayout:
         self._lock = threading.Lock()
         self.allocations = 0  # gradient buffers made
         self.allocated_bytes = 0
+        self.flattened = False
+        if flatten:
+            self.flatten(available=available)
+
+    def flatten(self, leave_out: frozenset[int] = frozenset(), available: int | None = None):
+        """Lay the tensors out in flat buffers anew, all but the parameters whose
+        ids are in ``leave_out`` (master weights a disk tier holds: the flats
+        must not keep their memory)."""
+        from .host_memory import available_host_bytes
+
         groups: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        seen: set[int] = set()
-        for layer in layers:
+        seen: set[int] = set(leave_out)
+        for layer in self.layers:
             for is_param, tensors in ((True, layer.parameters()), (False, layer.buffers())):
                 for t in tensors:
                     if id(t) not in seen and t.device.type == "cpu":
@@ -149,16 +164,18 @@ class HostLayout:
                 f"host memory: laying out the weights in flat buffers needs {format_bytes(need)} "
                 f"free at once but {format_bytes(available)} are available"
             )
-            if pin:
+            if self.pin:
                 raise HarmonyError(
                     f"{why}; page-locked weights need it on CUDA: free host memory first"
                 )
             warnings.warn(f"{why}: weights are copied tensor by tensor", stacklevel=3)
             return
+        with self._lock:
+            self._flats, self._grads = {}, {}  # the old ones go once nothing views them
         with torch.no_grad():
             for (is_param, _), tensors in groups.items():
                 flat = torch.empty(
-                    sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=pin
+                    sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=self.pin
                 )
                 if is_param:
                     self._flats[flat.untyped_storage().data_ptr()] = flat
@@ -169,6 +186,7 @@ class HostLayout:
                     view.copy_(t)
                     t.data = view
                     offset += n
+        self.flattened = True
 
     def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
         """Where the gradient of host parameter ``p`` lands: a view of the flat

@@ -20,6 +20,7 @@ from .host_model import HostModel
 from .updates import UpdateJournal
 
 if TYPE_CHECKING:
+    from .disk_state import StateOnDisk
     from .distributed import GradientSync
 
 
@@ -46,3 +47,5 @@ class StepContext:
     #: records what updates change, to undo a failed step (None: safe_updates off)
     journal: UpdateJournal | None
     sync: "GradientSync | None"  # gradients averaged across servers (None: one server)
+    #: the state kept on a disk tier, read and written by DISK_IN / DISK_OUT (None: none)
+    disk: "StateOnDisk | None" = None

@@ -35,7 +35,7 @@ from ..costs.spec import ModelSpec
 from ..errors import HarmonyError, NonFiniteError
 from ..graph import TaskGraph
 from ..plan import Plan
-from ..policies import STATE_OPTIONS, build_graph, update_shards
+from ..policies import STATE_OPTIONS, update_shards
 from ..simulate import play, simulate_graph
 from ..trace import Trace
 from .calibrate import calibrate
@@ -44,6 +44,8 @@ from .context import StepContext
 from .decompose import decompose
 from .describe import describe, norm_tensor_names
 from .devices import Backend, make_backends
+from .disk_setup import attach, build_for_host, host_settings
+from .disk_state import StateOnDisk
 from .engine_checks import (
     PRECISIONS,
     batch_kinds,
@@ -66,7 +68,7 @@ from .state import (
     optimizer_state,
     param_names,
 )
-from .updates import UpdateJournal
+from .updates import UpdateJournal, optimizer_params
 
 GROWTH_INTERVAL = 2000
 
@@ -102,9 +104,25 @@ class Engine:
     state stay float32 on the host; fp16 adds dynamic loss scaling (an overflowing
     step is skipped and the scale halved, as ``torch.amp.GradScaler`` does).
 
+    ``host_memory``: the host memory budget (bytes or ``"8GB"``; default: the
+    given ``hardware``'s, at most what the machine has) for what the engine
+    keeps there: training state, stashes and offloaded activations, and the
+    disk tier's buffers (the interpreter, torch and the device memory of the
+    cpu and emulated backends, which is host memory, come on top). Training
+    state that does not fit goes to a disk tier in ``disk_dir`` (optimizer
+    state first, then master weights, last pack first;
+    :mod:`harmony.policies.disk_tier`), read and written around each update
+    and weight load, crash-safe: see :mod:`.disk_setup`. ``disk``: the disk
+    link's bandwidth, ``"200MB/s,200MB/s"`` or a name (``"nvme"``): the tier
+    is paced to it, an emulated disk; default: the ``hardware``'s, else
+    measured in ``disk_dir`` when the state needs it. Call :meth:`close` when
+    done with an engine that has a disk tier.
+
     Checkpoints: :meth:`save` / :meth:`load` (atomic, checksummed files) and
     :meth:`state_dict` / :meth:`load_state_dict`. A run resumed from a
-    checkpoint continues bitwise as if it had never stopped.
+    checkpoint continues bitwise as if it had never stopped. With a disk
+    tier, :meth:`save` refers to the tier's state instead of copying it, and
+    :meth:`load` reopens the tier as of the checkpoint's step.
     """
 
     def __init__(
@@ -122,10 +140,15 @@ class Engine:
         precision: str = "fp32",
         spec: ModelSpec | None = None,
         hardware: Hardware | None = None,
+        host_memory: str | int | None = None,
+        disk_dir: str | Path | None = None,
+        disk: str | tuple[float, float] | None = None,
     ):
         check_arguments(
             optimizer, loss_fn, minibatch_size, seed, nonfinite, precision, spec, hardware
         )
+        self.host_settings = host_settings(host_memory, disk_dir, disk, hardware)
+        self.disk: StateOnDisk | None = None  # the state on the disk tier, once placed
         self.chain = decompose(model)
         self.layers: list[nn.Module] = list(self.chain.layers)
         self.model = model
@@ -136,7 +159,9 @@ class Engine:
         self.backends: list[Backend] = make_backends(device)
         # host weights in flat buffers, page-locked for a GPU (see HostModel)
         gpu = any(b.kind == "cuda" for b in self.backends)
-        self.host = HostModel(self.layers, self.host_module, pin=gpu)
+        # with a budget, the weights are laid out once the disk tier has taken its share
+        # (laying out all of them first would hold them twice)
+        self.host = HostModel(self.layers, self.host_module, pin=gpu, flatten=host_memory is None)
         # BatchNorm's parameters and statistics keep their dtype under mixed precision
         self.norm_tensors = [norm_tensor_names(layer) for layer in self.layers]
         self.rng_lock = threading.Lock()
@@ -165,6 +190,7 @@ class Engine:
         # (pack, shard) -> the optimizer of those parameters
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer | None] = {}
         self._graph_cache: TaskGraph | None = None
+        self._graph_hardware: Hardware | None = None  # the server the cached graph is for
         self._memory_order: dict | None = None  # of the cached graph's buffers, per device
         self._batch_kinds: tuple | None = None  # shapes and dtypes of the first minibatch
         if distributed is None:
@@ -174,6 +200,8 @@ class Engine:
                 and torch.distributed.get_world_size() > 1
             )
         self.distributed = distributed
+        if distributed and disk_dir is not None:
+            raise HarmonyError("the disk tier runs on one server: disk_dir with distributed")
         self.sync = None  # GradientSync across servers, once a plan is set
         if distributed:
             from .distributed import broadcast_weights
@@ -192,7 +220,17 @@ class Engine:
     # ---- set-up -------------------------------------------------------------------
     def hardware(self) -> Hardware:
         """The devices as the planner and the simulator see them: as given, or
-        calibrated on this machine (:func:`~harmony.engine.calibrate.calibrate`)."""
+        calibrated on this machine (:func:`~harmony.engine.calibrate.calibrate`),
+        with the engine's host memory budget and disk tier (where its bandwidth
+        is known)."""
+        if self._graph_hardware is not None:  # what the graph was built for
+            return self._graph_hardware
+        hw = self._base_hardware().with_host_memory(self.host_settings.budget.capacity)
+        settings = self.host_settings
+        known = settings.directory is not None and settings.rates is not None
+        return hw.with_disk(settings.rates if known else None)
+
+    def _base_hardware(self) -> Hardware:
         return self._hardware if self._hardware is not None else calibrate(self.device)
 
     def simulate(self) -> Trace:
@@ -209,6 +247,11 @@ class Engine:
     def set_plan(self, plan: Plan) -> None:
         """Run the next steps with ``plan`` (e.g. a smaller one after an
         out-of-memory error). Optimizer state carries over whatever the packing."""
+        if self.disk is not None:
+            raise HarmonyError(
+                "the plan of a run with state on a disk tier cannot change: its files are per "
+                "pack of the plan it was placed for"
+            )
         devices = [b.name for b in self.backends]
         check_plan(
             plan, self.layers, devices, self.minibatch_size, self.precision, self.distributed
@@ -226,6 +269,7 @@ class Engine:
             )
             self.sync = GradientSync(order)
         self.plan, self.optimizers, self._graph_cache = plan, optimizers, None
+        self._graph_hardware = None
         for pool in [b.pool for b in self.backends if b.pool is not None] + [self.host.pool]:
             pool.clear()  # sized for the old plan's buffers
         self.host.make_replicas(range(1, plan.n_gpus))
@@ -256,6 +300,7 @@ class Engine:
             rng_lock=self.rng_lock,
             journal=self.journal if self.safe_updates else None,
             sync=self.sync,
+            disk=self.disk,
         )
 
     def _graph(self, inputs: tuple, target: torch.Tensor) -> TaskGraph:
@@ -300,14 +345,27 @@ class Engine:
                 )
             # the profile has the same sizes as the description, and times: the play
             # that fixes the memory order then resembles the run
-            graph = build_graph(self.profile or self.spec, self.hardware(), self.plan)
+            graph, server = build_for_host(
+                self.profile or self.spec,
+                self._base_hardware(),
+                self.plan,
+                self.host_settings,
+                max((len(optimizer_params(o)) for o in self.optimizers.values() if o), default=0),
+                self.safe_updates,
+            )
             check_updates_run_where_state_is(graph, self.plan)
             check_host_memory(self, graph)
-            self._graph_cache = graph
+            self.disk = attach(self, graph, self.host_settings, self.safe_updates)
+            self.host_settings.resume = None
+            # master weights on the tier are placeholders now: lay out the rest anew
+            on_disk = frozenset(self.disk.on_disk if self.disk is not None else ())
+            if on_disk or not self.host.layout.flattened:
+                self.host.layout.flatten(on_disk)
+            self._graph_cache, self._graph_hardware = graph, server
             # buffers are admitted on the devices in the simulator's order: the engine's
-            # peak is then the simulated one, whatever the timing (no memory to manage
-            # on the cpu backend)
-            managed = any(b.copies for b in self.backends)
+            # peak is then the simulated one, whatever the timing (on the cpu backend,
+            # only where weight loads copy master weights read from disk)
+            managed = any(b.copies for b in self.backends) or bool(on_disk)
             self._memory_order = play(graph).order if managed else None
         return self._graph_cache
 
@@ -326,6 +384,8 @@ class Engine:
         run = StepRun(self.step_context(), graph, inputs, target, memory_order=self._memory_order)
         try:
             run.execute()
+            if self.disk is not None:  # what the step wrote to disk becomes its state
+                self.disk.tier.commit(self.step_count + 1)
         except NonFiniteError as caught:
             run.roll_back()
             err = caught
@@ -348,6 +408,8 @@ class Engine:
                 )
             self.step_count += 1
             self.skipped_steps += 1
+            if self.disk is not None:  # the tier's state is unchanged, as of this step too
+                self.disk.tier.commit(self.step_count)
             return float("nan")
         except BaseException:
             run.roll_back()
@@ -371,6 +433,11 @@ class Engine:
     def load_state_dict(self, state: dict, plan: Plan | None = None) -> None:
         """Continue the run ``state`` was taken from. The plan is ``plan``, else the
         engine's own, else the one in ``state``. Checked before anything changes."""
+        if self.disk is not None:
+            raise HarmonyError(
+                "this engine keeps state on a disk tier: a run continues on another engine "
+                "(Engine.load)"
+            )
         self._continue(state, plan, "the state")
 
     def _continue(self, state: dict, plan: Plan | None, source: str) -> None:
@@ -380,8 +447,15 @@ class Engine:
         apply_state(self, state, plan)
 
     def save(self, path) -> Path:
-        """Write a checkpoint to ``path`` atomically (a crash never leaves a half-written file)."""
-        return write_checkpoint(path, self.state_dict())
+        """Write a checkpoint to ``path`` atomically (a crash never leaves a half-written file);
+        state on a disk tier is referred to (the tier as of this step), not copied."""
+        return write_checkpoint(path, engine_state(self, referenced=True))
+
+    def close(self) -> None:
+        """Stop the disk tier's I/O threads and give its buffers back (the engine
+        cannot step afterwards)."""
+        if self.disk is not None:
+            self.disk.close()
 
     @classmethod
     def load(
@@ -401,6 +475,8 @@ class Engine:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise CheckpointError(f"{path} is a checkpoint but not of an engine's state")
         kwargs.setdefault("precision", state["precision"])
+        if "disk" in state:  # the run's state on disk is in its tier, as of the checkpoint
+            kwargs.setdefault("disk_dir", state["disk"]["directory"])
         engine = cls(
             model,
             optimizer,
@@ -411,5 +487,7 @@ class Engine:
             seed=state["seed"],
             **kwargs,
         )
+        if "disk" in state:
+            engine.host_settings.resume = {**state["disk"], "step": state["step"]}
         engine._continue(state, plan, str(path))
         return engine

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..costs.hardware import format_bytes
+from ..costs.placement import Placement
 from ..errors import HarmonyError
 from ..graph import (
     ACT_IN,
@@ -59,13 +60,24 @@ def _state_slots(opt: torch.optim.Optimizer) -> int:
     return 2  # Adam and most others keep two moments
 
 
+def placement_of(graph: TaskGraph) -> Placement | None:
+    """The placement the graph's DISK tasks follow (None: all in host memory)."""
+    info = graph.info.get("disk")
+    if info is None:
+        return None
+    return Placement(**{**info, "on_disk": tuple((q, k) for q, k in info["on_disk"])})
+
+
 def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
     """Bytes the engine will add to host memory for its plan (``graph``: its
-    task graph, needed to count an emulated GPU's buffers), by what."""
-    grads = optimizer = 0.0
-    for opt in engine.optimizers.values():
+    task graph, needed to count an emulated GPU's buffers and what its disk
+    tier takes and gives back), by what."""
+    grads = optimizer = freed = 0.0
+    placement = placement_of(graph)
+    for (q, _), opt in engine.optimizers.items():
         if opt is None:
             continue
+        on_disk = placement.kinds_on_disk(q) if placement is not None else ()
         params = [p for p in optimizer_params(opt) if p.requires_grad]
         size = sum(p.numel() * p.element_size() for p in params)
         grads += sum(
@@ -73,7 +85,8 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
             for p in params
             if not engine.host.layout.has_grad_buffer(p)
         )
-        optimizer += _state_slots(opt) * size
+        optimizer += 0 if "optimizer" in on_disk else _state_slots(opt) * size
+        freed += size if "weights" in on_disk else 0
     moved = graph.bytes_by_kind()
     # the whole minibatch's, at once
     stash, offloaded = moved.get(STASH_OUT, 0.0), moved.get(ACT_OUT, 0.0)
@@ -87,6 +100,8 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
         "stashed inputs": stash,
         "offloaded activations": offloaded,
         "emulated GPU buffers": emulated,
+        "disk tier staging": placement.staging_bytes if placement is not None else 0,
+        "master weights moved to the disk tier": -freed,
     }
 
 
@@ -97,7 +112,7 @@ def check_host_memory(engine: "Engine", graph: TaskGraph, available: int | None 
     need = host_bytes_needed(engine, graph)
     total = sum(need.values())
     if total > available:
-        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in need.items() if v)
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in need.items() if v > 0)
         raise HarmonyError(
             f"host memory: this plan needs {format_bytes(total)} more host memory ({parts}) but "
             f"only {format_bytes(available)} are available. Free host memory, use an optimizer "

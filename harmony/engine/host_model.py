@@ -27,12 +27,15 @@ from .buffers import BufferPool, HostLayout
 class HostModel:
     """``layers`` (in host memory) and ``module``, the one whose state_dict holds
     every host weight and buffer; ``pin``: page-lock the flat host buffers (for
-    a GPU)."""
+    a GPU); ``flatten``: lay them out now (False: later, see
+    :meth:`~.buffers.HostLayout.flatten`)."""
 
-    def __init__(self, layers: list[nn.Module], module: nn.Module, pin: bool = False):
+    def __init__(
+        self, layers: list[nn.Module], module: nn.Module, pin: bool = False, flatten: bool = True
+    ):
         check_on_host(layers)
         self.layers, self.module = layers, module
-        self.layout = HostLayout(layers, pin=pin)
+        self.layout = HostLayout(layers, pin=pin, flatten=flatten)
         self.pool = BufferPool("cpu", pin=pin)
         self.params = [dict(layer.named_parameters()) for layer in layers]
         self.buffers = [dict(layer.named_buffers()) for layer in layers]

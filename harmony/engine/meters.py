@@ -41,7 +41,9 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
                         charge(n)
                     self.seen.add(key)
                     self.total += n
-            return t
+            # not ``t`` itself: a tensor saved by its own grad_fn would then hold that node,
+            # which holds it, a cycle only a backward breaks (a forward alone leaks its graph)
+            return t.detach()
 
         super().__init__(pack, lambda t: t)
 

@@ -86,6 +86,11 @@ def _job_of(m: int, engine, data: list[tuple], spec: ModelSpec | None) -> Job:
         raise HarmonyError(
             f"engine {label} is distributed across servers; train_many runs on one server"
         )
+    if engine.host_settings.directory is not None:
+        raise HarmonyError(
+            f"engine {label} has a disk tier (disk_dir); train_many keeps every model's state "
+            "in host memory: make it without one"
+        )
     if not data:
         raise HarmonyError(f"engine {label} has no minibatches to train on")
     for x, y in data:

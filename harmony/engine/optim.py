@@ -64,12 +64,16 @@ class FlatAdamW(torch.optim.Optimizer):
     ``exp_avg_sq``, so ``state_dict()`` moves between FlatAdamW and
     ``torch.optim.AdamW`` both ways.
 
-    The moments of a param group live in two flat buffers (one pair per dtype),
-    each parameter's state being a view of them; a state that arrives by
-    ``load_state_dict`` or by assignment is copied into them. The parameters
-    are updated in place where they are (the same Parameter objects, on the
-    same storage), and ``.grad`` is read afresh at every step, whoever
-    replaced it.
+    The moments a step creates live in two flat buffers per dtype (one pair per
+    step that creates state), each parameter's state being a view of them; a
+    state that arrives by ``load_state_dict`` is copied into buffers of the
+    same kind (so the optimizer shares nothing with the state dict), and one
+    that arrives by assignment (a disk tier's staging buffers: see
+    :func:`~harmony.engine.tiers.adopt_state`) is stepped in place, where it
+    is: the optimizer keeps no buffer of its own, so dropping its state frees
+    it. The parameters are updated in place where they are (the same
+    Parameter objects, on the same storage), and ``.grad`` is read afresh at
+    every step, whoever replaced it.
 
     ``fused`` picks the arithmetic, like ``torch.optim.AdamW``'s argument of
     that name (it stays with the optimizer: loading a state dict does not
@@ -130,15 +134,9 @@ class FlatAdamW(torch.optim.Optimizer):
         # How to step, not a hyperparameter: kept out of param_groups, so that loading
         # a state dict (torch.optim.AdamW's has a "fused" entry) does not change it.
         self.fused: bool = fused_kernel_available() if fused is None else fused
-        self._flat: dict[int, _FlatMoments] = {}  # param group index -> its moments
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "fused": self.fused}
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        # unpickled: the moments are copied into new buffers at the next step
-        self.__dict__.setdefault("_flat", {})
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -154,20 +152,15 @@ class FlatAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        for index, group in enumerate(self.param_groups):
-            flat = self._moments(index, group)
-            for i, p in enumerate(group["params"]):
-                state = self.state.get(p)
-                if state:
-                    flat.adopt(i, state)
-                    # a tensor of its own: load_state_dict hands over the source's step tensors
-                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-
-    def _moments(self, index: int, group: dict) -> "_FlatMoments":
-        flat = self._flat.get(index)
-        if flat is None or not flat.fits(group["params"]):
-            flat = self._flat[index] = _FlatMoments(group["params"])
-        return flat
+        for group in self.param_groups:
+            loaded = [p for p in group["params"] if self.state.get(p)]
+            for p, views in zip(loaded, _FlatMoments(loaded).views):
+                state = self.state[p]
+                _check_state(state, p)
+                for key, view in zip(("exp_avg", "exp_avg_sq"), views):
+                    state[key] = view.copy_(state[key])
+                # a tensor of its own: load_state_dict hands over the source's step tensors
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -177,28 +170,29 @@ class FlatAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             _check_hyperparameters(group)
-            flat = self._moments(index, group)
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
+            live = [p for p in group["params"] if p.grad is not None]
+            for p in live:
                 if p.grad.is_sparse:
                     raise HarmonyError(
                         "FlatAdamW got a sparse gradient for a parameter of shape "
                         f"{tuple(p.shape)}; use torch.optim.SparseAdam for sparse gradients"
                     )
+            fresh = [p for p in live if not self.state.get(p)]
+            for p, views in zip(fresh, _FlatMoments(fresh).views):
                 state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"], state["exp_avg_sq"] = (v.zero_() for v in flat.views[i])
-                else:
-                    flat.adopt(i, state)
-                    if not (
-                        torch.is_tensor(state["step"]) and state["step"].dtype == torch.float32
-                    ):
-                        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"], state["exp_avg_sq"] = (v.zero_() for v in views)
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            for p in live:
+                state = self.state[p]
+                _check_state(state, p)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if not state[key].is_contiguous():  # the kernels read raw memory
+                        state[key] = state[key].contiguous()
+                if not (torch.is_tensor(state["step"]) and state["step"].dtype == torch.float32):
+                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
                 params.append(p)
                 # the fused kernel reads raw memory: it needs dense tensors
                 grads.append(p.grad.contiguous())
@@ -252,14 +246,26 @@ def _check_hyperparameters(group: dict) -> None:
             raise HarmonyError(f"FlatAdamW does not implement {flag}=True: use {instead}")
 
 
+def _check_state(state: dict, p: torch.Tensor) -> None:
+    """``state`` is an AdamW state of parameter ``p``."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        value = state.get(key)
+        if "step" not in state or not torch.is_tensor(value) or value.shape != p.shape:
+            raise HarmonyError(
+                f"optimizer state of a parameter of shape {tuple(p.shape)} has {key!r} "
+                f"{tuple(value.shape) if torch.is_tensor(value) else value!r} and step "
+                f"{state.get('step')!r}: the state dict is not an AdamW state of these "
+                "parameters"
+            )
+
+
 class _FlatMoments:
-    """``exp_avg`` and ``exp_avg_sq`` of one param group in flat buffers, one pair
+    """``exp_avg`` and ``exp_avg_sq`` of some parameters in flat buffers, one pair
     per dtype; ``views[i]`` are parameter i's, shaped like it. The buffers are
     not zeroed: a parameter's views are zeroed when its state is created, so
     parameters that never get a gradient never touch their pages."""
 
     def __init__(self, params: list[torch.Tensor]):
-        self.layout = [(p, p.shape, p.dtype) for p in params]
         sizes: dict[torch.dtype, int] = {}
         offsets = []
         for p in params:
@@ -273,29 +279,6 @@ class _FlatMoments:
             tuple(b[o : o + p.numel()].view(p.shape) for b in buffers[p.dtype])
             for p, o in zip(params, offsets)
         ]
-
-    def fits(self, params: list[torch.Tensor]) -> bool:
-        """Whether the buffers were laid out for exactly these parameters, as they are now."""
-        return len(params) == len(self.layout) and all(
-            p is q and p.shape == shape and p.dtype == dtype
-            for p, (q, shape, dtype) in zip(params, self.layout)
-        )
-
-    def adopt(self, i: int, state: dict) -> None:
-        """Make parameter i's moments in ``state`` views of the buffers, copying in
-        any that are tensors of their own (loaded, assigned)."""
-        for key, view in zip(("exp_avg", "exp_avg_sq"), self.views[i]):
-            value = state.get(key)
-            if "step" not in state or not torch.is_tensor(value) or value.shape != view.shape:
-                raise HarmonyError(
-                    f"optimizer state of a parameter of shape {tuple(view.shape)} has {key!r} "
-                    f"{tuple(value.shape) if torch.is_tensor(value) else value!r} and step "
-                    f"{state.get('step')!r}: the state dict is not an AdamW state of these "
-                    "parameters"
-                )
-            if value.data_ptr() != view.data_ptr():
-                view.copy_(value)
-                state[key] = view
 
 
 def _fused_adamw(

@@ -128,7 +128,9 @@ class Updates:
                 grads = [p.grad for p in optimizer_params(opt) if p.grad is not None]
                 if grads:
                     torch._foreach_div_(grads, self.ctx.loss_scale)
-            apply_update(opt, task.layers, key, self._journal())
+            disk = self.ctx.disk
+            on_disk = disk.units[key].kinds if disk is not None and key in disk.units else ()
+            apply_update(opt, task.layers, key, self._journal(), on_disk)
         opt.zero_grad(set_to_none=True)
 
     def _journal(self):

@@ -5,6 +5,11 @@ per optimizer: the engine has one optimizer per backward pack, so a state keyed
 by pack would only fit the packing that wrote it. Keyed by name, a checkpoint
 resumes under another plan, and :meth:`Engine.set_plan` keeps the optimizer
 state when the packing changes.
+
+State on a disk tier (:mod:`.disk_setup`) is read back into a whole state
+(:meth:`Engine.state_dict`), or referred to by a checkpoint (:meth:`Engine.save`:
+its ``"disk"`` entry names the tier, what it holds and the master weights left
+out of ``"model"``; the tier keeps that step's state).
 """
 
 from __future__ import annotations
@@ -64,8 +69,35 @@ def load_optimizer_state(optimizers: dict, saved: dict, names: dict[int, str]) -
         opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def engine_state(engine: "Engine") -> dict:
+def engine_state(engine: "Engine", referenced: bool = False) -> dict:
+    """The engine's state: whole, or (``referenced``) referring to its disk tier."""
     names = param_names(engine)
+    model = engine.host_module.state_dict()
+    optimizer = optimizer_state(engine.optimizers, names)
+    extra = {}
+    disk, resume = engine.disk, engine.host_settings.resume
+    if resume is not None:  # resumed, and the tier not opened yet (at the first step)
+        if not referenced:
+            raise HarmonyError(
+                "part of this run's state is on its disk tier, which the engine opens at its "
+                "first step: step first, or save() (which refers to the tier)"
+            )
+        model = {k: v for k, v in model.items() if k not in set(resume["weights"])}
+        extra["disk"] = {k: resume[k] for k in ("directory", "on_disk", "weights")}
+    if disk is not None:
+        every = engine.host_module.named_parameters(remove_duplicate=False)
+        on_disk = {n: names[id(p)] for n, p in every if id(p) in disk.on_disk}
+        if referenced:
+            model = {k: v for k, v in model.items() if k not in on_disk}
+            extra["disk"] = {
+                "directory": str(disk.tier.directory),
+                "on_disk": [list(x) for x in disk.placement.on_disk],
+                "weights": sorted(on_disk),
+            }
+        else:
+            weights, state = disk.read_all(names)
+            model.update({n: weights[first] for n, first in on_disk.items()})
+            optimizer["state"].update(state)
     return {
         "format": FORMAT,
         "step": engine.step_count,
@@ -77,9 +109,10 @@ def engine_state(engine: "Engine") -> dict:
         "precision": engine.precision,
         "loss_scale": engine.loss_scale,
         "good_steps": engine.good_steps,
-        "model": engine.host_module.state_dict(),
-        "optimizer": optimizer_state(engine.optimizers, names),
+        "model": model,
+        "optimizer": optimizer,
         "torch_rng": torch.get_rng_state(),
+        **extra,
     }
 
 
@@ -103,14 +136,23 @@ def check_state(engine: "Engine", state: dict, source: str) -> None:
             f"{source} was written with seed {state['seed']}, the engine's is {engine.seed}: "
             f"dropout would draw other masks; make the engine with seed={state['seed']}"
         )
+    if "disk" in state and engine.host_settings.resume is None:
+        raise HarmonyError(
+            f"{source} refers to a disk tier ({state['disk']['directory']}) for part of its "
+            "state: continue it with Engine.load"
+        )
     ours = engine.host_module.state_dict()
     theirs = state["model"]
-    missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    on_disk = set(state.get("disk", {}).get("weights", ()))
+    missing = sorted(set(ours) - set(theirs) - on_disk)
+    unexpected = sorted(set(theirs) - set(ours))
     if missing or unexpected:
         raise HarmonyError(
             f"{source} is for another model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     for name, t in ours.items():
+        if name in on_disk:
+            continue
         if theirs[name].shape != t.shape or theirs[name].dtype != t.dtype:
             raise HarmonyError(
                 f"{source} is for another model: {name} is {tuple(theirs[name].shape)} "

@@ -7,7 +7,7 @@ bytes moved, the loss, and a journal of updates to undo if the step fails. It
 reads only its :class:`~harmony.engine.context.StepContext`. What each kind
 of task does is in the parts it is made of, one module per job:
 :mod:`.step_memory` (buffers, copies, bytes), :mod:`.transfers`,
-:mod:`.compute` and :mod:`.optimizer_steps`.
+:mod:`.compute`, :mod:`.optimizer_steps` and :mod:`.disk_steps`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from ..graph import (
     ACT_OUT,
     BWD,
     DATA_IN,
+    DISK_IN,
+    DISK_OUT,
     FWD,
     FWDBWD,
     G_IN,
@@ -49,6 +51,7 @@ from .buffers import BufferPool
 from .compute import Compute, Recomputed
 from .context import StepContext
 from .devices import Backend, LinkPacer
+from .disk_steps import DiskSteps
 from .executor import Executor
 from .optimizer_steps import PackCommits, Updates
 from .step_memory import StepMemory
@@ -76,7 +79,7 @@ class SharedDevices:
     parallel_compute: bool
 
 
-class StepRun(StepMemory, Transfers, Compute, Updates):
+class StepRun(StepMemory, Transfers, Compute, Updates, DiskSteps):
     def __init__(
         self,
         ctx: StepContext,
@@ -111,6 +114,7 @@ class StepRun(StepMemory, Transfers, Compute, Updates):
         gpu_sums = ctx.plan.option("gpu_gradients")
         self.accumulators = Accumulators(graph) if gpu_sums else None
         self.commits = PackCommits(graph)
+        self.setup_disk()
         # several compute threads: dropout seeds and draws under the engine's lock
         self.parallel_compute = (
             shared.parallel_compute if shared else len(graph.in_order_lanes()) > 1
@@ -133,6 +137,8 @@ class StepRun(StepMemory, Transfers, Compute, Updates):
             REC: self.recompute,
             BWD: self.backward,
             FWDBWD: self.fused,
+            DISK_IN: self.disk_in,
+            DISK_OUT: self.disk_out,
         }
         self.store: dict[int, object] = {}  # buffer id -> what the device holds
         self.charged: dict[int, int] = {}
@@ -185,7 +191,7 @@ class StepRun(StepMemory, Transfers, Compute, Updates):
         lane by an executor: this step's own, or one playing several models' steps)."""
         handle = self.handlers[task.kind]
         try:
-            if task.device == "cpu":  # a host update
+            if task.device not in self.backends:  # on the host: an update, a disk transfer
                 handle(task)
             else:
                 with self.backends[task.device].lane(task.lane):
@@ -211,6 +217,7 @@ class StepRun(StepMemory, Transfers, Compute, Updates):
                     b.copy_(old)
         for p in self.ctx.host.module.parameters():
             p.grad = None
+        self.disk_roll_back()
         for buf, (n, excess) in self.charged.items():
             self._give_back(buf, n, excess)
         for value in self.store.values():

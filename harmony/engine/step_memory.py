@@ -214,10 +214,10 @@ class StepMemory:
         return torch.autocast(self.backends[task.device].torch_device.type, dtype=self.dtype)
 
     # ---- bytes moved -------------------------------------------------------------------
-    def _moved(self, task: Task, n: float, started: float) -> None:
-        """Count ``n`` bytes for ``task`` and, emulated, make the copy last as long
-        as the links of its route allow."""
-        if self.paced:
+    def _moved(self, task: Task, n: float, started: float, pace: bool = True) -> None:
+        """Count ``n`` bytes for ``task`` and, emulated (and ``pace``), make the copy
+        last as long as the links of its route allow."""
+        if self.paced and pace:
             self.pacer.wait(task.links, n, task.max_rate, started)
         with self.lock:
             self.moved[task.kind] += n

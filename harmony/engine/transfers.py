@@ -49,6 +49,12 @@ class Transfers:
             for i, name, t, _ in entries
         ]
         sizes = [t.numel() * d.itemsize for (_, _, t, _), d in zip(entries, dtypes)]
+        # master weights on a disk tier: read by the DISK_INs this load depends on
+        loaded = self.loaded_weights(task) if self.ctx.disk is not None else {}
+        if self.ctx.disk is not None:
+            for _, _, t, is_param in entries:
+                if is_param:
+                    self.ctx.disk.check_weights_read(t, loaded)
         self.reserve(task.io["weights"], sum(sizes))
         split = (
             {id(p) for _, _, p in self.ctx.host.split_ties(s, e)} if self.splits_ties else set()
@@ -66,7 +72,13 @@ class Transfers:
             self.loaded_version[task.io["weights"]] = {
                 i: self.buffer_version[i] for i in range(s, e) if self.ctx.host.buffers[i]
             }
-        device = self.to_device(backend, [t for _, _, t, _ in entries], dtypes)
+        sources = [loaded.get(id(t), t) for _, _, t, _ in entries]
+        # from staging: copied (the cpu backend too) before the staging is given back
+        device = self.to_device(
+            backend, sources, dtypes, fresh=bool(loaded), non_blocking=not loaded
+        )
+        if loaded:
+            self.weights_copied(task)
         weights: dict[int, dict] = {i: {} for i in range(s, e)}
         for (i, name, t, is_param), d in zip(entries, device):
             # requires_grad as in the model, forward packs too: some kernels choose

@@ -54,16 +54,23 @@ class UpdateJournal:
     def start_step(self) -> None:
         self.entries = []
 
-    def record(self, key, opt: torch.optim.Optimizer) -> None:
-        live = _live_tensors(opt)
+    def record(
+        self, key, opt: torch.optim.Optimizer, params: bool = True, state: bool = True
+    ) -> None:
+        """Save what ``opt``'s next step changes: its parameters and its state, less
+        what ``params`` / ``state`` False leave out (state that lives in a disk
+        tier, whose committed copy is the undo)."""
+        live = _live_tensors(opt, params, state)
         if live is None:  # first step: state to be created by this update
             saved = (
                 "whole",
-                [p.detach().clone() for p in optimizer_params(opt)],
+                [p.detach().clone() for p in optimizer_params(opt)] if params else [],
                 clone_state(opt.state_dict()),
             )
         else:
             tensors, scalars = live
+            if not tensors and not scalars:
+                return
             buffers = self._buffers.get(key)
             if buffers is None or [(b.shape, b.dtype) for b in buffers] != [
                 (t.shape, t.dtype) for t in tensors
@@ -74,7 +81,8 @@ class UpdateJournal:
                 self._buffers[key] = buffers
             for b, t in zip(buffers, tensors):
                 b.copy_(t)
-            saved = ("copies", buffers, scalars)
+            # partial records keep their tensors: at undo time, the state on disk is gone
+            saved = ("copies", (None if params and state else tensors, buffers), scalars)
         with self._lock:
             self.entries.append((key, opt, saved))
 
@@ -87,30 +95,32 @@ class UpdateJournal:
                         p.copy_(old)
                     opt.load_state_dict(b)
                     continue
-                tensors, _ = _live_tensors(opt)
-                for t, old in zip(tensors, a):
+                targets, copies = a
+                live = targets if targets is not None else _live_tensors(opt)[0]
+                for t, old in zip(live, copies):
                     t.copy_(old)
                 for (state, name), value in b:
                     state[name] = value
         self.entries = []
 
 
-def _live_tensors(opt: torch.optim.Optimizer):
-    """(parameters and state tensors, [(state dict, name), value] of the other state
-    entries) of ``opt``, in a fixed order; None if its next step creates state
-    (a parameter with a gradient and no state yet)."""
-    params = optimizer_params(opt)
-    if any(p.grad is not None and not opt.state.get(p) for p in params):
+def _live_tensors(opt: torch.optim.Optimizer, params: bool = True, state: bool = True):
+    """(the parameters and state tensors, [(state dict, name), value] of the other
+    state entries) of ``opt`` (those ``params`` and ``state`` ask for), in a fixed
+    order; None if its next step creates state that is asked for (a parameter
+    with a gradient and no state yet)."""
+    ps = optimizer_params(opt)
+    if state and any(p.grad is not None and not opt.state.get(p) for p in ps):
         return None  # this step creates state: keep the whole state_dict
-    tensors, scalars = list(params), []
-    for p in params:
-        state = opt.state.get(p, {})
-        for name in sorted(state):
-            value = state[name]
+    tensors, scalars = list(ps) if params else [], []
+    for p in ps if state else []:
+        entries = opt.state.get(p, {})
+        for name in sorted(entries):
+            value = entries[name]
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
             else:
-                scalars.append(((state, name), value))
+                scalars.append(((entries, name), value))
     return [t.detach() for t in tensors], scalars
 
 
@@ -128,11 +138,16 @@ def clone_state(state: dict) -> dict:
 
 
 def apply_update(
-    opt: torch.optim.Optimizer, layers: tuple[int, int], key, journal: UpdateJournal | None
+    opt: torch.optim.Optimizer,
+    layers: tuple[int, int],
+    key,
+    journal: UpdateJournal | None,
+    on_disk: tuple[str, ...] = (),
 ) -> None:
     """Step ``opt`` (the update of ``layers``) after checking its gradients; with a
-    ``journal``, first record what the step will change, to undo it."""
+    ``journal``, first record what the step will change, to undo it, less the
+    kinds ``on_disk`` (``"weights"``, ``"optimizer"``: a disk tier's)."""
     check_finite_gradients(opt, layers)
     if journal is not None:
-        journal.record(key, opt)
+        journal.record(key, opt, "weights" not in on_disk, "optimizer" not in on_disk)
     opt.step()

@@ -43,16 +43,20 @@ a swapped plan's state stay in host memory. The graph then has, on device
   back (the next step's slot) and gives the staging back.
 
 Neither allocates or frees graph buffers (host memory is not a ledger of the
-graph; the placement's ``host_bytes`` is what the host holds). The engine's
-side, to do: ``Engine.set_plan`` builds the tier from the graph's placement;
-the DISK_IN / DISK_OUT handlers call :meth:`DiskTier.read` / :meth:`DiskTier.write`
-per (pack, shard, kind) around the update (the committed slot is the undo copy,
-so the update journal skips that state), ``Engine.step`` calls
-:meth:`DiskTier.commit` after a step and :meth:`DiskTier.discard` on roll-back,
-and ``Engine.load`` opens the tier with ``expect_step``. Two generations are
-kept, so an engine checkpoint may lag the tier by one step at most.
-``FlatAdamW`` copies adopted state into buffers of its own, which would keep it
-resident: it must step the staged buffers in place.
+graph; the placement's ``host_bytes`` is what the host holds).
+
+**In the engine** (``Engine(host_memory=..., disk_dir=..., disk=...)``):
+:mod:`harmony.engine.disk_setup` builds the graph for the host budget and
+opens the tier from the graph's placement (checked before anything changes),
+:mod:`harmony.engine.disk_state` keeps the state on it (placeholders for the
+master weights there, staging slots charged to the :class:`HostBudget`), and
+:mod:`harmony.engine.disk_steps` plays DISK_IN / DISK_OUT: each update steps
+its staged state in place (``FlatAdamW`` and torch's optimizers step adopted
+state where it is), the committed slot is the undo copy (the update journal
+skips that state), ``Engine.step`` commits the tier after a good step and a
+failed one discards its writes, and ``Engine.load`` opens the tier as of the
+checkpoint's step (two generations: an engine checkpoint may lag the tier by
+one step).
 """
 
 from .bandwidth import NVME_PCIE4, DiskBandwidth, measure_disk_bandwidth

@@ -5,6 +5,7 @@ what is free) before it has trained anything."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -58,6 +59,25 @@ def usable_directory(directory: str | Path, create: bool) -> Path:
     return path
 
 
+def check_directory(directory: str | Path) -> Path:
+    """That a tier could be made in ``directory`` (it, or its parent if it is not
+    there yet, is a directory this process can write), changing nothing there."""
+    path = Path(directory).expanduser().absolute()
+    if path.exists() or not path.parent.is_dir():
+        return usable_directory(path, create=False) if path.is_dir() else _missing(path)
+    usable_directory(path.parent, create=False)
+    return path
+
+
+def _missing(path: Path) -> Path:
+    if path.exists():
+        raise DiskTierError(f"disk tier {path} is a file; give a directory")
+    raise DiskTierError(
+        f"disk tier {path} does not exist, nor does its parent {path.parent}: create the "
+        "parent directory first (the tier makes only the last level)"
+    )
+
+
 def check_room(directory: Path, need: int, what: str) -> None:
     """Refuse a filesystem without ``need`` bytes free, saying what and how much."""
     free = shutil.disk_usage(directory).free
@@ -67,3 +87,15 @@ def check_room(directory: Path, need: int, what: str) -> None:
             f"but the filesystem has {format_bytes(free)} free: free space or "
             "give a directory on a larger disk"
         )
+
+
+def check_state_room(directory: Path, state_bytes: int, slots: int, slot_file: re.Pattern) -> None:
+    """Room for ``slots`` copies of ``state_bytes``, less what the tier's files there
+    (named as ``slot_file`` matches) already take."""
+    if state_bytes < 0:
+        raise DiskTierError(f"disk tier: state_bytes must be >= 0, got {state_bytes}")
+    have = sum(p.stat().st_size for p in directory.iterdir() if slot_file.match(p.name))
+    what = f"the state ({format_bytes(state_bytes)} x {slots} slots, double buffered" + (
+        f", less the {format_bytes(have)} its files there take)" if have else ")"
+    )
+    check_room(directory, slots * state_bytes - have, what)

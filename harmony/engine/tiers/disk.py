@@ -43,7 +43,7 @@ import torch
 from ...costs.hardware import format_bytes, parse_rate
 from ...errors import HarmonyError
 from .budget import HostBudget
-from .directory import check_room, usable_directory
+from .directory import check_state_room, usable_directory
 from .files import (
     CHUNK,
     PAGE,
@@ -146,7 +146,7 @@ class DiskTier:
                 "DiskTier.open resumes it; give an empty directory to start a "
                 "new one"
             )
-        _check_state_room(directory, state_bytes)
+        check_state_room(directory, state_bytes, SLOTS, _SLOT_FILE)
         return cls(directory, {"step": None, "entries": {}}, **options)
 
     @classmethod
@@ -166,7 +166,7 @@ class DiskTier:
         manifest = _read_manifest(directory)
         for stale in directory.glob(f".{MANIFEST}.tmp-*"):  # left by a commit that was killed
             stale.unlink(missing_ok=True)
-        _check_state_room(directory, state_bytes)
+        check_state_room(directory, state_bytes, SLOTS, _SLOT_FILE)
         tier = cls(directory, manifest, **options)
         try:
             tier._go_to(manifest["step"] if expect_step is None else expect_step)
@@ -235,6 +235,26 @@ class DiskTier:
         with self._lock:
             return key in self._pending or key in self._entries
 
+    def layout(self, pack: Pack, kind: str) -> tuple[tuple[Entry, ...], int]:
+        """The tensors :meth:`read` would return for (``pack``, ``kind``) (name,
+        dtype, shape and offset of each) and the payload's size, so a caller can
+        read into buffers of its own."""
+        with self._lock:
+            rec = self._latest(_key(pack, kind), pack, kind)[1]
+        return tuple(Entry.from_json(e) for e in rec["layout"]), rec["nbytes"]
+
+    def _latest(self, key: str, pack: Pack, kind: str) -> tuple[int, dict]:
+        """The slot and record of ``key``'s latest write (lock held)."""
+        if key in self._pending:
+            return self._pending[key]
+        if key in self._entries:
+            entry = self._entries[key]
+            return entry["current"], entry["slots"][entry["current"]]
+        raise DiskTierError(
+            f"disk tier {self.directory} holds no {kind!r} state of pack "
+            f"{pack_name(pack)}: write it first"
+        )
+
     def read(
         self,
         pack: Pack,
@@ -248,16 +268,7 @@ class DiskTier:
         check the checksums (opening a tier checks what it resumes)."""
         key = _key(pack, kind)
         with self._lock:
-            if key in self._pending:
-                slot, rec = self._pending[key]
-            elif key in self._entries:
-                entry = self._entries[key]
-                slot, rec = entry["current"], entry["slots"][entry["current"]]
-            else:
-                raise DiskTierError(
-                    f"disk tier {self.directory} holds no {kind!r} state of pack "
-                    f"{pack_name(pack)}: write it first"
-                )
+            slot, rec = self._latest(key, pack, kind)
             self._claim(key)
         try:
             return self._read(key, slot, rec, into, verify, key)
@@ -460,17 +471,6 @@ def _header(key: str, rec: dict) -> bytes:
     return header_bytes(
         {"pack": name, "kind": kind, **{k: v for k, v in rec.items() if k != "step"}}
     )
-
-
-def _check_state_room(directory: Path, state_bytes: int) -> None:
-    """Room for two slots of ``state_bytes``, less what the tier's files there take."""
-    if state_bytes < 0:
-        raise DiskTierError(f"disk tier: state_bytes must be >= 0, got {state_bytes}")
-    have = sum(p.stat().st_size for p in directory.iterdir() if _SLOT_FILE.match(p.name))
-    what = f"the state ({format_bytes(state_bytes)} x {SLOTS} slots, double buffered" + (
-        f", less the {format_bytes(have)} its files there take)" if have else ")"
-    )
-    check_room(directory, SLOTS * state_bytes - have, what)
 
 
 def _read_manifest(directory: Path) -> dict:

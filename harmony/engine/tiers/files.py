@@ -156,10 +156,12 @@ def aligned(nbytes: int) -> np.ndarray:
 
 class ChunkIO:
     """Moves payloads between memory and files, chunk by chunk, on ``threads``
-    threads; paced to ``read_rate`` / ``write_rate`` bytes/s where given (each
-    chunk's thread sleeps for the rest of its bytes / rate, as the emulated
-    GPU links do, so a laptop can study a slow disk). ``direct``: try
-    ``O_DIRECT`` (see the module docstring)."""
+    threads; paced to ``read_rate`` / ``write_rate`` bytes/s where given (the
+    caller's thread sleeps for the rest of the payload's bytes / rate once its
+    chunks are moved, as the emulated GPU links do, so a laptop can study a
+    slow disk; the I/O threads never sleep, so a paced read and a paced write
+    each get their own bandwidth). ``direct``: try ``O_DIRECT`` (see the
+    module docstring)."""
 
     def __init__(
         self,
@@ -238,6 +240,7 @@ class ChunkIO:
         _transfer(fd, memoryview(buffer), offset, write=True)
 
     def _run(self, fd, offset, pieces, size, how, checksum, chunk):
+        started = time.perf_counter()
         starts = [s for s, _ in pieces]
         jobs = [
             self.pool.submit(
@@ -253,6 +256,8 @@ class ChunkIO:
         ]
         wait(jobs)  # all of them, so none still touches the buffers when a failure is raised
         crcs = [job.result() for job in jobs]
+        if self.rates[how]:
+            self.pacer.wait((how,), size, self.rates[how], started)
         self.bytes[how] += size
         return crcs if checksum else None
 
@@ -261,7 +266,6 @@ class ChunkIO:
     ) -> int | None:
         """Move ``nbytes`` at ``offset`` through this thread's aligned buffer,
         from or to ``pieces``."""
-        started = time.perf_counter()
         span = round_up(nbytes, PAGE)
         buffer = self._buffer(span)
         if how == "write":
@@ -280,9 +284,6 @@ class ChunkIO:
         crc = zlib.crc32(buffer[:nbytes]) if checksum else None  # releases the GIL
         if _FADVISE:  # without O_DIRECT: drop the pages (after a write: start their write-back)
             os.posix_fadvise(fd, offset, span, os.POSIX_FADV_DONTNEED)
-        rate = self.rates[how]
-        if rate:
-            self.pacer.wait((how,), nbytes, rate, started)
         return crc
 
     def _buffer(self, nbytes: int) -> np.ndarray:

@@ -1,0 +1,263 @@
+"""The engine training with a disk tier: measured seconds per step against the
+simulator and the lower bound, disk bytes against the closed form.
+
+**Emulated** (default): a GPT-2-style model on an emulated GPU, a host memory
+budget that sends every pack's AdamW state to disk (``--weights`` also the
+master weights) and an emulated disk link paced to ``--disk`` (200 MB/s each
+way), so the disk dominates the step. The model is profiled on this CPU first,
+so the simulator plays the engine's graph with measured compute and update
+times. Printed: the placement, measured s/step (median over the steps after
+the first, which reads no optimizer state yet) against the simulated
+iteration and the lower bound (disk bytes over bandwidth against compute),
+and per disk kind measured / simulated / closed-form bytes.
+
+**Real** (``--real``): a GPT-2-style model whose fp32 weights, gradients and
+AdamW state are ``--state-over-ram`` times this machine's RAM (default 1.5),
+trained for a few steps on the CPU (the ``cpu`` backend: no device copies)
+with a host budget well under RAM (``--host-memory``) over the real disk in
+``--dir``, measured there first. Printed: the state's size against RAM and the
+budget, the placement, peak resident memory of the process (``ru_maxrss``),
+s/step against the simulator (with the measured disk bandwidth) and the
+lower bound. The tier's files are deleted at the end.
+
+    python bench/disk_tier_train.py [--steps 4] [--disk 200MB/s,200MB/s] [--weights]
+    python bench/disk_tier_train.py --real --dir /var/tmp [--hidden 2560] [--steps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+import harmony
+from harmony import EmulatedDevice, Engine, FlatAdamW, Plan
+from harmony.costs.hardware import format_bytes, parse_bytes
+from harmony.engine.calibrate import calibrate
+from harmony.engine.host_memory import available_host_bytes
+from harmony.engine.profiler import profile
+from harmony.engine.tiers import measure_disk_bandwidth
+from harmony.graph import DISK_IN, DISK_OUT
+from harmony.policies import swap_volume
+from harmony.policies.state import host_state
+from harmony.workbench.training import build_model, lm_loss
+
+OPT = lambda ps: FlatAdamW(ps, lr=1e-4)  # noqa: E731
+
+
+def gpt2(hidden: int, blocks: int, seq: int, vocab: int, minibatch: int):
+    cfg = dict(hidden=hidden, n_layer=blocks, heads=max(1, hidden // 64), seq_len=seq)
+    cfg.update(max_position=seq, vocab=vocab)
+    (x,), y = harmony.zoo.example_input("gpt2-tiny", minibatch, **cfg)
+    return cfg, x, y
+
+
+def one_pack_per_layer(n_layers: int, minibatch: int, microbatch: int) -> Plan:
+    """Harmony-PP with every layer a pack: the smallest staging (three packs)."""
+    packs = tuple((i, i + 1) for i in range(n_layers))
+    return Plan("harmony-pp", 1, minibatch, microbatch, microbatch, packs[:-1], packs)
+
+
+def budget_for(spec, plan: Plan, weights_too: bool) -> int:
+    """Host memory that sends every pack's optimizer state to disk (and, with
+    ``weights_too``, half of the master weights): gradients, the master weights
+    left and the update journal's copy of them, stashes, three packs of staging
+    and room for the tier's buffers."""
+    state = [host_state(spec, range(*p)) for p in plan.bwd_packs]
+    moved = swap_volume(spec, plan)
+    stash = moved.get("STASH_OUT", 0.0) + moved.get("ACT_OUT", 0.0)
+    weights = sum(s.weights for s in state) // (2 if weights_too else 1)
+    staging = 3 * max(s.optimizer + (s.weights if weights_too else 0) for s in state)
+    need = sum(s.gradients for s in state) + 2 * weights + stash + staging
+    return int(need * 1.03)  # the tier's I/O buffers and file padding
+
+
+def report(engine: Engine, times: list[float], lower: float) -> None:
+    trace, sim = engine.trace.summary, engine.simulate().summary
+    closed = swap_volume(engine.spec, engine.plan, engine.hardware())
+    it = statistics.median(times[1:])
+    placement = engine.disk.placement
+    kinds = sorted({k for _, k in placement.on_disk})
+    print(
+        f"placement: {', '.join(kinds)} of {len({q for q, _ in placement.on_disk})} packs on "
+        f"disk, {format_bytes(placement.disk_bytes)} (x2 slots on disk); host state "
+        f"{format_bytes(placement.host_state_bytes)}, staging "
+        f"{format_bytes(placement.staging_bytes)}"
+    )
+    print(
+        f"measured {it:.3f} s/step (median of steps 2..{len(times)}: "
+        f"{', '.join(f'{t:.3f}' for t in times)}), simulated {sim.iteration_s:.3f} s: "
+        f"measured / simulated {it / sim.iteration_s:.3f}"
+    )
+    print(
+        f"lower bound {lower:.3f} s (disk bytes / bandwidth vs compute); measured / bound "
+        f"{it / lower:.3f}; simulated / bound {sim.iteration_s / lower:.3f}"
+    )
+    busy = [(k, _busy(engine.trace, k), _busy(engine.simulate(), k)) for k in BUSY]
+    print(
+        "  busy s, measured / simulated: " + ", ".join(f"{k} {m:.2f}/{s:.2f}" for k, m, s in busy)
+    )
+    for kind in (DISK_IN, DISK_OUT):
+        print(
+            f"  {kind}: measured {format_bytes(trace.bytes_by_kind[kind])}, simulated "
+            f"{format_bytes(sim.bytes_by_kind[kind])}, closed form {format_bytes(closed[kind])}"
+        )
+
+
+BUSY = ("FWD", "REC", "BWD", "FWDBWD", "UPD", "W_IN", "G_OUT", DISK_IN, DISK_OUT)
+
+
+def _busy(trace, kind: str) -> float:
+    tl = trace.timeline
+    return float((tl.end_s - tl.start_s)[tl.kind == kind].sum())
+
+
+def lower_bound(engine: Engine, rates: tuple[float, float]) -> float:
+    """The disk's seconds per step (each direction at its bandwidth, the two
+    overlapping) against the compute lane's busy time in the simulator's play."""
+    sim = engine.simulate()
+    bytes_ = sim.summary.bytes_by_kind
+    disk = max(bytes_[DISK_IN] / rates[0], bytes_[DISK_OUT] / rates[1])
+    tl = sim.timeline
+    compute = (tl.end_s - tl.start_s)[tl.kind.isin(["FWD", "BWD", "FWDBWD", "REC"])].sum()
+    return max(disk, compute)
+
+
+def emulated(args) -> None:
+    torch.set_num_threads(1)
+    cfg, x, y = gpt2(args.hidden, args.blocks, 64, 512, args.minibatch)
+    layers = list(build_model("gpt2-tiny", 0, dropout=0.0, **cfg))
+    spec = profile(layers, (x,), y, lm_loss, OPT, name="gpt2-disk-bench")
+    plan = one_pack_per_layer(len(spec), args.minibatch, args.minibatch // 2)
+    device = EmulatedDevice(memory="512MB", h2d="2GB/s", d2h="2GB/s")
+    host = args.host_memory or budget_for(spec, plan, args.weights)
+    print(
+        f"GPT-2-style, {args.blocks} blocks of width {args.hidden}: "
+        f"{sum(p.numel() for m in layers for p in m.parameters()) / 1e6:.1f} M parameters; "
+        f"host budget {format_bytes(host)}; emulated disk {args.disk}"
+    )
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        engine = Engine(
+            build_model("gpt2-tiny", 0, dropout=0.0, **cfg),
+            OPT,
+            lm_loss,
+            device=device,
+            minibatch_size=args.minibatch,
+            plan=plan,
+            spec=spec,
+            host_memory=host,
+            disk_dir=Path(tmp) / "tier",
+            disk=args.disk,
+        )
+        try:
+            times = []
+            for _ in range(args.steps):
+                started = time.perf_counter()
+                engine.step(x, y)
+                times.append(time.perf_counter() - started)
+            report(engine, times, lower_bound(engine, engine.host_settings.rates))
+        finally:
+            engine.close()
+
+
+def real(args) -> None:
+    ram = available_host_bytes() or 0
+    total = _meminfo_total()
+    directory = Path(args.dir)
+    bw = measure_disk_bandwidth(directory, "1GB")
+    print(f"machine: RAM {format_bytes(total)} ({format_bytes(ram)} available); disk {bw}")
+    cfg, x, y = gpt2(args.hidden, args.blocks, args.seq, args.vocab, 1)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        started = time.perf_counter()
+        model = build_model("gpt2-tiny", 0, dropout=0.0, **cfg)
+        params = sum(p.numel() for p in model.parameters())
+        state = 16 * params
+        print(
+            f"GPT-2-style, {args.blocks} blocks of width {args.hidden}, vocab {args.vocab} "
+            f"(built in {time.perf_counter() - started:.0f} s): {params / 1e9:.2f} B "
+            f"parameters; fp32 weights + gradients + AdamW state {format_bytes(state)} = "
+            f"{state / total:.2f}x RAM; host budget {args.host_memory}",
+            flush=True,
+        )
+        plan = one_pack_per_layer(len(model), 1, 1)
+        spec = None
+        if args.profile:  # measured compute and update times for the simulator
+            started = time.perf_counter()
+            spec = profile(list(model), (x,), y, lm_loss, OPT, name="gpt2-real", repeats=1)
+            print(f"profiled in {time.perf_counter() - started:.0f} s", flush=True)
+        # the cpu backend computes on host memory: a weight load of master weights read
+        # from disk copies them there, so its "device" memory is bounded like a GPU's
+        hardware = replace(calibrate("cpu"), gpu_memory=parse_bytes(args.device_memory))
+        engine = Engine(
+            model,
+            OPT,
+            lm_loss,
+            device="cpu",
+            hardware=hardware,
+            minibatch_size=1,
+            plan=plan,
+            spec=spec,
+            host_memory=args.host_memory,
+            disk_dir=Path(tmp) / "tier",
+            disk=(bw.read, bw.write) if args.pace else None,
+        )
+        del model
+        try:
+            times = []
+            for step in range(args.steps):
+                started = time.perf_counter()
+                engine.step(x, y)
+                times.append(time.perf_counter() - started)
+                print(f"step {step}: {times[-1]:.1f} s", flush=True)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            device = engine.trace.summary.peak_memory["gpu0"]
+            print(
+                f"peak resident memory {format_bytes(peak)}: the engine's host budget "
+                f"{args.host_memory} (its ledger's peak "
+                f"{format_bytes(engine.host_settings.budget.peak)}), the cpu backend's device "
+                f"memory {args.device_memory} (peak {format_bytes(device)}: weight copies, "
+                f"gradients, activations), the process before the model {format_bytes(base)}"
+            )
+            report(engine, times, lower_bound(engine, engine.host_settings.rates))
+        finally:
+            engine.close()
+            shutil.rmtree(Path(tmp) / "tier", ignore_errors=True)
+
+
+def _meminfo_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--dir", default=None, help="where the tier's directory goes")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--minibatch", type=int, default=2)
+    ap.add_argument("--disk", default="200MB/s,200MB/s", help="the emulated disk link")
+    ap.add_argument("--host-memory", default=None, help="default: all optimizer state on disk")
+    ap.add_argument("--weights", action="store_true", help="master weights on disk too")
+    ap.add_argument("--real", action="store_true", help="a model larger than RAM, real disk")
+    ap.add_argument("--seq", type=int, default=128, help="--real: tokens per sample")
+    ap.add_argument("--vocab", type=int, default=50257, help="--real: GPT-2's")
+    ap.add_argument("--pace", action="store_true", help="--real: pace to the measured disk")
+    ap.add_argument("--profile", action="store_true", help="--real: measure compute times")
+    ap.add_argument("--device-memory", default="2GB", help="--real: the cpu backend's")
+    args = ap.parse_args()
+    real(args) if args.real else emulated(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""How the engine fits a plan into host memory: the budget, the task graph built
+for it, and the disk tier that takes what does not fit.
+
+:class:`HostSettings` is what the engine was told (``host_memory``,
+``disk_dir``, ``disk``). :func:`build_for_host` builds the plan's graph on a
+server whose host memory is the budget, less what the engine itself takes for
+the tier beyond the placement's arithmetic (the tier's I/O buffers, and
+staging for weight loads when master weights are on disk), so the placement
+the graph's DISK tasks follow (:func:`harmony.policies.disk_placement`) is
+what the engine can hold. :func:`attach` then makes the run's
+:class:`~harmony.engine.disk_state.StateOnDisk` from that placement: a new
+tier (its directory checked, room for two slots of the state, the state on
+disk written and committed as of the engine's step before anything leaves
+host memory), or the tier of the checkpoint being resumed, opened as of its
+step (an engine checkpoint may lag the tier by one step: the tier keeps two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..costs.hardware import Hardware, format_bytes, parse_disk
+from ..costs.placement import STAGED_PACKS, HostMemoryError, Placement
+from ..costs.spec import ModelSpec
+from ..errors import HarmonyError
+from ..graph import DISK_IN, W_IN, TaskGraph
+from ..plan import Plan
+from ..policies import build_graph, disk_placement
+from .disk_state import StateOnDisk, Unit
+from .host_memory import placement_of
+from .tiers import DiskTier, HostBudget, measure_disk_bandwidth
+from .tiers.directory import check_directory
+from .tiers.files import ALIGN, CHUNK, PAGE
+from .updates import optimizer_params
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+#: requests the tier keeps in flight (each through an I/O buffer of one chunk)
+IO_THREADS = 4
+#: the tier's I/O buffers take at most this share of the host budget
+IO_SHARE = 1 / 64
+#: placeholder bandwidths to ask where the state goes before the disk is measured
+#: (the placement depends only on there being a disk)
+_ANY_DISK = (1.0, 1.0)
+
+
+@dataclass
+class HostSettings:
+    """``budget``: the host memory ledger; ``directory``: the disk tier's (None:
+    none); ``rates``: its (read, write) bytes/s, given (``paced``: an emulated
+    disk link) or measured; ``resume``: the checkpoint's disk entry when resuming."""
+
+    budget: HostBudget
+    directory: Path | None
+    rates: tuple[float, float] | None
+    paced: bool
+    resume: dict | None = None
+
+    @property
+    def chunk(self) -> int:
+        """Bytes per I/O request: a small share of the budget, whole pages."""
+        share = int(self.budget.capacity * IO_SHARE) // IO_THREADS // PAGE * PAGE
+        return max(PAGE, min(CHUNK, share))
+
+    @property
+    def io_bytes(self) -> int:
+        return IO_THREADS * self.chunk
+
+
+def host_settings(host_memory, disk_dir, disk, hardware: Hardware | None) -> HostSettings:
+    """The engine's ``host_memory`` (default: the given hardware's, at most what
+    the machine has), ``disk_dir`` and ``disk`` (``"200MB/s,200MB/s"``, a name such
+    as ``"nvme"``: an emulated link the tier is paced to; None: the hardware's
+    disk, else measured in ``disk_dir`` when the state needs it), checked now."""
+    budget = HostBudget(host_memory)
+    if host_memory is None and hardware is not None:
+        budget = HostBudget(min(budget.capacity, hardware.host_memory))
+    directory = None if disk_dir is None else check_directory(disk_dir)
+    if disk is not None and directory is None:
+        raise HarmonyError(f"disk={disk!r} is the disk tier's link: give its directory, disk_dir=")
+    if disk is not None:
+        rates = parse_disk(disk) if isinstance(disk, str) else tuple(float(r) for r in disk)
+        return HostSettings(budget, directory, rates, paced=True)
+    given = hardware is not None and hardware.has_disk
+    rates = (hardware.disk_read, hardware.disk_write) if given else None
+    return HostSettings(budget, directory, rates, paced=False)
+
+
+def build_for_host(
+    spec: ModelSpec,
+    hw: Hardware,
+    plan: Plan,
+    settings: HostSettings,
+    tensors_per_unit: int,
+    journal: bool,
+) -> tuple[TaskGraph, Hardware]:
+    """The graph of ``plan`` on ``hw`` with the host memory and disk of
+    ``settings`` (see the module docstring), and the hardware it was built for;
+    measures the disk first if the state needs it and its bandwidth is not
+    known. ``tensors_per_unit``: the most parameters one update steps (each
+    file pads its tensors); ``journal``: updates are journaled (safe_updates),
+    which copies the state they change that stays in host memory."""
+    budget = settings.budget.capacity
+    aside = {"the disk tier's I/O buffers": settings.io_bytes}  # host memory the graph leaves
+
+    def build(disk: tuple[float, float] | None, host: int = 0) -> tuple[TaskGraph, Hardware]:
+        server = hw.with_host_memory(host or budget - sum(aside.values())).with_disk(disk)
+        try:
+            return build_graph(spec, server, plan), server
+        except HostMemoryError as err:
+            held = ", ".join(f"{k} {format_bytes(v)}" for k, v in aside.items() if v)
+            fix = "a larger host_memory=" + (", safe_updates=False" if journal else "")
+            where = "" if disk else "a directory for a disk tier (disk_dir=) or "
+            raise HostMemoryError(
+                f"{err}. For the engine: its budget is {format_bytes(budget)}, less {held}; "
+                f"give it {where}{fix}"
+            ) from None
+
+    if settings.directory is None:
+        return build(None)
+    server = hw.with_host_memory(budget - settings.io_bytes)
+    if not disk_placement(spec, server.with_disk(settings.rates or _ANY_DISK), plan).on_disk:
+        return build(settings.rates or _ANY_DISK)
+    if settings.rates is None:
+        where = settings.directory if settings.directory.is_dir() else settings.directory.parent
+        measured = measure_disk_bandwidth(where)
+        settings.rates = (measured.read, measured.write)
+    # staging beyond the placement's: padding in the files (ALIGN per tensor and per step
+    # counter), and the weight loads' reads when master weights are on disk: a GPU's
+    # next load may read while its current one is still copying, so two per GPU; and
+    # with safe_updates, the journal's copies of the state that stays in host memory.
+    # The more memory the placement is given, the more stays and the less is read:
+    # bisect for the most it can be given with all that beside it.
+    padding = 3 * ALIGN * tensors_per_unit
+    aside["padding in the tier's files"] = STAGED_PACKS * padding
+    free = budget - sum(aside.values())
+
+    def beside(m: int) -> dict[str, int]:
+        graph = build_graph(spec, hw.with_host_memory(m).with_disk(settings.rates), plan)
+        loads = load_reads(graph)
+        return {
+            "staging for weight loads": 2 * plan.n_gpus * (int(max(loads)) + padding)
+            if loads
+            else 0,
+            "the update journal (safe_updates)": placement_of(graph).host_state_bytes * journal,
+        }
+
+    lo, hi = 0, free
+    while hi - lo > max(PAGE, free >> 12):  # to 1/4096 of the budget
+        m = (lo + hi) // 2
+        try:
+            fits = m + sum(beside(m).values()) <= free
+        except HostMemoryError:  # too little for a placement at all: more
+            fits = True
+        lo, hi = (m, hi) if fits else (lo, m)
+    try:
+        aside.update(beside(lo))
+    except HostMemoryError:
+        pass  # said by build, with what was set aside
+    return build(settings.rates, lo)
+
+
+def load_reads(graph: TaskGraph) -> list[float]:
+    """Bytes of each DISK_IN that reads master weights for a weight load (W_IN)."""
+    feeds = {d for t in graph.tasks if t.kind == W_IN for d in t.deps}
+    return [t.nbytes for t in graph.tasks if t.kind == DISK_IN and t.id in feeds]
+
+
+def attach(
+    engine: "Engine", graph: TaskGraph, settings: HostSettings, journal: bool
+) -> StateOnDisk | None:
+    """The run's state on disk for ``graph`` (see the module docstring); None when
+    it all fits host memory. Nothing in memory changes unless it succeeds.
+    ``journal``: as for :func:`build_for_host`."""
+    placement = placement_of(graph)
+    resume = settings.resume
+    on_disk = [] if placement is None else [list(x) for x in placement.on_disk]
+    if resume is not None and resume["on_disk"] != on_disk:
+        raise HarmonyError(
+            f"the checkpoint's run kept {resume['on_disk']} (pack, kind) on its disk tier, and "
+            f"this engine's placement keeps {on_disk}: resume with the same plan, host_memory "
+            "and hardware as the run"
+        )
+    if placement is None:
+        return None
+    units = make_units(engine, placement)
+    budget = settings.budget
+    charges = {
+        "training state kept in host memory": placement.host_state_bytes,
+        "gradients, stashes and offloaded activations": placement.reserve,
+        "the update journal's copies (safe_updates)": placement.host_state_bytes * journal,
+    }
+    options = dict(budget=budget, threads=IO_THREADS, chunk=settings.chunk)
+    if settings.paced:
+        options.update(read_rate=settings.rates[0], write_rate=settings.rates[1])
+    held: list[str] = []
+    tier = state = None
+    try:
+        for name, nbytes in charges.items():
+            budget.charge(name, nbytes)
+            held.append(name)
+        if resume is None:
+            tier = DiskTier.create(settings.directory, state_bytes=placement.disk_bytes, **options)
+        else:
+            tier = DiskTier.open(settings.directory, expect_step=resume["step"], **options)
+        feeds = {d for t in graph.tasks if t.kind == W_IN for d in t.deps}
+        loads = [t.data.packs for t in graph.tasks if t.kind == DISK_IN and t.id in feeds]
+        state = StateOnDisk(tier, placement, units, budget, loads)
+        if resume is None:
+            for unit in units.values():
+                state.write(unit, unit.kinds, release=False)
+            tier.commit(engine.step_count)
+        else:
+            _check_resumed(state)
+    except BaseException:
+        if state is not None:
+            state.close()
+        elif tier is not None:
+            tier.close()
+        for name in held:
+            budget.release(name)
+        raise
+    for unit in units.values():
+        state.forget(unit, unit.kinds)
+    return state
+
+
+def make_units(engine: "Engine", placement: Placement) -> dict[tuple[int, int], Unit]:
+    """Per update with a kind on disk, its :class:`Unit`: tier key ``q``, or
+    ``(q, r)`` when pack ``q`` is updated in shards."""
+    names = {id(p): n for n, p in engine.host_module.named_parameters()}
+    shards: dict[int, int] = {}
+    for q, _ in engine.optimizers:
+        shards[q] = shards.get(q, 0) + 1
+    units = {}
+    for (q, r), opt in engine.optimizers.items():
+        kinds = placement.kinds_on_disk(q)
+        if opt is None or not kinds:
+            continue
+        params = [(names[id(p)], p) for p in optimizer_params(opt)]
+        units[(q, r)] = Unit(q if shards[q] == 1 else (q, r), opt, params, kinds)
+    return units
+
+
+def _check_resumed(state: StateOnDisk) -> None:
+    """The tier being resumed holds the master weights the placement puts there."""
+    for unit in state.units.values():
+        if "weights" in unit.kinds and not state.tier.has(unit.key, "weights"):
+            raise HarmonyError(
+                f"disk tier {state.tier.directory} holds no master weights of update "
+                f"{unit.key}, which the checkpoint left there: it is another run's tier"
+            )

@@ -1,0 +1,100 @@
+"""What a step's disk tasks do: state between the disk tier and host memory.
+
+:class:`DiskSteps` is the part of :class:`~harmony.engine.step.StepRun` that
+plays DISK_IN and DISK_OUT (payload :class:`~harmony.graph.DiskState`; see
+:mod:`harmony.policies.disk_tier` for where the graph puts them) with the
+run's :class:`~harmony.engine.disk_state.StateOnDisk`:
+
+* a DISK_IN before an update (UPD) reads the kinds of that update's unit into
+  a staging slot; the parameters' data and the optimizer's state are then the
+  slot's, and the UPD steps them in place;
+* the DISK_OUT after it writes them back (the tier's next slot, committed with
+  the step) and gives the staging slot up;
+* a DISK_IN before a weight load (W_IN) reads the master weights of its packs;
+  the W_IN copies from them (:meth:`DiskSteps.loaded_weights`) and gives them
+  back (:meth:`DiskSteps.weights_copied`).
+
+Bytes are counted per task as the graph counts them (state tensors, not the
+0-dim step counters). The disk is paced by the tier itself (its ``read_rate``
+and ``write_rate``: the engine's emulated disk link), not by the step's pacer.
+If the step fails, :meth:`DiskSteps.disk_roll_back` forgets what is staged,
+unwritten: the tier's committed slot is the state as before the step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..graph import DISK_IN, W_IN, Task
+from .disk_state import Staged, Unit
+
+
+class DiskSteps:
+    """Reads what :class:`~harmony.engine.step.StepRun` sets up (``ctx``, ``graph``,
+    ``lock``) and uses :class:`~.step_memory.StepMemory`'s byte count."""
+
+    def setup_disk(self) -> None:
+        """The step's disk bookkeeping: what each DISK_IN serves, what is staged."""
+        self.disk_units: dict[tuple[int, int], tuple[Unit, tuple[str, ...], Staged]] = {}
+        self.disk_loads: dict[int, tuple[dict, Staged]] = {}  # DISK_IN id -> what it read
+        self.loads_for: dict[int, list[int]] = {}  # W_IN id -> its DISK_INs
+        self.feeds_load: set[int] = set()  # the DISK_INs that read for a W_IN
+        if self.ctx.disk is None:
+            return
+        for t in self.graph.tasks:
+            if t.kind == W_IN:
+                reads = [d for d in t.deps if self.graph.tasks[d].kind == DISK_IN]
+                if reads:
+                    self.loads_for[t.id] = reads
+        self.feeds_load = {d for reads in self.loads_for.values() for d in reads}
+
+    def disk_in(self, task: Task) -> None:
+        started = time.perf_counter()
+        disk, data = self.ctx.disk, task.data
+        if task.id in self.feeds_load:
+            values, staged = disk.load(data.packs)
+            with self.lock:
+                self.disk_loads[task.id] = (values, staged)
+        else:
+            key = (data.packs[0], data.shard[0])
+            unit = disk.units[key]
+            staged = disk.stage(unit, data.kinds)
+            with self.lock:
+                self.disk_units[key] = (unit, data.kinds, staged)
+        self._moved(task, staged.nbytes, started, pace=False)
+
+    def disk_out(self, task: Task) -> None:
+        started = time.perf_counter()
+        key = (task.data.packs[0], task.data.shard[0])
+        with self.lock:
+            unit, kinds, staged = self.disk_units.pop(key)
+        self._moved(task, self.ctx.disk.unstage(unit, kinds, staged), started, pace=False)
+
+    def loaded_weights(self, task: Task) -> dict:
+        """id(parameter) -> master weight read from disk for the weight load ``task``."""
+        values: dict = {}
+        with self.lock:
+            for d in self.loads_for.get(task.id, ()):
+                values.update(self.disk_loads[d][0])
+        return values
+
+    def weights_copied(self, task: Task) -> None:
+        """The weight load ``task`` has copied what its DISK_INs read: give it back."""
+        for d in self.loads_for.get(task.id, ()):
+            with self.lock:
+                _, staged = self.disk_loads.pop(d)
+            self.ctx.disk.loaded(staged)
+
+    def disk_roll_back(self) -> None:
+        """A failed step: what is staged is forgotten, unwritten, and the tier's
+        writes of this step are discarded (its committed slots are the undo copy)."""
+        if self.ctx.disk is None:
+            return
+        with self.lock:
+            units, self.disk_units = self.disk_units, {}
+            loads, self.disk_loads = self.disk_loads, {}
+        for unit, kinds, staged in units.values():
+            self.ctx.disk.give_up(unit, kinds, staged)
+        for _, staged in loads.values():
+            self.ctx.disk.loaded(staged)
+        self.ctx.disk.tier.discard()

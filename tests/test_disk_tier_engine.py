@@ -1,0 +1,300 @@
+"""The engine with a disk tier: state that does not fit the host budget lives on
+disk, read and written around each update and weight load; training is
+bitwise the in-memory run's, disk bytes are the graph's closed form, a failed
+step leaves the last good step's state on disk, a kill -9 at any moment resumes
+bitwise, and a bad directory is refused before anything changes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from harmony import EmulatedDevice, EmulatedServer, Engine, FlatAdamW, HarmonyError, Plan
+from harmony.costs.placement import HostMemoryError
+from harmony.engine.tiers import DiskTierError
+from harmony.errors import NonFiniteError
+from harmony.graph import DISK_IN, DISK_OUT
+from harmony.policies import swap_volume
+
+D, B, LAYERS = 128, 8, 16
+# per Linear: 66 KB of weights and gradients, 132 KB of AdamW state; 2.1 MB in all. Host
+# budgets (the update journal's copies of what stays in memory count too):
+OPTIMIZER_ON_DISK = "2.1MB"  # every pack's optimizer state on disk, the weights in memory
+# the master weights too (two GPUs: room to stage each one's next weight load too)
+WEIGHTS_ON_DISK = {1: "1.4MB", 2: "1.5MB"}
+ROOMY = "1GB"
+FAST_DISK = "2GB/s,2GB/s"
+TESTS = Path(__file__).parent
+POISON = {"on": False}  # makes layer 1's backward send NaN to layer 0's weight
+
+
+class PoisonableGELU(nn.GELU):
+    def forward(self, x):
+        return _Poison.apply(super().forward(x))
+
+
+class _Poison(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan") if POISON["on"] else g
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    acts = [PoisonableGELU()] + [nn.GELU() for _ in range(7)]
+    return nn.Sequential(*[m for a in acts for m in (nn.Linear(D, D), a)])
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
+
+
+def plan_for(policy: str, gpus: int) -> Plan:
+    fwd = tuple((i, i + 2) for i in range(0, LAYERS - 2, 2))
+    bwd = tuple((i, i + 2) for i in range(0, LAYERS, 2))
+    return Plan(policy, gpus, B, 2, 2, fwd, bwd)
+
+
+def device(gpus: int):
+    if gpus == 1:
+        return EmulatedDevice("8MB", "1GB/s", "1GB/s")
+    return EmulatedServer(gpus, "8MB", "1GB/s", "1GB/s")
+
+
+def hardware(gpus: int):
+    """The device as the planner sees it, with no calibration (it takes seconds)."""
+    return device(gpus).hardware()
+
+
+def engine(plan: Plan, host: str = ROOMY, tier: Path | None = None, **kw) -> Engine:
+    if tier is not None:
+        kw.update(disk_dir=tier, disk=kw.get("disk", FAST_DISK))
+    opt = lambda ps: FlatAdamW(ps, lr=1e-2)  # noqa: E731
+    return Engine(
+        make_model(),
+        opt,
+        nn.functional.mse_loss,
+        device=device(plan.n_gpus),
+        minibatch_size=B,
+        plan=plan,
+        hardware=hardware(plan.n_gpus),
+        host_memory=host,
+        **kw,
+    )
+
+
+def train(e: Engine, steps: int) -> Engine:
+    while e.step_count < steps:
+        e.step(*batch(e.step_count))
+    return e
+
+
+def weights(e: Engine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in e.state_dict()["model"].items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+_REFERENCE: dict = {}
+
+
+def reference(policy: str, gpus: int, steps: int) -> dict:
+    """The weights of the run with everything in host memory."""
+    key = (policy, gpus, steps)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = weights(train(engine(plan_for(policy, gpus)), steps))
+    return _REFERENCE[key]
+
+
+# ---- exact, and the bytes of the closed form -------------------------------------------
+@pytest.mark.parametrize("policy, gpus", [("harmony-pp", 1), ("harmony-pp", 2), ("harmony-dp", 2)])
+@pytest.mark.parametrize("kinds", [1, 2], ids=["optimizer", "weights"])
+def test_state_on_disk_trains_bitwise_like_in_memory(tmp_path, policy, gpus, kinds):
+    plan = plan_for(policy, gpus)
+    host = OPTIMIZER_ON_DISK if kinds == 1 else WEIGHTS_ON_DISK[gpus]
+    e = train(engine(plan, host, tmp_path / "tier"), 3)
+    try:
+        on_disk = e.disk.placement.on_disk
+        assert len({k for _, k in on_disk}) == kinds and len(on_disk) == 8 * kinds
+        # nothing of it stays in host memory between steps
+        for unit in e.disk.units.values():
+            assert not unit.opt.state
+            placeholders = [p.stride() == (0, 0) for _, p in unit.params if p.dim() == 2]
+            assert all(placeholders) if kinds == 2 else not any(placeholders)
+        assert same(weights(e), reference(policy, gpus, 3))
+        # a step's disk bytes: measured == simulated == closed form (the optimizer state
+        # exists from the second step on: the first reads none)
+        measured = e.trace.summary.bytes_by_kind
+        simulated = e.simulate().summary.bytes_by_kind
+        closed = swap_volume(e.spec, plan, e.hardware())
+        for kind in (DISK_IN, DISK_OUT):
+            assert measured[kind] == simulated[kind] == closed[kind] > 0
+        budget = e.host_settings.budget
+        assert budget.peak <= budget.capacity
+    finally:
+        e.close()
+
+
+def test_state_that_does_not_fit_without_a_disk_says_what_to_give():
+    e = engine(plan_for("harmony-pp", 1), OPTIMIZER_ON_DISK)
+    with pytest.raises(HarmonyError, match=r"give it a directory for a disk tier \(disk_dir=\)"):
+        e.step(*batch(0))
+    with pytest.raises(HarmonyError, match="give its directory, disk_dir="):
+        engine(plan_for("harmony-pp", 1), OPTIMIZER_ON_DISK, disk=FAST_DISK)
+
+
+# ---- a failed step ----------------------------------------------------------------------
+@pytest.mark.parametrize("host", [OPTIMIZER_ON_DISK, WEIGHTS_ON_DISK[1]])
+def test_a_failed_step_leaves_the_state_of_the_last_good_step(tmp_path, host):
+    e = train(engine(plan_for("harmony-pp", 1), host, tmp_path / "tier"), 2)
+    try:
+        before = weights(e)
+        before_opt = e.state_dict()["optimizer"]["state"]
+        POISON["on"] = True
+        try:  # layer 0's gradient is NaN: every other pack has been updated by then
+            with pytest.raises(NonFiniteError, match="layers 0..1"):
+                e.step(*batch(2))
+        finally:
+            POISON["on"] = False
+        assert e.disk.tier.step == e.step_count == 2
+        assert same(weights(e), before)
+        after_opt = e.state_dict()["optimizer"]["state"]
+        assert all(same(after_opt[k], before_opt[k]) for k in before_opt)
+        assert same(weights(train(e, 3)), reference("harmony-pp", 1, 3))
+    finally:
+        e.close()
+
+
+def test_bad_disk_directories_are_refused_before_anything_changes(tmp_path, monkeypatch):
+    plan = plan_for("harmony-pp", 1)
+    with pytest.raises(DiskTierError, match="does not exist, nor does its parent"):
+        engine(plan, OPTIMIZER_ON_DISK, tmp_path / "no" / "tier")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DiskTierError, match="is a file"):
+        engine(plan, OPTIMIZER_ON_DISK, tmp_path / "file")
+    # too small: found at the first step, once the state's size is known
+    e = engine(plan, OPTIMIZER_ON_DISK, tmp_path / "tier")
+    start = weights(e)
+    real = __import__("shutil").disk_usage
+    monkeypatch.setattr(
+        "harmony.engine.tiers.directory.shutil.disk_usage",
+        lambda p: real(p)._replace(free=100_000),
+    )
+    with pytest.raises(DiskTierError, match=r"x 2 slots.* but the filesystem has 100 KB free"):
+        e.step(*batch(0))
+    monkeypatch.undo()
+    assert e.step_count == 0 and e.disk is None and same(weights(e), start)
+    assert not (tmp_path / "tier" / "manifest.json").exists()
+    assert e.host_settings.budget.in_use == 0  # what the attempt charged is given back
+    try:  # the same engine, once there is room
+        assert same(weights(train(e, 3)), reference("harmony-pp", 1, 3))
+    finally:
+        e.close()
+    with pytest.raises(HostMemoryError, match="needs at least .* even with its optimizer state"):
+        engine(plan, "1.2MB", tmp_path / "tiny").step(*batch(0))
+
+
+# ---- kill -9 ----------------------------------------------------------------------------
+CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+import test_disk_tier_engine as t
+t.child({tier!r}, {ckpt!r}, {steps}, {stall!r})
+"""
+
+
+def child(tier: str, ckpt: str, steps: int, stall: tuple[str, int] | None) -> None:
+    """Train to ``steps`` (resuming from ``ckpt`` if there), saving after every
+    step; ``stall`` (where, step): say so, then sleep there, to be killed."""
+    import time
+
+    import harmony.engine.engine as engine_module
+    from harmony.engine.tiers import files
+
+    if Path(ckpt).exists():
+        opt = lambda ps: FlatAdamW(ps, lr=1e-2)  # noqa: E731
+        e = Engine.load(
+            ckpt,
+            make_model(),
+            opt,
+            nn.functional.mse_loss,
+            device=device(1),
+            hardware=hardware(1),
+            host_memory=WEIGHTS_ON_DISK[1],
+            disk=FAST_DISK,
+        )
+    else:
+        e = engine(plan_for("harmony-pp", 1), WEIGHTS_ON_DISK[1], Path(tier))
+
+    moved = {"read": 0, "write": 0}  # chunks in the step to stall in
+
+    def hang(where: str):
+        if stall == (where, e.step_count):
+            print("stalled", flush=True)
+            time.sleep(60)
+
+    chunk = files.ChunkIO._chunk
+
+    def paused(self, fd, offset, nbytes, pieces, how, checksum):
+        crc = chunk(self, fd, offset, nbytes, pieces, how, checksum)
+        moved[how] += stall is not None and e.step_count == stall[1]
+        if moved[how] == 100:  # some files of the step whole, this one torn
+            hang(how)
+        return crc
+
+    files.ChunkIO._chunk = paused
+    write = engine_module.write_checkpoint  # called after the tier's commit
+    engine_module.write_checkpoint = lambda *a: (hang("save"), write(*a))[1]
+    while e.step_count < steps:
+        e.step(*batch(e.step_count))
+        e.save(ckpt)
+    e.close()
+
+
+def test_kill_9_anywhere_in_a_step_resumes_bitwise(tmp_path):
+    """Killed in the middle of step 2, writing a DISK_OUT (its file torn, other
+    packs' state of the step written), and between the tier's commit of step 3
+    and the engine's checkpoint of it (the tier a step ahead: it goes back
+    one), then run to the end."""
+    tier, ckpt = tmp_path / "tier", tmp_path / "run.ckpt"
+
+    def run(stall):
+        code = CHILD.format(tests=str(TESTS), tier=str(tier), ckpt=str(ckpt), steps=5, stall=stall)
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+    for stall in [("write", 2), ("save", 3)]:
+        proc = run(stall)
+        try:
+            assert proc.stdout.readline().strip() == "stalled"
+        finally:
+            proc.kill()  # SIGKILL
+            proc.wait()
+    assert run(None).wait(timeout=120) == 0
+    e = Engine.load(
+        ckpt,
+        make_model(),
+        lambda ps: FlatAdamW(ps, lr=1e-2),
+        nn.functional.mse_loss,
+        device=device(1),
+        hardware=hardware(1),
+        host_memory=WEIGHTS_ON_DISK[1],
+    )
+    try:
+        assert e.step_count == 5
+        with pytest.raises(HarmonyError, match="step first, or save"):
+            e.state_dict()
+        assert same(weights(train(e, 6)), reference("harmony-pp", 1, 6))
+    finally:
+        e.close()
