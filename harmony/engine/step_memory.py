@@ -163,12 +163,14 @@ class StepMemory:
         dtypes: list[torch.dtype] | None = None,
         fresh: bool = False,
         non_blocking: bool = True,
+        pooled: bool = True,
     ) -> list[torch.Tensor]:
         """``tensors`` on ``backend``'s device in ``dtypes`` (default: their wire
         dtype): views of one flat buffer per dtype, filled by as few copies as
         the host layout allows. ``fresh``: copies even where the device computes
         on host memory (what the device writes must not reach the host tensors);
-        ``non_blocking`` False: the copies are complete on return."""
+        ``non_blocking`` False: the copies are complete on return; ``pooled`` False:
+        into new memory, not the backend's pool (freed with the graph's buffer)."""
         dtypes = [self.wire_dtype(t) for t in tensors] if dtypes is None else dtypes
         same = all(d == t.dtype for d, t in zip(dtypes, tensors))
         if not backend.copies and same and not fresh:
@@ -179,7 +181,7 @@ class StepMemory:
             numel = sum(tensors[k].numel() for k in chosen)
             flat = (
                 torch.empty(numel, dtype=dtype, device=backend.torch_device)
-                if backend.pool is None
+                if backend.pool is None or not pooled
                 else self.take(backend.pool, numel, dtype)
             )
             pairs, offset = [], 0

@@ -73,9 +73,16 @@ class Transfers:
                 i: self.buffer_version[i] for i in range(s, e) if self.ctx.host.buffers[i]
             }
         sources = [loaded.get(id(t), t) for _, _, t, _ in entries]
-        # from staging: copied (the cpu backend too) before the staging is given back
+        # from staging: copied (the cpu backend too) before the staging is given back, into
+        # new memory (a pool keeps a buffer per copy of the step: the model's weights, which
+        # the disk tier keeps out of host memory)
         device = self.to_device(
-            backend, sources, dtypes, fresh=bool(loaded), non_blocking=not loaded
+            backend,
+            sources,
+            dtypes,
+            fresh=bool(loaded),
+            non_blocking=not loaded,
+            pooled=not loaded,
         )
         if loaded:
             self.weights_copied(task)
