@@ -16,6 +16,7 @@ from test_notebooks import NOTEBOOKS, ROOT, parameter_names
 import harmony
 from harmony.errors import HarmonyError
 from harmony.workbench import experiments as E
+from harmony.workbench import outcomes
 from harmony.workbench import reproduce as rp
 
 EXPERIMENTS = rp.load_experiments(ROOT / "experiments")
@@ -180,7 +181,7 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tmp_path):
     ],
 )
 def test_each_claim_gets_a_verdict_against_the_papers_number(ours, target, better, verdict):
-    o = rp.Outcome(
+    o = outcomes.Outcome(
         name="x",
         claim="",
         paper="",
@@ -196,9 +197,9 @@ def test_each_claim_gets_a_verdict_against_the_papers_number(ours, target, bette
 
 def test_a_gap_sentence_is_filled_from_the_runs_results():
     results = {"max": 4.321, "per": {"model": 2.0}, "none": None}
-    text = rp.fill_gap("up to {max:.2f}x, {per.model:.1f}x, {none:.1f}, {missing}", results)
+    text = outcomes.fill_gap("up to {max:.2f}x, {per.model:.1f}x, {none:.1f}, {missing}", results)
     assert text == "up to 4.32x, 2.0x, n/a, n/a"
-    assert rp.fill_gap("no fields", results) == "no fields"
+    assert outcomes.fill_gap("no fields", results) == "no fields"
 
 
 def test_further_claims_of_an_experiment_get_their_own_rows(tmp_path):

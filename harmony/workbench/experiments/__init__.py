@@ -5,10 +5,11 @@ The notebooks in ``notebooks/`` are thin glue over this package: a parameters
 cell, :func:`settings` (each experiment's parameters live in its
 ``experiments/<name>.yaml``), calls to these functions, :func:`write_outputs`.
 
-* :mod:`.simulated`: figures played in the simulator on the per-layer profiles
-  the Harmony authors measured on GTX 1080 Ti GPUs (Harmony against the
-  paper's baselines over the paper's grid, the pack x microbatch grid, the
-  planner's table, scaling, every system, KARMA's and HYDRA's comparisons);
+* :mod:`.paper_grid` and :mod:`.simulated`: figures played in the simulator on
+  the per-layer profiles the Harmony authors measured on GTX 1080 Ti GPUs
+  (Harmony against the paper's baselines over the paper's grid; the pack x
+  microbatch grid, the planner's table, scaling, every system, KARMA's and
+  HYDRA's comparisons);
 * :mod:`.ladder`: the ablation ladder, from per-layer swapping to Harmony one
   technique at a time;
 * :mod:`.measured`: figures the engine measures on emulated GPUs (training
@@ -51,6 +52,7 @@ from .measured import (
     training_footprint,
 )
 from .outputs import write_outputs
+from .paper_grid import Best, best_plans, grid_claims, paper_grid, versus_baselines
 from .settings import (
     ABLATION,
     BASELINE,
@@ -66,19 +68,14 @@ from .settings import (
 from .simulated import (
     HYDRA_BASELINES,
     OUT_OF_CORE,
-    Best,
-    best_plans,
     depth_grid_jobs,
-    grid_claims,
     hydra_table,
     karma_table,
     pack_microbatch_grid,
-    paper_grid,
     planner_table,
     scaling_table,
     schedules_table,
     systems_table,
-    versus_baselines,
 )
 from .vs_torch import gpt2_config, torch_offload_comparison
 

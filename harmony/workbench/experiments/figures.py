@@ -11,7 +11,7 @@ from .. import palette
 from ..charts import bar_chart
 from .settings import ABLATION, BASELINES, HARMONY_POLICIES
 
-#: the systems of :func:`~.simulated.paper_grid` the charts show: system -> (label, policy
+#: the systems of :func:`~.paper_grid.paper_grid` the charts show: system -> (label, policy
 #: whose colour it takes)
 _SHOWN = {
     "harmony": ("Harmony, fastest plan", "harmony-pp"),
@@ -32,7 +32,7 @@ def system_bars(
     y_title: str | None = None,
 ):
     """Bars of ``y`` per case (model / minibatch), one per system of ``systems``
-    (rows of :func:`~.simulated.paper_grid` that fit), each labelled as in
+    (rows of :func:`~.paper_grid.paper_grid` that fit), each labelled as in
     :data:`_SHOWN` and in its policy's colour: the ablation apart from the baselines."""
     import altair as alt
 
