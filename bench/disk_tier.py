@@ -28,7 +28,6 @@ while the run lasts) in under two minutes on a disk of ~0.5 GB/s or more.
 from __future__ import annotations
 
 import argparse
-import resource
 import shutil
 import tempfile
 import time
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 
 from harmony.costs.hardware import format_bytes, parse_bytes
+from harmony.engine.host_memory import peak_resident_bytes
 from harmony.engine.tiers import NVME_PCIE4, DiskTier, HostBudget, measure_disk_bandwidth
 
 
@@ -134,7 +134,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="disk-tier-bench-", dir=args.dir))
     try:
         got = stream(work / "tier", pack_numel, args.packs, args.steps)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        rss = peak_resident_bytes()
         moved = 2 * got["bytes"]  # read and written
         print(
             f"\nAdamW state of {format_bytes(parse_bytes(args.params))} of parameters: "

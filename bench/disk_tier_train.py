@@ -11,12 +11,13 @@ the first, which reads no optimizer state yet) against the simulated
 iteration and the lower bound (disk bytes over bandwidth against compute),
 and per disk kind measured / simulated / closed-form bytes.
 
-**Real** (``--real``): a GPT-2-style model whose fp32 weights, gradients and
-AdamW state are ``--state-over-ram`` times this machine's RAM (default 1.5),
-trained for a few steps on the CPU (the ``cpu`` backend: no device copies)
-with a host budget well under RAM (``--host-memory``) over the real disk in
-``--dir``, measured there first. Printed: the state's size against RAM and the
-budget, the placement, peak resident memory of the process (``ru_maxrss``),
+**Real** (``--real``): a GPT-2-style model of ``--blocks`` blocks of width
+``--hidden`` (29 x 2560: fp32 weights, gradients and AdamW state 1.6x a
+25 GB machine's RAM), trained for a few steps on the CPU (the ``cpu``
+backend: no device copies) with a host budget under RAM (``--host-memory``,
+the whole process's) over the real disk in ``--dir``, measured there first.
+Printed: the state's size against RAM and the budget, the placement, peak
+resident memory of the process (the kernel's ``VmHWM``) against the budget,
 s/step against the simulator (with the measured disk bandwidth) and the
 lower bound. The tier's files are deleted at the end.
 
@@ -27,7 +28,7 @@ lower bound. The tier's files are deleted at the end.
 from __future__ import annotations
 
 import argparse
-import resource
+import gc
 import shutil
 import statistics
 import tempfile
@@ -41,11 +42,18 @@ import harmony
 from harmony import EmulatedDevice, Engine, FlatAdamW, Plan
 from harmony.costs.hardware import format_bytes, parse_bytes
 from harmony.engine.calibrate import calibrate
-from harmony.engine.host_memory import available_host_bytes
+from harmony.engine.devices import make_backends
+from harmony.engine.host_memory import (
+    available_host_bytes,
+    device_memory_in_host,
+    peak_resident_bytes,
+    resident_bytes,
+)
 from harmony.engine.profiler import profile
 from harmony.engine.tiers import measure_disk_bandwidth
+from harmony.engine.tiers.budget import return_freed_memory
 from harmony.graph import DISK_IN, DISK_OUT
-from harmony.policies import swap_volume
+from harmony.policies import build_graph, swap_volume
 from harmony.policies.state import host_state
 from harmony.workbench.training import build_model, lm_loss
 
@@ -77,6 +85,18 @@ def budget_for(spec, plan: Plan, weights_too: bool) -> int:
     staging = 3 * max(s.optimizer + (s.weights if weights_too else 0) for s in state)
     need = sum(s.gradients for s in state) + 2 * weights + stash + staging
     return int(need * 1.03)  # the tier's I/O buffers and file padding
+
+
+def outside(spec, plan: Plan, device: EmulatedDevice) -> int:
+    """What the engine's host budget must hold besides the state: this process as
+    it is now (the profiled copy of the model freed and trimmed), with room for
+    what setting up a step adds (torch's lazily made buffers, ~35 MB), and the
+    emulated GPU's memory, which is host memory."""
+    graph = build_graph(spec, device.hardware(), plan)
+    return resident_bytes() + SET_UP + device_memory_in_host(make_backends(device), graph)
+
+
+SET_UP = 48 * 2**20
 
 
 def report(engine: Engine, times: list[float], lower: float) -> None:
@@ -135,12 +155,16 @@ def emulated(args) -> None:
     cfg, x, y = gpt2(args.hidden, args.blocks, 64, 512, args.minibatch)
     layers = list(build_model("gpt2-tiny", 0, dropout=0.0, **cfg))
     spec = profile(layers, (x,), y, lm_loss, OPT, name="gpt2-disk-bench")
+    params = sum(p.numel() for m in layers for p in m.parameters())
+    del layers  # the profiled copy: not part of what the budget holds besides the model
+    gc.collect()
+    return_freed_memory()
     plan = one_pack_per_layer(len(spec), args.minibatch, args.minibatch // 2)
     device = EmulatedDevice(memory="512MB", h2d="2GB/s", d2h="2GB/s")
-    host = args.host_memory or budget_for(spec, plan, args.weights)
+    host = args.host_memory or budget_for(spec, plan, args.weights) + outside(spec, plan, device)
     print(
         f"GPT-2-style, {args.blocks} blocks of width {args.hidden}: "
-        f"{sum(p.numel() for m in layers for p in m.parameters()) / 1e6:.1f} M parameters; "
+        f"{params / 1e6:.1f} M parameters; "
         f"host budget {format_bytes(host)}; emulated disk {args.disk}"
     )
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -174,7 +198,7 @@ def real(args) -> None:
     bw = measure_disk_bandwidth(directory, "1GB")
     print(f"machine: RAM {format_bytes(total)} ({format_bytes(ram)} available); disk {bw}")
     cfg, x, y = gpt2(args.hidden, args.blocks, args.seq, args.vocab, 1)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = peak_resident_bytes()
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         started = time.perf_counter()
         model = build_model("gpt2-tiny", 0, dropout=0.0, **cfg)
@@ -217,14 +241,19 @@ def real(args) -> None:
                 engine.step(x, y)
                 times.append(time.perf_counter() - started)
                 print(f"step {step}: {times[-1]:.1f} s", flush=True)
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            peak = peak_resident_bytes()
             device = engine.trace.summary.peak_memory["gpu0"]
+            budget = engine.host_settings.budget
+            outside = ", ".join(
+                f"{k} {format_bytes(v)}" for k, v in engine.host_settings.outside.items()
+            )
             print(
-                f"peak resident memory {format_bytes(peak)}: the engine's host budget "
-                f"{args.host_memory} (its ledger's peak "
-                f"{format_bytes(engine.host_settings.budget.peak)}), the cpu backend's device "
-                f"memory {args.device_memory} (peak {format_bytes(device)}: weight copies, "
-                f"gradients, activations), the process before the model {format_bytes(base)}"
+                f"peak resident memory {format_bytes(peak)} against the host budget "
+                f"{format_bytes(budget.capacity)} (under: {peak <= budget.capacity}); the "
+                f"budget's ledger peaked at {format_bytes(budget.peak)}, of which {outside}; "
+                f"the cpu backend's device memory {args.device_memory} (simulated peak "
+                f"{format_bytes(device)}: weight copies, gradients, activations); the process "
+                f"before the model {format_bytes(base)}"
             )
             report(engine, times, lower_bound(engine, engine.host_settings.rates))
         finally:

@@ -183,6 +183,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--timeout", type=float, default=60.0, help="seconds before a lost server is an error"
     )
+    t.add_argument(
+        "--host-memory",
+        default=None,
+        metavar="SIZE",
+        help="the process's host memory budget, e.g. 8GB (default: what the machine has); "
+        "training state beyond it goes to a disk tier",
+    )
+    t.add_argument(
+        "--disk-dir",
+        type=Path,
+        default=None,
+        help="the disk tier's directory (default with --host-memory: disk-tier/ in "
+        "--checkpoint-dir, else a temporary one in the working directory)",
+    )
+    t.add_argument(
+        "--disk",
+        default=None,
+        metavar="READ,WRITE",
+        help="pace the disk tier to this link, e.g. 200MB/s,200MB/s (default: measured)",
+    )
 
     sub.add_parser("models", help="list models")
     sub.add_parser("presets", help="list hardware presets")
@@ -341,13 +361,24 @@ def _overrides(pairs: list[str]) -> dict:
 def _cmd_train(args) -> int:
     from .engine.checkpoint import CheckpointDir
     from .plan import Plan
-    from .workbench.training import device_from_args, save_weights, train
+    from .workbench.training import HostOptions, device_from_args
 
     device = device_from_args(args.gpus, args.memory, args.h2d, args.d2h, args.uplink, args.p2p)
     plan = "auto" if args.plan == "auto" else Plan.from_json(Path(args.plan))
     checkpoints = (
         CheckpointDir(args.checkpoint_dir, keep=args.keep) if args.checkpoint_dir else None
     )
+    host = HostOptions(args.host_memory, args.disk_dir, args.disk)
+    try:
+        return _train_and_report(args, device, plan, checkpoints, host)
+    finally:
+        host.close()
+
+
+def _train_and_report(args, device, plan, checkpoints, host) -> int:
+    from .costs.hardware import format_bytes
+    from .workbench.training import save_weights, train
+
     result = train(
         args.model,
         args.steps,
@@ -362,10 +393,14 @@ def _cmd_train(args) -> int:
         resume=args.resume,
         precision=args.precision,
         nonfinite=args.nonfinite,
+        host=host,
         **_overrides(args.set),
     )
-    if args.save:
-        save_weights(result.engine, args.save)
+    try:
+        if args.save:
+            save_weights(result.engine, args.save)
+    finally:
+        result.engine.close()
     if result.losses:
         print(
             f"{result.samples_per_s:.1f} samples/s after the first step; final loss "
@@ -373,6 +408,15 @@ def _cmd_train(args) -> int:
         )
     else:
         print(f"nothing to do: the run had already done its {args.steps} steps")
+    disk = result.engine.disk
+    if disk is not None:
+        budget = result.engine.host_settings.budget
+        print(
+            f"host memory: budget {format_bytes(budget.capacity)}, ledger peak "
+            f"{format_bytes(budget.peak)}; disk tier {disk.tier.directory}: "
+            f"{', '.join(sorted({k for _, k in disk.placement.on_disk}))} of "
+            f"{len({q for q, _ in disk.placement.on_disk})} packs"
+        )
     return 0
 
 

@@ -48,6 +48,22 @@ class _Poison(torch.autograd.Function):
         return g * float("nan") if POISON["on"] else g
 
 
+@pytest.fixture(autouse=True)
+def budgets_for_the_state_alone(monkeypatch):
+    """The budgets above are for the engine's own state: leave out what the process
+    holds besides (measured, so it varies) and the emulated GPU's memory
+    (tests/test_host_budget.py checks that the engine takes them out of the budget)."""
+    state_alone(monkeypatch.setattr)
+
+
+def state_alone(setattr) -> None:
+    import harmony.engine.disk_setup as disk_setup
+    import harmony.engine.engine as engine_module
+
+    setattr(engine_module, "besides_the_model", lambda module: 0)
+    setattr(disk_setup, "device_memory_in_host", lambda *a: 0)
+
+
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     acts = [PoisonableGELU()] + [nn.GELU() for _ in range(7)]
@@ -76,10 +92,13 @@ def hardware(gpus: int):
     return device(gpus).hardware()
 
 
-def engine(plan: Plan, host: str = ROOMY, tier: Path | None = None, **kw) -> Engine:
+def adamw(ps):
+    return FlatAdamW(ps, lr=1e-2)
+
+
+def engine(plan: Plan, host: str = ROOMY, tier: Path | None = None, opt=adamw, **kw) -> Engine:
     if tier is not None:
         kw.update(disk_dir=tier, disk=kw.get("disk", FAST_DISK))
-    opt = lambda ps: FlatAdamW(ps, lr=1e-2)  # noqa: E731
     return Engine(
         make_model(),
         opt,
@@ -147,6 +166,32 @@ def test_state_on_disk_trains_bitwise_like_in_memory(tmp_path, policy, gpus, kin
         e.close()
 
 
+OPTIMIZERS = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+    "amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_other_optimizers_state_on_disk_has_the_closed_forms_bytes(tmp_path, name):
+    """The engine counts the state its optimizer keeps (one tensor per parameter
+    for SGD with momentum and RMSprop, three for AMSGrad), so the placement and
+    the closed form are that optimizer's, and the run is bitwise the in-memory one."""
+    plan, opt = plan_for("harmony-pp", 1), OPTIMIZERS[name]
+    e = train(engine(plan, "1.9MB", tmp_path / "tier", opt=opt), 3)
+    try:
+        assert e.spec.optimizer == name
+        assert {k for _, k in e.disk.placement.on_disk} >= {"optimizer"}
+        assert same(weights(e), weights(train(engine(plan, opt=opt), 3)))
+        measured = e.trace.summary.bytes_by_kind
+        closed = swap_volume(e.spec, plan, e.hardware())
+        for kind in (DISK_IN, DISK_OUT):
+            assert measured[kind] == e.simulate().summary.bytes_by_kind[kind] == closed[kind] > 0
+    finally:
+        e.close()
+
+
 def test_state_that_does_not_fit_without_a_disk_says_what_to_give():
     e = engine(plan_for("harmony-pp", 1), OPTIMIZER_ON_DISK)
     with pytest.raises(HarmonyError, match=r"give it a directory for a disk tier \(disk_dir=\)"):
@@ -188,13 +233,13 @@ def test_bad_disk_directories_are_refused_before_anything_changes(tmp_path, monk
     e = engine(plan, OPTIMIZER_ON_DISK, tmp_path / "tier")
     start = weights(e)
     real = __import__("shutil").disk_usage
-    monkeypatch.setattr(
-        "harmony.engine.tiers.directory.shutil.disk_usage",
-        lambda p: real(p)._replace(free=100_000),
-    )
-    with pytest.raises(DiskTierError, match=r"x 2 slots.* but the filesystem has 100 KB free"):
-        e.step(*batch(0))
-    monkeypatch.undo()
+    with monkeypatch.context() as full:
+        full.setattr(
+            "harmony.engine.tiers.directory.shutil.disk_usage",
+            lambda p: real(p)._replace(free=100_000),
+        )
+        with pytest.raises(DiskTierError, match=r"x 2 slots.* but the filesystem has 100 KB"):
+            e.step(*batch(0))
     assert e.step_count == 0 and e.disk is None and same(weights(e), start)
     assert not (tmp_path / "tier" / "manifest.json").exists()
     assert e.host_settings.budget.in_use == 0  # what the attempt charged is given back
@@ -222,6 +267,8 @@ def child(tier: str, ckpt: str, steps: int, stall: tuple[str, int] | None) -> No
 
     import harmony.engine.engine as engine_module
     from harmony.engine.tiers import files
+
+    state_alone(setattr)  # as budgets_for_the_state_alone does in the tests
 
     if Path(ckpt).exists():
         opt = lambda ps: FlatAdamW(ps, lr=1e-2)  # noqa: E731

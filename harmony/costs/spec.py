@@ -21,6 +21,7 @@ Where a spec comes from:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -38,13 +39,37 @@ __all__ = [
     "ModelSpec",
     "Tie",
     "dtype_bytes",
+    "state_slots",
 ]
 
 #: Bytes per element of the dtypes that move between host and device.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
-#: Optimizer-state tensors per parameter element (host-resident, fp32).
-OPTIMIZER_STATE_SLOTS = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+#: Optimizer-state tensors per parameter element (host-resident, fp32). Any other
+#: optimizer is named by what it keeps, ``"slots:N"`` (the engine counts them).
+OPTIMIZER_STATE_SLOTS = {
+    "sgd": 0,
+    "sgd-momentum": 1,
+    "adagrad": 1,
+    "rmsprop": 1,
+    "adam": 2,
+    "adamw": 2,
+    "amsgrad": 3,
+}
+
+
+def state_slots(optimizer: str) -> int:
+    """Optimizer-state tensors per parameter element of ``optimizer``: a name of
+    :data:`OPTIMIZER_STATE_SLOTS`, or ``"slots:N"``."""
+    if optimizer in OPTIMIZER_STATE_SLOTS:
+        return OPTIMIZER_STATE_SLOTS[optimizer]
+    m = re.fullmatch(r"slots:(\d+)", str(optimizer))
+    if m is None:
+        raise HarmonyError(
+            f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE_SLOTS)} or "
+            "'slots:N' (N tensors of each parameter's size)"
+        )
+    return int(m.group(1))
 
 
 #: a run's precision -> the dtype weights, gradients and activations cross the links in
@@ -84,10 +109,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not self.layers:
             raise HarmonyError(f"model spec {self.name!r} has no layers")
-        if self.optimizer not in OPTIMIZER_STATE_SLOTS:
-            raise HarmonyError(
-                f"unknown optimizer {self.optimizer!r}; use one of {sorted(OPTIMIZER_STATE_SLOTS)}"
-            )
+        state_slots(self.optimizer)
         dtype_bytes(self.param_dtype)
         dtype_bytes(self.act_dtype)
         if self.master_dtype is not None:
@@ -176,7 +198,7 @@ class ModelSpec:
         """Host bytes of optimizer state (fp32 master copies are separate)."""
         stop = len(self.layers) if stop is None else stop
         n = sum(layer.param_numel for layer in self.layers[start:stop]) - self._shared(start, stop)
-        return n * 4 * OPTIMIZER_STATE_SLOTS[self.optimizer]
+        return n * 4 * state_slots(self.optimizer)
 
     def input_bytes(self, layer: int, u: float) -> float:
         """Bytes of the input of ``layer`` for a microbatch of ``u`` samples.
@@ -220,7 +242,7 @@ class ModelSpec:
         """CPU optimizer step for layers [start, stop). Measured where known,
         else the bytes the step streams (weights, gradient and every state
         tensor, read and written) over the CPU's optimizer bandwidth."""
-        slots = OPTIMIZER_STATE_SLOTS[self.optimizer]
+        slots = state_slots(self.optimizer)
         # a tied parameter is stepped by its first layer's update
         stepped_elsewhere = {i: 0 for i in range(start, stop)}
         for tie in self.ties:

@@ -2,10 +2,14 @@
 for it, and the disk tier that takes what does not fit.
 
 :class:`HostSettings` is what the engine was told (``host_memory``,
-``disk_dir``, ``disk``). :func:`build_for_host` builds the plan's graph on a
-server whose host memory is the budget, less what the engine itself takes for
-the tier beyond the placement's arithmetic (the tier's I/O buffers, and
-staging for weight loads when master weights are on disk), so the placement
+``disk_dir``, ``disk``). The budget is the whole process's: what it holds
+besides the model (the interpreter, torch, the caller's data: measured when
+the graph is built) and the device memory that is host memory (the cpu
+backend's and an emulated GPU's) come out of it first.
+:func:`build_for_host` builds the plan's graph on a server whose host memory
+is what is left, less what the engine itself takes for the tier beyond the
+placement's arithmetic (the tier's I/O buffers, and staging for weight loads
+when master weights are on disk), so the placement
 the graph's DISK tasks follow (:func:`harmony.policies.disk_placement`) is
 what the engine can hold. :func:`attach` then makes the run's
 :class:`~harmony.engine.disk_state.StateOnDisk` from that placement: a new
@@ -17,20 +21,21 @@ step (an engine checkpoint may lag the tier by one step: the tier keeps two).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from ..costs.hardware import Hardware, format_bytes, parse_disk
 from ..costs.placement import STAGED_PACKS, HostMemoryError, Placement
-from ..costs.spec import ModelSpec
+from ..costs.spec import ModelSpec, state_slots
 from ..errors import HarmonyError
 from ..graph import DISK_IN, W_IN, TaskGraph
 from ..plan import Plan
 from ..policies import build_graph, disk_placement
 from .disk_state import StateOnDisk, Unit
-from .host_memory import placement_of
-from .tiers import DiskTier, HostBudget, measure_disk_bandwidth
+from .host_memory import device_memory_in_host, placement_of, resident_bytes
+from .tiers import DiskTier, HostBudget, machine_host_bytes, measure_disk_bandwidth
+from .tiers.budget import return_freed_memory
 from .tiers.directory import check_directory
 from .tiers.files import ALIGN, CHUNK, PAGE
 from .updates import optimizer_params
@@ -45,6 +50,8 @@ IO_SHARE = 1 / 64
 #: placeholder bandwidths to ask where the state goes before the disk is measured
 #: (the placement depends only on there being a disk)
 _ANY_DISK = (1.0, 1.0)
+#: host memory to build a graph with when only its device side matters
+ROOMY = 10**18
 
 
 @dataclass
@@ -58,6 +65,9 @@ class HostSettings:
     rates: tuple[float, float] | None
     paced: bool
     resume: dict | None = None
+    #: host memory the budget covers beyond the engine's own, by what (set by
+    #: :func:`build_for_host`; charged to the ledger by :func:`attach`)
+    outside: dict[str, int] = field(default_factory=dict)
 
     @property
     def chunk(self) -> int:
@@ -75,9 +85,15 @@ def host_settings(host_memory, disk_dir, disk, hardware: Hardware | None) -> Hos
     the machine has), ``disk_dir`` and ``disk`` (``"200MB/s,200MB/s"``, a name such
     as ``"nvme"``: an emulated link the tier is paced to; None: the hardware's
     disk, else measured in ``disk_dir`` when the state needs it), checked now."""
-    budget = HostBudget(host_memory)
-    if host_memory is None and hardware is not None:
-        budget = HostBudget(min(budget.capacity, hardware.host_memory))
+    if host_memory is None:  # what this process can reach: what it holds and what is free
+        reach = machine_host_bytes()
+        reach = None if reach is None else reach + (resident_bytes() or 0)
+        if reach is not None and hardware is not None:
+            reach = min(reach, hardware.host_memory)
+        budget = HostBudget(reach)
+    else:
+        budget = HostBudget(host_memory)
+        return_freed_memory()  # the process is to stay under it
     directory = None if disk_dir is None else check_directory(disk_dir)
     if disk is not None and directory is None:
         raise HarmonyError(f"disk={disk!r} is the disk tier's link: give its directory, disk_dir=")
@@ -96,34 +112,66 @@ def build_for_host(
     settings: HostSettings,
     tensors_per_unit: int,
     journal: bool,
+    besides_model: int = 0,
+    backends: Sequence = (),
 ) -> tuple[TaskGraph, Hardware]:
     """The graph of ``plan`` on ``hw`` with the host memory and disk of
     ``settings`` (see the module docstring), and the hardware it was built for;
     measures the disk first if the state needs it and its bandwidth is not
     known. ``tensors_per_unit``: the most parameters one update steps (each
     file pads its tensors); ``journal``: updates are journaled (safe_updates),
-    which copies the state they change that stays in host memory."""
+    which copies the state they change that stays in host memory;
+    ``besides_model``: what the process holds besides the model;
+    ``backends``: the engine's devices (their memory may be host memory)."""
     budget = settings.budget.capacity
-    aside = {"the disk tier's I/O buffers": settings.io_bytes}  # host memory the graph leaves
+    # the device side does not depend on where the host keeps the state: play the
+    # graph with room for it all
+    roomy = build_graph(spec, hw.with_host_memory(ROOMY).with_disk(None), plan)
+    settings.outside = {
+        "the process besides the model (interpreter, torch, data)": besides_model,
+        "device memory that is host memory (cpu or emulated GPU)": device_memory_in_host(
+            backends, roomy
+        ),
+    }
+    aside = dict(settings.outside)  # host memory the graph leaves to others
+    if settings.directory is not None:
+        aside["the disk tier's I/O buffers"] = settings.io_bytes
+    journal_name = "the update journal (safe_updates)"
+
+    def explained(err: HostMemoryError, disk) -> HostMemoryError:
+        held = ", ".join(f"{k} {format_bytes(v)}" for k, v in aside.items() if v)
+        fix = "a larger host_memory=" + (", safe_updates=False" if journal else "")
+        where = "" if disk else "a directory for a disk tier (disk_dir=) or "
+        return HostMemoryError(
+            f"{err}. For the engine: its budget is {format_bytes(budget)}, less {held}; "
+            f"give it {where}{fix}"
+        )
 
     def build(disk: tuple[float, float] | None, host: int = 0) -> tuple[TaskGraph, Hardware]:
         server = hw.with_host_memory(host or budget - sum(aside.values())).with_disk(disk)
         try:
             return build_graph(spec, server, plan), server
         except HostMemoryError as err:
-            held = ", ".join(f"{k} {format_bytes(v)}" for k, v in aside.items() if v)
-            fix = "a larger host_memory=" + (", safe_updates=False" if journal else "")
-            where = "" if disk else "a directory for a disk tier (disk_dir=) or "
-            raise HostMemoryError(
-                f"{err}. For the engine: its budget is {format_bytes(budget)}, less {held}; "
-                f"give it {where}{fix}"
-            ) from None
+            raise explained(err, disk) from None
 
+    if budget <= sum(aside.values()):
+        nothing = HostMemoryError("host memory: nothing is left for training state")
+        raise explained(nothing, settings.directory and _ANY_DISK)
+    # all of the state in host memory, with the journal's copy of it?
+    whole = disk_placement(spec, hw.with_host_memory(ROOMY).with_disk(None), plan)
     if settings.directory is None:
+        aside[journal_name] = whole.host_state_bytes * journal
         return build(None)
-    server = hw.with_host_memory(budget - settings.io_bytes)
-    if not disk_placement(spec, server.with_disk(settings.rates or _ANY_DISK), plan).on_disk:
-        return build(settings.rates or _ANY_DISK)
+    some_disk = settings.rates or _ANY_DISK
+    try:
+        server = hw.with_host_memory(budget - sum(aside.values())).with_disk(some_disk)
+        placed = disk_placement(spec, server, plan)
+    except HostMemoryError as err:
+        raise explained(err, some_disk) from None
+    copies = whole.host_state_bytes * journal
+    if not placed.on_disk and placed.host_bytes + copies <= server.host_memory:
+        aside[journal_name] = copies
+        return build(some_disk)
     if settings.rates is None:
         where = settings.directory if settings.directory.is_dir() else settings.directory.parent
         measured = measure_disk_bandwidth(where)
@@ -145,7 +193,7 @@ def build_for_host(
             "staging for weight loads": 2 * plan.n_gpus * (int(max(loads)) + padding)
             if loads
             else 0,
-            "the update journal (safe_updates)": placement_of(graph).host_state_bytes * journal,
+            journal_name: (placement_of(graph) or whole).host_state_bytes * journal,
         }
 
     lo, hi = 0, free
@@ -189,6 +237,7 @@ def attach(
     units = make_units(engine, placement)
     budget = settings.budget
     charges = {
+        **settings.outside,
         "training state kept in host memory": placement.host_state_bytes,
         "gradients, stashes and offloaded activations": placement.reserve,
         "the update journal's copies (safe_updates)": placement.host_state_bytes * journal,
@@ -208,7 +257,8 @@ def attach(
             tier = DiskTier.open(settings.directory, expect_step=resume["step"], **options)
         feeds = {d for t in graph.tasks if t.kind == W_IN for d in t.deps}
         loads = [t.data.packs for t in graph.tasks if t.kind == DISK_IN and t.id in feeds]
-        state = StateOnDisk(tier, placement, units, budget, loads)
+        slots = state_slots(engine.spec.optimizer)
+        state = StateOnDisk(tier, placement, units, budget, loads, slots)
         if resume is None:
             for unit in units.values():
                 state.write(unit, unit.kinds, release=False)

@@ -61,9 +61,10 @@ def placeholder(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=p.dtype).expand(p.shape)
 
 
-def adamw_payload(params: list[torch.Tensor]) -> int:
-    """Bytes of an Adam state file of ``params``: two moments each and a step counter."""
-    return sum(2 * round_up(_nbytes(p), ALIGN) + ALIGN for p in params)
+def state_payload(params: list[torch.Tensor], slots: int) -> int:
+    """Bytes of an optimizer state file of ``params``: ``slots`` tensors of each
+    one's size (Adam's two moments) and a step counter."""
+    return sum(slots * round_up(_nbytes(p), ALIGN) + ALIGN for p in params)
 
 
 class Slots:
@@ -118,8 +119,10 @@ class StateOnDisk:
         units: dict[tuple[int, int], Unit],
         budget: HostBudget,
         loads: list[tuple[int, ...]],
+        state_slots: int = 2,
     ):
         self.tier, self.placement, self.units = tier, placement, units
+        self.state_slots = state_slots  # of the optimizer, per parameter, before it has any
         self.on_disk = {  # id(master weight on disk) -> its unit
             id(p): u for u in units.values() if "weights" in u.kinds for _, p in u.params
         }
@@ -138,7 +141,7 @@ class StateOnDisk:
             elif kind == "weights":
                 total += sum(round_up(_nbytes(p), ALIGN) for _, p in unit.params)
             else:
-                total += adamw_payload(optimizer_params(unit.opt))
+                total += state_payload(optimizer_params(unit.opt), self.state_slots)
         return total
 
     def _load_units(self, packs: tuple[int, ...]) -> list[Unit]:
@@ -235,12 +238,17 @@ class StateOnDisk:
             raise
         return staged
 
-    def read_all(self, names: dict[int, str]) -> tuple[dict, dict]:
-        """Copies of everything on disk: (parameter name -> master weight,
-        parameter name -> optimizer state), for a whole state dict."""
+    def read_all(
+        self, names: dict[int, str], kinds: tuple[str, ...] = ("weights", "optimizer")
+    ) -> tuple[dict, dict]:
+        """Copies of everything of ``kinds`` on disk: (parameter name -> master
+        weight, parameter name -> optimizer state), for a whole state dict."""
         weights, state = {}, {}
         for unit in self.units.values():
-            staged = self._read([(unit, kind) for kind in unit.kinds], self.update_slots)
+            wanted = [(unit, kind) for kind in unit.kinds if kind in kinds]
+            if not wanted:
+                continue
+            staged = self._read(wanted, self.update_slots)
             try:
                 got = staged.tensors
                 for key, value in got.get("weights", {}).items():

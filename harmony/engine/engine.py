@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -56,7 +57,7 @@ from .engine_checks import (
     check_updates_run_where_state_is,
     make_optimizers,
 )
-from .host_memory import check_host_memory
+from .host_memory import besides_the_model, check_host_memory
 from .host_model import HostModel
 from .reference_loop import as_args
 from .state import FORMAT as STATE_FORMAT
@@ -65,10 +66,11 @@ from .state import (
     check_state,
     engine_state,
     load_optimizer_state,
+    model_weights,
     optimizer_state,
     param_names,
 )
-from .updates import UpdateJournal, optimizer_params
+from .updates import UpdateJournal, optimizer_kind, optimizer_params
 
 GROWTH_INTERVAL = 2000
 
@@ -104,11 +106,15 @@ class Engine:
     state stay float32 on the host; fp16 adds dynamic loss scaling (an overflowing
     step is skipped and the scale halved, as ``torch.amp.GradScaler`` does).
 
-    ``host_memory``: the host memory budget (bytes or ``"8GB"``; default: the
-    given ``hardware``'s, at most what the machine has) for what the engine
-    keeps there: training state, stashes and offloaded activations, and the
-    disk tier's buffers (the interpreter, torch and the device memory of the
-    cpu and emulated backends, which is host memory, come on top). Training
+    ``host_memory``: the process's host memory budget (bytes or ``"8GB"``;
+    default: the given ``hardware``'s, at most what this process holds and the
+    machine has free). What the process holds besides the model (measured when
+    the first step is planned) and the device memory of the cpu and emulated
+    backends (host memory too) come out of it first; the rest is for what the
+    engine keeps there: training state, stashes and offloaded activations, the
+    update journal and the disk tier's buffers, all charged to a ledger
+    (``host_settings.budget``), and freed tensors go back to the system, so
+    the process's peak resident memory stays under the budget. Training
     state that does not fit goes to a disk tier in ``disk_dir`` (optimizer
     state first, then master weights, last pack first;
     :mod:`harmony.policies.disk_tier`), read and written around each update
@@ -319,6 +325,7 @@ class Engine:
                 inputs,
                 target,
                 name=type(self.model).__name__,
+                optimizer=optimizer_kind(self._optimizer_factory),
                 loss_fn=self.loss_fn,
                 device=self.backend.torch_device,
                 dtype=self.compute_dtype,
@@ -326,6 +333,8 @@ class Engine:
             )
             if self.profile is not None:
                 check_same_sizes(self.profile, self.spec)
+                # the state the engine's optimizer keeps, whatever the profile assumed
+                self.profile = replace(self.profile, optimizer=self.spec.optimizer)
         if self.plan is None:
             from .planning import auto_plan
 
@@ -352,6 +361,8 @@ class Engine:
                 self.host_settings,
                 max((len(optimizer_params(o)) for o in self.optimizers.values() if o), default=0),
                 self.safe_updates,
+                besides_the_model(self.host_module),
+                self.backends,
             )
             check_updates_run_where_state_is(graph, self.plan)
             check_host_memory(self, graph)
@@ -424,11 +435,18 @@ class Engine:
         return run.loss
 
     # ---- checkpoints ----------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, referenced: bool = False) -> dict:
         """Everything needed to continue this run: host weights and buffers,
         optimizer state (per parameter name), step counter, seed, torch's random
-        state, plan. Tensors are the live ones, as ``nn.Module.state_dict`` gives."""
-        return engine_state(self)
+        state, plan. Tensors are the live ones, as ``nn.Module.state_dict`` gives.
+        ``referenced``: state on a disk tier is referred to (the tier as of this
+        step, what :meth:`save` writes; continue it with :meth:`load`), not read."""
+        return engine_state(self, referenced)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights and buffers (copies, ``state_dict`` names), master
+        weights on the disk tier read back: what to keep of a finished run."""
+        return model_weights(self)
 
     def load_state_dict(self, state: dict, plan: Plan | None = None) -> None:
         """Continue the run ``state`` was taken from. The plan is ``plan``, else the
@@ -449,7 +467,7 @@ class Engine:
     def save(self, path) -> Path:
         """Write a checkpoint to ``path`` atomically (a crash never leaves a half-written file);
         state on a disk tier is referred to (the tier as of this step), not copied."""
-        return write_checkpoint(path, engine_state(self, referenced=True))
+        return write_checkpoint(path, self.state_dict(referenced=True))
 
     def close(self) -> None:
         """Stop the disk tier's I/O threads and give its buffers back (the engine

@@ -12,13 +12,16 @@ makes to it (see :mod:`harmony.engine.buffers`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from ..costs.hardware import format_bytes
 from ..costs.placement import Placement
+from ..costs.spec import state_slots
 from ..errors import HarmonyError
 from ..graph import (
     ACT_IN,
@@ -32,6 +35,7 @@ from ..graph import (
     W_IN,
     TaskGraph,
 )
+from ..simulate import simulate_graph
 from .updates import optimizer_params
 
 if TYPE_CHECKING:
@@ -49,15 +53,72 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def _state_slots(opt: torch.optim.Optimizer) -> int:
-    """Tensors of the parameter's size the optimizer keeps per parameter."""
+def resident_bytes() -> int | None:
+    """This process's resident memory now (None: unknown)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int | None:
+    """This process's peak resident memory (None: unknown). Read from the
+    kernel's ``VmHWM``, not ``getrusage``'s ``ru_maxrss``, which a process
+    started by fork + exec inherits from its parent: a small child of a big
+    test runner would report the runner's size."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def besides_the_model(module: nn.Module) -> int:
+    """Resident memory of this process that is not ``module``'s tensors: the
+    interpreter, torch, the caller's data (0 where it cannot be told)."""
+    resident = resident_bytes()
+    if resident is None:
+        return 0
+    tensors = {t.data_ptr(): t for t in (*module.parameters(), *module.buffers())}
+    model = sum(t.untyped_storage().nbytes() for t in tensors.values())
+    return max(0, resident - model)
+
+
+def device_memory_in_host(backends, graph: TaskGraph) -> int:
+    """Host memory the devices of ``backends`` take when they run ``graph``: the
+    cpu backend computes in host memory, as much as the graph's device peak (which
+    counts weights the cpu backend uses in place: an upper bound); an emulated
+    GPU's buffer pools keep one buffer per copy to it, and its computations take
+    host memory up to its peak besides; a CUDA device's memory is its own."""
+    peaks = None
+    total = 0.0
+    for backend in backends:
+        if backend.kind == "cuda":
+            continue
+        if peaks is None:
+            peaks = simulate_graph(graph).summary.peak_memory
+        total += peaks.get(backend.name, 0.0)
+    if any(b.kind == "emulated" for b in backends):
+        total += emulated_pool_bytes(graph)
+    return int(total)
+
+
+def emulated_pool_bytes(graph: TaskGraph) -> float:
+    """What the emulated GPUs' buffer pools keep: one buffer per copy a step
+    makes to a device."""
+    moved = graph.bytes_by_kind()
+    into = (W_IN, DATA_IN, STASH_IN, ACT_IN, P2P, G_IN, OPT_IN)
+    return sum(moved.get(kind, 0.0) for kind in into)
+
+
+def _state_slots(opt: torch.optim.Optimizer, spec) -> int:
+    """Tensors of the parameter's size the optimizer will add per parameter."""
     if opt is None or any(opt.state.get(p) for p in optimizer_params(opt)):
         return 0  # already allocated, part of what is in use now
-    if isinstance(opt, torch.optim.SGD):
-        return 1 if any(g.get("momentum", 0) for g in opt.param_groups) else 0
-    if isinstance(opt, (torch.optim.Adagrad, torch.optim.RMSprop)):
-        return 1
-    return 2  # Adam and most others keep two moments
+    return state_slots(spec.optimizer)
 
 
 def placement_of(graph: TaskGraph) -> Placement | None:
@@ -85,15 +146,14 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
             for p in params
             if not engine.host.layout.has_grad_buffer(p)
         )
-        optimizer += 0 if "optimizer" in on_disk else _state_slots(opt) * size
+        optimizer += 0 if "optimizer" in on_disk else _state_slots(opt, engine.spec) * size
         freed += size if "weights" in on_disk else 0
     moved = graph.bytes_by_kind()
     # the whole minibatch's, at once
     stash, offloaded = moved.get(STASH_OUT, 0.0), moved.get(ACT_OUT, 0.0)
     emulated = 0.0
     if any(b.kind == "emulated" for b in engine.backends):
-        into = (W_IN, DATA_IN, STASH_IN, ACT_IN, P2P, G_IN, OPT_IN)
-        emulated = sum(moved.get(kind, 0.0) for kind in into)
+        emulated = emulated_pool_bytes(graph)
     return {
         "gradients": grads,
         "optimizer state": optimizer,

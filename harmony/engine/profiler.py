@@ -25,7 +25,7 @@ from ..costs.spec import Curve, ModelSpec
 from .describe import describe, layer_inputs
 from .meters import SavedBytes
 from .reference_loop import as_args
-from .updates import UpdateJournal, apply_update
+from .updates import UpdateJournal, apply_update, optimizer_kind
 
 
 def default_sizes(minibatch: int) -> list[int]:
@@ -77,6 +77,7 @@ def profile(
         inputs,
         target,
         name=name,
+        optimizer=optimizer_kind(optimizer) if optimizer else "adamw",
         loss_fn=loss_fn,
         device=device,
         dtype=dtype,

@@ -116,6 +116,25 @@ def engine_state(engine: "Engine", referenced: bool = False) -> dict:
     }
 
 
+def model_weights(engine: "Engine") -> dict[str, torch.Tensor]:
+    """Copies of the model's weights and buffers as its ``state_dict`` names them,
+    master weights on the disk tier read back (the optimizer state stays there)."""
+    model = {k: v.detach().clone() for k, v in engine.host_module.state_dict().items()}
+    disk = engine.disk
+    if disk is None:
+        if engine.host_settings.resume is not None:
+            raise HarmonyError(
+                "this engine resumed a run whose weights are partly on its disk tier, which "
+                "opens at the first step: step first"
+            )
+        return model
+    names = param_names(engine)
+    weights, _ = disk.read_all(names, kinds=("weights",))
+    every = engine.host_module.named_parameters(remove_duplicate=False)
+    model.update({n: weights[names[id(p)]] for n, p in every if id(p) in disk.on_disk})
+    return model
+
+
 def check_state(engine: "Engine", state: dict, source: str) -> None:
     """Raise a clear error, before anything changes, if ``state`` does not fit ``engine``."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:

@@ -9,11 +9,30 @@ import threading
 
 import torch
 
+from ..costs.spec import state_slots
 from ..errors import NonFiniteError
 
 
 def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
+
+
+def optimizer_kind(factory) -> str:
+    """What the optimizers ``factory`` makes keep, as a cost model names it: one
+    is made for a probe parameter and stepped once, and the state tensors of the
+    parameter's size it then holds are counted (``"adamw"``: two, ``"sgd"``: none,
+    ``"sgd-momentum"``: one, else ``"slots:N"``)."""
+    probe = torch.nn.Parameter(torch.zeros(3))
+    probe.grad = torch.ones(3)
+    opt = factory([probe])
+    opt.step()
+    slots = sum(
+        1 for v in opt.state.get(probe, {}).values() if torch.is_tensor(v) and v.shape == (3,)
+    )
+    for cls, name in ((torch.optim.Adagrad, "adagrad"), (torch.optim.RMSprop, "rmsprop")):
+        if isinstance(opt, cls) and state_slots(name) == slots:
+            return name
+    return {0: "sgd", 1: "sgd-momentum", 2: "adamw", 3: "amsgrad"}.get(slots, f"slots:{slots}")
 
 
 def check_finite_gradients(opt: torch.optim.Optimizer, layers: tuple[int, int]) -> None:

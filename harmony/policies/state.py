@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..costs.placement import PackBytes
-from ..costs.spec import OPTIMIZER_STATE_SLOTS, ModelSpec, dtype_bytes
+from ..costs.spec import ModelSpec, dtype_bytes, state_slots
 
 
 def stepped_numel(spec: ModelSpec, start: int, stop: int) -> int:
@@ -29,5 +29,5 @@ def host_state(spec: ModelSpec, layers: Iterable[int]) -> PackBytes:
     return PackBytes(
         weights=n * master,
         gradients=n * master,
-        optimizer=n * 4 * OPTIMIZER_STATE_SLOTS[spec.optimizer],
+        optimizer=n * 4 * state_slots(spec.optimizer),
     )

@@ -33,7 +33,7 @@ at :data:`GPU_UPDATE_BANDWIDTH`.
 
 from __future__ import annotations
 
-from ..costs.spec import OPTIMIZER_STATE_SLOTS, ModelSpec, dtype_bytes
+from ..costs.spec import ModelSpec, dtype_bytes, state_slots
 from ..graph import BWD, FWDBWD, G_IN, OPT_IN, OPT_OUT, REDUCE, W_IN, Gradients, Update
 from ..plan import Plan
 from .builder import BwdGroup, GraphBuilder
@@ -53,13 +53,13 @@ def update_bytes(spec: ModelSpec, layers: tuple[int, int]) -> tuple[float, float
     gradient and the optimizer state come in; parameters and state go back."""
     n = stepped_numel(spec, *layers)
     params = n * dtype_bytes(spec.param_dtype)
-    state = n * 4 * OPTIMIZER_STATE_SLOTS[spec.optimizer]
+    state = n * 4 * state_slots(spec.optimizer)
     return 2 * params + state, params + state
 
 
 def gpu_update_seconds(spec: ModelSpec, layers: tuple[int, int]) -> float:
     """A pack's optimizer step on the GPU: what it streams, at :data:`GPU_UPDATE_BANDWIDTH`."""
-    slots = OPTIMIZER_STATE_SLOTS[spec.optimizer]
+    slots = state_slots(spec.optimizer)
     return stepped_numel(spec, *layers) * 4 * (3 + 2 * slots) / GPU_UPDATE_BANDWIDTH
 
 

@@ -9,6 +9,8 @@ union of the servers' data.
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +68,38 @@ def build_model(name: str, seed: int = 0, **overrides) -> nn.Sequential:
 
 
 @dataclass
+class HostOptions:
+    """Host memory and the disk tier for :func:`train`: the process's budget
+    (``memory``: bytes or ``"8GB"``; None: what the machine has), the tier's
+    directory (``disk_dir``; default with a budget: ``disk-tier/`` in the run's
+    checkpoint directory, else a temporary directory in the working directory,
+    removed by :meth:`close`) and its link (``disk``: ``"R,W"`` paces it; None:
+    measured)."""
+
+    memory: str | int | None = None
+    disk_dir: Path | None = None
+    disk: str | None = None
+    temporary: Path | None = None
+
+    def engine_options(self, checkpoints: CheckpointDir | None) -> dict:
+        """The Engine's ``host_memory``, ``disk_dir`` and ``disk``."""
+        directory = self.disk_dir
+        if directory is None and self.memory is not None:
+            if checkpoints is not None:
+                directory = checkpoints.directory / "disk-tier"
+                directory.parent.mkdir(parents=True, exist_ok=True)
+            else:
+                self.temporary = Path(tempfile.mkdtemp(prefix=".harmony-disk-tier-", dir="."))
+                directory = self.temporary / "tier"
+        return dict(host_memory=self.memory, disk_dir=directory, disk=self.disk)
+
+    def close(self) -> None:
+        if self.temporary is not None:
+            shutil.rmtree(self.temporary, ignore_errors=True)
+            self.temporary = None
+
+
+@dataclass
 class TrainResult:
     losses: list[float]
     samples_per_s: float
@@ -87,6 +121,7 @@ def train(
     resume: bool = False,
     precision: str = "fp32",
     nonfinite: str = "raise",
+    host: HostOptions | None = None,
     **overrides,
 ) -> TrainResult:
     """Train ``name`` until ``steps`` synthetic minibatches (per server) are done.
@@ -94,31 +129,40 @@ def train(
     With ``checkpoints``, a checkpoint is written every ``checkpoint_every``
     steps and after the last; ``resume`` continues from the newest good one
     (the minibatches are a function of the step, so the run ends exactly as an
-    uninterrupted one would)."""
+    uninterrupted one would). ``host``: the host memory budget and disk tier
+    (:class:`HostOptions`); a checkpoint refers to the tier's state, which the
+    tier keeps for its last two steps, so with a tier a checkpoint is written
+    every step. Close the result's engine (and ``host``) when done."""
     if checkpoint_every and checkpoints is None:
         raise HarmonyError("checkpoint_every needs a checkpoint directory (--checkpoint-dir)")
     if resume and checkpoints is None:
         raise HarmonyError("resume needs a checkpoint directory (--checkpoint-dir)")
+    options = (host or HostOptions()).engine_options(checkpoints)
+    if options["disk_dir"] is not None and checkpoints is not None and checkpoint_every > 1:
+        raise HarmonyError(
+            f"--checkpoint-every {checkpoint_every} with a disk tier: a checkpoint refers to "
+            "the tier's state, which the tier keeps for its last two steps only; checkpoint "
+            "every step (--checkpoint-every 1)"
+        )
     distributed = init_from_env(timeout_s)
     rank = torch.distributed.get_rank() if distributed else 0
     model = build_model(name, seed, **overrides)
     optimizer, loss_fn = (lambda ps: FlatAdamW(ps, lr=lr)), loss_for(name)
-    engine = Engine(
-        model,
-        optimizer,
-        loss_fn,
-        device=device,
-        minibatch_size=minibatch,
-        plan=plan,
-        seed=seed,
-        precision=precision,
-        nonfinite=nonfinite,
-    )
+    given = {k: v for k, v in options.items() if v is not None}  # else the checkpoint's
+    common = dict(device=device, precision=precision, nonfinite=nonfinite, **given)
     found = checkpoints.latest(log) if resume else None
-    if found:  # the checkpoint's plan, unless one was given
-        path, state = found
-        engine.load_state_dict(state)
-        log(f"resumed from {path} at step {engine.step_count}")
+    if found and "disk" in found[1]:  # the run's state is partly on its tier
+        path = found[0]
+        given = plan if isinstance(plan, Plan) else None
+        engine = Engine.load(path, model, optimizer, loss_fn, plan=given, **common)
+    else:
+        engine = Engine(
+            model, optimizer, loss_fn, minibatch_size=minibatch, plan=plan, seed=seed, **common
+        )
+        if found:  # the checkpoint's plan, unless one was given
+            engine.load_state_dict(found[1])
+    if found:
+        log(f"resumed from {found[0]} at step {engine.step_count}")
     elif resume:
         log(f"no checkpoint in {checkpoints.directory}: starting at step 0")
     losses, t0, timed = [], None, 0
@@ -139,7 +183,8 @@ def train(
                 and checkpoint_every
                 and ((step + 1) % checkpoint_every == 0 or step + 1 == steps)
             ):
-                log(f"checkpoint {checkpoints.save(engine.state_dict(), engine.step_count)}")
+                state = engine.state_dict(referenced=True)
+                log(f"checkpoint {checkpoints.save(state, engine.step_count)}")
     rate = timed * minibatch / (time.perf_counter() - t0) if timed else float("nan")
     return TrainResult(losses, rate, engine)
 
@@ -155,8 +200,9 @@ def device_from_args(
 
 
 def save_weights(engine: Engine, path: Path) -> None:
-    """The final weights as a plain state_dict file, written atomically."""
+    """The final weights as a plain state_dict file, written atomically (master
+    weights on a disk tier are read back into memory for it)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({k: v.detach().clone() for k, v in engine.host_module.state_dict().items()}, tmp)
+    torch.save(engine.model_state_dict(), tmp)
     tmp.replace(path)

@@ -1,0 +1,129 @@
+"""The engine's ``host_memory`` is the whole process's budget: what the process
+holds besides the model and the device memory that is host memory come out of
+it before the training state is placed, the ledger charges them, and the
+process's peak resident memory stays under the budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from harmony import EmulatedDevice, Engine, FlatAdamW, Plan
+from harmony.costs.placement import HostMemoryError
+from harmony.engine.host_memory import besides_the_model, resident_bytes
+
+D, LAYERS, B = 256, 6, 8
+BESIDES = "the process besides the model (interpreter, torch, data)"
+DEVICE = "device memory that is host memory (cpu or emulated GPU)"
+
+
+def one_pack_per_layer(layers: int, minibatch: int) -> Plan:
+    packs = tuple((i, i + 1) for i in range(layers))
+    return Plan("harmony-pp", 1, minibatch, minibatch, minibatch, packs[:-1], packs)
+
+
+def engine(host_memory, tier) -> Engine:
+    torch.manual_seed(0)
+    device = EmulatedDevice("64MB", "4GB/s", "4GB/s")
+    return Engine(
+        nn.Sequential(*[nn.Linear(D, D) for _ in range(LAYERS)]),
+        lambda ps: FlatAdamW(ps, lr=1e-3),
+        nn.functional.mse_loss,
+        device=device,
+        hardware=device.hardware(),
+        minibatch_size=B,
+        plan=one_pack_per_layer(LAYERS, B),
+        host_memory=host_memory,
+        disk_dir=tier,
+        disk="4GB/s,4GB/s",
+    )
+
+
+def test_besides_the_model_is_resident_memory_less_the_model():
+    model = nn.Linear(2048, 2048)  # 16.8 MB, written by its initialisation
+    before = resident_bytes()
+    besides = besides_the_model(model)
+    after = resident_bytes()
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert before - size <= besides <= after - size
+
+
+def test_what_the_process_holds_comes_out_of_the_budget(tmp_path):
+    x, y = torch.randn(B, D), torch.randn(B, D)
+    state = 16 * LAYERS * (D * D + D)  # weights, gradients, AdamW's two moments
+    # room for the state beside what the process holds now and what setting up the
+    # first step adds to it (torch's lazily made buffers): nothing needs the disk
+    e = engine(resident_bytes() + 200 * 2**20 + 4 * state, tmp_path / "tier")
+    try:
+        e.step(x, y)
+        assert e.disk is None
+        outside = e.host_settings.outside
+        assert outside[BESIDES] > 50e6  # the interpreter and torch, at least
+        # an emulated GPU: its pools' buffers (one per copy to it) and its peak
+        graph = e._graph_cache
+        moved = graph.bytes_by_kind()
+        into = sum(moved.get(k, 0.0) for k in ("W_IN", "DATA_IN", "STASH_IN", "ACT_IN"))
+        peak = e.simulate().summary.peak_memory["gpu0"]
+        assert outside[DEVICE] == pytest.approx(into + peak, rel=1e-6)
+    finally:
+        e.close()
+    # a budget the process alone overflows: said before the first step, in words
+    e = engine("10MB", tmp_path / "tier2")
+    with pytest.raises(HostMemoryError, match="nothing is left for training state.*besides"):
+        e.step(x, y)
+    assert e.step_count == 0
+
+
+SCRIPT = """
+import json, sys, tempfile
+import torch
+from torch import nn
+from harmony import EmulatedDevice, Engine, FlatAdamW
+from harmony.engine.host_memory import peak_resident_bytes, resident_bytes
+sys.path.insert(0, {tests!r})
+from test_host_budget import one_pack_per_layer
+
+torch.manual_seed(0)
+width, layers, batch = 1024, 8, 8
+model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+x, y = torch.randn(batch, width), torch.randn(batch, width)
+budget = resident_bytes() + {extra}
+with tempfile.TemporaryDirectory(dir={tmp!r}) as d:
+    e = Engine(model, lambda ps: FlatAdamW(ps, lr=1e-3), nn.functional.mse_loss, device="cpu",
+               hardware=EmulatedDevice("1GB", "4GB/s", "4GB/s").hardware(),
+               minibatch_size=batch, plan=one_pack_per_layer(layers, batch),
+               host_memory=budget, disk_dir=d + "/tier", disk="2GB/s,2GB/s")
+    del model
+    for _ in range(4):
+        e.step(x, y)
+    peak = peak_resident_bytes()
+    print(json.dumps(dict(budget=budget, peak=peak, ledger=e.host_settings.budget.peak,
+                          on_disk=[list(k) for k in e.disk.placement.on_disk], charged=list(
+                              e.host_settings.budget.allocations))))
+    e.close()
+"""
+
+
+def test_peak_resident_memory_stays_under_the_budget(tmp_path):
+    """A fresh process: its state (weights, gradients, AdamW: 134 MB) with 250 MB
+    beside what it held at the start, on the cpu backend, whose computations take
+    host memory too. The optimizer state goes to disk; the peak stays under."""
+    from pathlib import Path
+
+    code = SCRIPT.format(tests=str(Path(__file__).parent), extra=250 * 2**20, tmp=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert any(kind == "optimizer" for _, kind in got["on_disk"]), got
+    assert BESIDES in got["charged"] and DEVICE in got["charged"]
+    assert got["ledger"] <= got["budget"]
+    assert got["peak"] <= got["budget"], (
+        f"peak resident {got['peak'] / 1e6:.0f} MB over the budget {got['budget'] / 1e6:.0f} MB"
+    )
