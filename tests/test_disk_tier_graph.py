@@ -216,3 +216,20 @@ def test_the_search_pays_for_a_slow_disk_and_skips_plans_that_cannot_fit():
     assert slow.attrs["rejected_host_memory"] > 0
     with pytest.raises(HostMemoryError, match="host memory"):
         harmony.search(SPEC, replace(roomy, host_memory=10), 4, policies=["harmony-pp"])
+
+
+def test_the_search_cuts_packs_a_disk_tier_could_not_stage():
+    """GPUs that take the whole chain in one pack, a host that stages three packs of
+    one layer: the search cuts its packings until they can be staged (it found no
+    plan before: its packs were cut by GPU memory alone)."""
+    big_gpus = simple_hardware(1, memory=10**9)
+    whole = harmony.search(SPEC, big_gpus, 4, policies=["harmony-pp"], workers=1)
+    assert min(len(p.bwd_packs) for p in whole.plan) < len(SPEC)  # packs of many layers
+    tight = replace(big_gpus, host_memory=host_for(SPEC, PLAN)).with_disk(DISK)
+    df = harmony.search(SPEC, tight, 4, policies=["harmony-pp"], workers=1)
+    assert len(df) and (df.disk_gb > 0).all()
+    share = (tight.host_memory - host_state(SPEC, range(len(SPEC))).gradients) / STAGED_PACKS
+    for plan in df.plan:
+        for a, b in plan.bwd_packs:
+            state = host_state(SPEC, range(a, b))
+            assert state.weights + state.optimizer <= share or b - a == 1, plan.describe()

@@ -127,3 +127,57 @@ def test_peak_resident_memory_stays_under_the_budget(tmp_path):
     assert got["peak"] <= got["budget"], (
         f"peak resident {got['peak'] / 1e6:.0f} MB over the budget {got['budget'] / 1e6:.0f} MB"
     )
+
+
+def test_auto_plan_fits_what_the_budget_leaves(tmp_path, monkeypatch):
+    """plan="auto" under 60 MB for a 33.6 MB state (weights, gradients, AdamW) beside
+    an emulated GPU whose buffers take ~22 MB of host memory: the search cuts packs
+    its disk tier can stage and searches again with what the devices leave (it
+    planned for the whole budget before, and the engine then refused its plan).
+    The run equals the same plan with everything in memory. (What the process holds
+    besides the model is taken as 0 here: it varies with what ran before in it.)"""
+    import harmony.engine.engine as engine_module
+
+    width, layers, batch = 512, 8, 8
+
+    def run(host_memory, plan, tier):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        device = EmulatedDevice("64MB", "4GB/s", "4GB/s")
+        e = Engine(
+            model,
+            lambda ps: FlatAdamW(ps, lr=1e-3),
+            nn.functional.mse_loss,
+            device=device,
+            hardware=device.hardware(),
+            minibatch_size=batch,
+            plan=plan,
+            host_memory=host_memory,
+            disk_dir=tier,
+            disk=tier and "2GB/s,2GB/s",
+        )
+        torch.manual_seed(1)
+        for _ in range(2):
+            e.step(torch.randn(batch, width), torch.randn(batch, width))
+        return e
+
+    with monkeypatch.context() as m:
+        m.setattr(engine_module, "besides_the_model", lambda module: 0)
+        auto = run("60MB", "auto", tmp_path / "tier")
+    try:
+        assert auto.disk is not None
+        assert any(kind == "optimizer" for _, kind in auto.disk.placement.on_disk)
+        assert auto.host_settings.outside[DEVICE] > 15e6
+        budget = auto.host_settings.budget
+        assert budget.peak <= budget.capacity
+        weights = auto.model_state_dict()
+        plan = auto.plan
+    finally:
+        auto.close()
+    in_memory = run(None, plan, None)
+    try:
+        assert in_memory.disk is None
+        for name, value in in_memory.model_state_dict().items():
+            assert torch.equal(value, weights[name]), name
+    finally:
+        in_memory.close()

@@ -19,6 +19,7 @@ from harmony.planner.packing import (
     fwd_pack_bytes,
     greedy_packs,
     microbatch_sizes,
+    split_for_staging,
 )
 
 
@@ -246,3 +247,32 @@ def test_equal_microbatches_only_when_the_model_needs_them():
         spec, hw, 32, policies=["harmony-pp"], n_gpus=1, workers=1, equal_microbatches=True
     )
     assert (tied.fwd_microbatch == tied.bwd_microbatch).all() and len(tied) > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 5), min_size=1, max_size=8),  # pack lengths
+    st.integers(0, 200),  # host memory beside the gradients, MB
+)
+def test_split_for_staging_cuts_packs_to_the_staging_share(lengths, host_mb):
+    from harmony.costs.placement import STAGED_PACKS
+    from harmony.policies.state import host_state
+
+    spec = tiny_spec(sum(lengths))  # 1e6 parameters a layer: 12 MB of weights + AdamW
+    cuts = list(itertools.accumulate(lengths, initial=0))
+    packs = tuple(zip(cuts, cuts[1:]))
+    grads = host_state(spec, range(len(spec))).gradients
+    host = grads + host_mb * 10**6
+    out = split_for_staging(spec, packs, host)
+    # the same layers, in order, cut only inside the given packs
+    assert out[0][0] == 0 and out[-1][1] == len(spec)
+    assert all(a < b for a, b in out) and all(x[1] == y[0] for x, y in zip(out, out[1:]))
+    assert {a for a, _ in packs} <= {a for a, _ in out}
+    share = (host - grads) / STAGED_PACKS
+    for a, b in out:
+        state = host_state(spec, range(a, b))
+        assert state.weights + state.optimizer <= share or b - a == 1
+        # greedy: one more layer would not have fitted (or the given pack ended)
+        if b < len(spec) and b not in {a for a, _ in packs}:
+            more = host_state(spec, range(a, b + 1))
+            assert more.weights + more.optimizer > share

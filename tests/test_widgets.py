@@ -8,6 +8,7 @@ import math
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 pytest.importorskip("ipywidgets")
@@ -15,17 +16,24 @@ pytest.importorskip("altair")
 
 import harmony  # noqa: E402
 from harmony import Plan  # noqa: E402
+from harmony.costs.hardware import format_bytes  # noqa: E402
 from harmony.planner.systems import choose_layer_swap, choose_model_parallel  # noqa: E402
-from harmony.policies import get_policy, names  # noqa: E402
+from harmony.policies import disk_placement, get_policy, names  # noqa: E402
+from harmony.workbench import palette  # noqa: E402
 from harmony.workbench.charts import MAX_ROWS, thin_memory  # noqa: E402
 from harmony.workbench.comparison import baselines, default_baseline  # noqa: E402
 from harmony.workbench.play import MAX_TASKS  # noqa: E402
 from harmony.workbench.widgets import (  # noqa: E402
+    AS_PRESET,
     CASES,
     CLAIM_APPLIES,
     CLAIM_DOES_NOT_APPLY,
+    DISK_CHOICES,
+    HOST_SHARES,
+    NO_DISK,
     PackExplorer,
     RunForReal,
+    training_state,
 )
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_explorer.ipynb"
@@ -282,6 +290,144 @@ def test_changing_a_control_redraws_the_output():
     assert ex.output.outputs != first and ex.result.plan.bwd_packs[0] == (0, 4)
     assert len(ex.output.outputs) == 2  # chart and table, replaced, not appended
     assert "application/vnd.jupyter.widget-view+json" in ex._repr_mimebundle_()
+
+
+# ---- host memory and the disk tier -------------------------------------------------------
+def _color_scales(node) -> list[dict]:
+    """Every colour scale with a domain in a vega-lite spec."""
+    found = []
+    if isinstance(node, dict):
+        scale = node.get("scale")
+        if isinstance(scale, dict) and "domain" in scale and "range" in scale:
+            found.append(scale)
+        for value in node.values():
+            found += _color_scales(value)
+    elif isinstance(node, list):
+        for value in node:
+            found += _color_scales(value)
+    return found
+
+
+def test_by_default_the_server_is_the_presets():
+    ex = PackExplorer(model="bert-large")
+    assert (ex.host_memory.value, ex.disk.value) == (AS_PRESET, NO_DISK)
+    assert list(ex.host_memory.options)[0] == ("as the preset (750 GB)", AS_PRESET)
+    assert [v for _, v in ex.host_memory.options] == [AS_PRESET, *HOST_SHARES]
+    assert [v for _, v in ex.disk.options] == list(DISK_CHOICES.values())
+    assert ex.host_memory in ex.controls() and ex.disk in ex.controls()
+    r = ex.compute()
+    # every row played on the preset itself: the same comparison as its host memory given
+    hw = harmony.preset("paper-4x1080ti")
+    same = PackExplorer(model="bert-large", host_memory=hw.host_memory).compute()
+    pd.testing.assert_frame_equal(r.comparison, same.comparison)
+    spec = harmony.model_spec("bert-large")
+    assert r.trace.iteration_s == harmony.simulate(spec, hw, r.plan).iteration_s
+    assert (r.comparison.disk_gb.dropna() == 0).all()
+    assert "DISK_IN" not in set(r.trace.timeline.kind)
+    # nothing about the server in the headline, nor a disk column in the table
+    assert r.tiers == "" and len(r.headlines) == 2 and "disk" not in r.headline
+    assert "disk GB" not in r.table().to_html()
+    # ... which says where the state lives once the server is set, even as the preset's
+    assert same.tiers == "On paper-4x1080ti with 750 GB of host memory and no disk: " + (
+        "the training state stays in host memory"
+    )
+
+
+def test_a_host_too_small_without_a_disk_says_what_to_set():
+    ex = PackExplorer(host_memory="75%")  # BERT-96: 14.9 GB for 19.9 GB of state
+    r = ex.compute()
+    spec = harmony.model_spec(CLAIM_APPLIES["model"])
+    short = int(0.75 * training_state(spec))
+    assert training_state(spec) == pytest.approx(19.87e9, rel=1e-3)
+    assert r.trace is None and r.problem.startswith("host memory: harmony-pp on 'paper-4x1080ti'")
+    assert f"host_memory is {format_bytes(short)}" in r.problem
+    assert "give the server a disk tier" in r.problem and "more host memory" in r.problem
+    df = r.comparison.set_index("policy")
+    # every row on the same server: the baseline keeps its state in host memory too
+    assert df.loc[r.baseline, "status"].startswith("not run: host memory")
+    assert df.loc["model-parallel", "fits"]  # its state stays on its GPUs
+    server = f"with {format_bytes(short)} of host memory (75% of the training state) and no disk"
+    assert server in r.headline
+    texts = [row["text"] for rows in datasets(ex.chart()) for row in rows if "text" in row]
+    assert any("give the server a disk tier" in t for t in texts)  # the problem, drawn
+
+
+def test_with_a_disk_the_state_goes_there_and_the_timeline_shows_it():
+    ex = PackExplorer(host_memory="75%", disk="nvme")
+    r = ex.compute()
+    assert r.problem is None and r.trace.summary.fits
+    spec = harmony.model_spec(CLAIM_APPLIES["model"])
+    hw = harmony.preset("paper-4x1080ti")
+    hw = hw.with_host_memory(int(0.75 * training_state(spec))).with_disk("nvme")
+    placement = disk_placement(spec, hw, r.plan)
+    moved = [q for q, kind in placement.on_disk if kind == "optimizer"]
+    assert 0 < len(moved) == len(placement.on_disk) < len(r.plan.bwd_packs)
+    s = r.trace.summary
+    # the placement the graph's disk tasks follow: each pack's state written back once
+    assert s.disk_write_bytes == placement.write_bytes_per_step
+    kinds = set(r.trace.timeline.kind)
+    assert {"DISK_IN", "DISK_OUT"} <= kinds
+    said = (
+        f"on disk the optimizer state of {len(moved)} of the {len(r.plan.bwd_packs)} backward "
+        f"packs ({format_bytes(placement.disk_bytes)}), {format_bytes(s.disk_bytes)} read and "
+        "written per iteration"
+    )
+    assert said in r.tiers and said in r.headline and r.to_dict()["tiers"] == r.tiers
+    assert "over a disk reading 7 GB/s and writing 5 GB/s" in r.headline
+    assert r.headlines[-1].startswith("The paper's setting")
+    # the disk's bytes apart from the swap: the same host<->GPU bytes as with memory to spare
+    df = r.comparison.set_index("policy")
+    assert df.loc["harmony-pp", "disk_gb"] == pytest.approx(s.disk_bytes / 1e9)
+    roomy = harmony.simulate(spec, harmony.preset("paper-4x1080ti"), r.plan).summary
+    assert s.swap_bytes == roomy.swap_bytes and s.disk_bytes > 0 == roomy.disk_bytes
+    assert "disk GB / iter" in r.table().to_html()
+    chart = ex.chart().to_dict()
+    rows = [row for d in chart["datasets"].values() for row in d]
+    assert all(len(d) <= MAX_ROWS for d in chart["datasets"].values())
+    lanes = {row["lane"] for row in rows if "lane" in row}
+    assert {"host.disk_read", "host.disk_write"} <= lanes
+    assert {row["kind"] for row in rows if row.get("lane") == "host.disk_read"} == {"DISK_IN"}
+    assert {row["kind"] for row in rows if row.get("lane") == "host.disk_write"} == {"DISK_OUT"}
+    # in the palette's colours, as notebook 20 draws them
+    scale = next(sc for sc in _color_scales(chart) if "DISK_IN" in sc["domain"])
+    colors = dict(zip(scale["domain"], scale["range"]))
+    assert colors["DISK_IN"] == palette.kind_color("DISK_IN")
+    assert colors["DISK_OUT"] == palette.kind_color("DISK_OUT")
+    assert "host.disk_read: disk → host" in json.dumps(chart, ensure_ascii=False)
+    assert "not the disk's" in json.dumps(chart, ensure_ascii=False)  # the swap bars say so
+
+
+def test_set_host_memory_and_disk():
+    ex = PackExplorer(model="bert-large")
+    ex.widget()
+    first = ex.result
+    computed, compute = [], ex.compute
+    ex.compute = lambda: computed.append(1) or compute()
+    ex.set(host_memory="75%", disk="1GB/s,1GB/s")  # a disk not offered: added
+    assert len(computed) == 1  # drawn once
+    assert (ex.host_memory.value, ex.disk.value) == ("75%", "1GB/s,1GB/s")
+    assert ("1GB/s,1GB/s", "1GB/s,1GB/s") in ex.disk.options
+    r = ex.result
+    assert r.problem is None and "DISK_IN" in set(r.trace.timeline.kind)
+    assert "over a disk reading 1 GB/s and writing 1 GB/s: on disk the optimizer state" in (
+        r.headline
+    )
+    slower = r.trace.iteration_s
+    ex.set(disk="nvme")
+    assert ex.result.trace.iteration_s < slower  # a faster disk hides more
+    ex.set(host_memory="4GiB")  # a size not offered: added, labelled
+    assert ex.host_memory.value == "4GiB" and ex.host_memory.label == "4GiB (4.29 GB)"
+    assert "with 4.29 GB of host memory over a disk" in ex.result.headline
+    ex.set(host_memory="lots")
+    assert "cannot read host memory 'lots'" in ex.result.problem
+    ex.set(host_memory=None, disk=None)  # back to the preset's
+    assert (ex.host_memory.value, ex.disk.value) == (AS_PRESET, NO_DISK)
+    assert ex.result.tiers == "" and ex.result.headline == first.headline
+    # the shares are labelled with their sizes for the model chosen
+    ex.set(model="gpt2-xl")
+    spec = harmony.model_spec("gpt2-xl")
+    share = f"75% of the training state ({format_bytes(int(0.75 * training_state(spec)))})"
+    assert (share, "75%") in ex.host_memory.options and ex.host_memory.value == AS_PRESET
 
 
 def test_run_for_real_next_to_the_simulation():

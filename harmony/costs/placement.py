@@ -33,7 +33,12 @@ STAGED_PACKS = 3
 
 class HostMemoryError(HarmonyError):
     """Training state and what a run keeps in host memory do not fit the host
-    budget (with what a disk tier can take, where there is one)."""
+    budget (with what a disk tier can take, where there is one). ``available``:
+    the host memory the refused placement was given, bytes, where known."""
+
+    def __init__(self, message: str, available: float | None = None):
+        super().__init__(message)
+        self.available = available
 
 
 @dataclass(frozen=True)

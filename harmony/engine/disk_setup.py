@@ -50,6 +50,8 @@ IO_SHARE = 1 / 64
 #: placeholder bandwidths to ask where the state goes before the disk is measured
 #: (the placement depends only on there being a disk)
 _ANY_DISK = (1.0, 1.0)
+#: the ledger's name for what the process holds besides the model
+BESIDES = "the process besides the model (interpreter, torch, data)"
 #: host memory to build a graph with when only its device side matters
 ROOMY = 10**18
 
@@ -78,6 +80,13 @@ class HostSettings:
     @property
     def io_bytes(self) -> int:
         return IO_THREADS * self.chunk
+
+    def measure_disk(self) -> None:
+        """Measure the tier's directory's disk if its bandwidth is not known yet."""
+        if self.rates is None and self.directory is not None:
+            where = self.directory if self.directory.is_dir() else self.directory.parent
+            measured = measure_disk_bandwidth(where)
+            self.rates = (measured.read, measured.write)
 
 
 def host_settings(host_memory, disk_dir, disk, hardware: Hardware | None) -> HostSettings:
@@ -128,7 +137,7 @@ def build_for_host(
     # graph with room for it all
     roomy = build_graph(spec, hw.with_host_memory(ROOMY).with_disk(None), plan)
     settings.outside = {
-        "the process besides the model (interpreter, torch, data)": besides_model,
+        BESIDES: besides_model,
         "device memory that is host memory (cpu or emulated GPU)": device_memory_in_host(
             backends, roomy
         ),
@@ -144,7 +153,8 @@ def build_for_host(
         where = "" if disk else "a directory for a disk tier (disk_dir=) or "
         return HostMemoryError(
             f"{err}. For the engine: its budget is {format_bytes(budget)}, less {held}; "
-            f"give it {where}{fix}"
+            f"give it {where}{fix}",
+            available=err.available,
         )
 
     def build(disk: tuple[float, float] | None, host: int = 0) -> tuple[TaskGraph, Hardware]:
@@ -172,10 +182,7 @@ def build_for_host(
     if not placed.on_disk and placed.host_bytes + copies <= server.host_memory:
         aside[journal_name] = copies
         return build(some_disk)
-    if settings.rates is None:
-        where = settings.directory if settings.directory.is_dir() else settings.directory.parent
-        measured = measure_disk_bandwidth(where)
-        settings.rates = (measured.read, measured.write)
+    settings.measure_disk()
     # staging beyond the placement's: padding in the files (ALIGN per tensor and per step
     # counter), and the weight loads' reads when master weights are on disk: a GPU's
     # next load may read while its current one is still copying, so two per GPU; and

@@ -45,7 +45,7 @@ from .context import StepContext
 from .decompose import decompose
 from .describe import describe, norm_tensor_names
 from .devices import Backend, make_backends
-from .disk_setup import attach, build_for_host, host_settings
+from .disk_setup import HostSettings, attach, build_for_host, host_settings
 from .disk_state import StateOnDisk
 from .engine_checks import (
     PRECISIONS,
@@ -70,7 +70,7 @@ from .state import (
     optimizer_state,
     param_names,
 )
-from .updates import UpdateJournal, optimizer_kind, optimizer_params
+from .updates import UpdateJournal, optimizer_kind
 
 GROWTH_INTERVAL = 2000
 
@@ -231,10 +231,29 @@ class Engine:
         is known)."""
         if self._graph_hardware is not None:  # what the graph was built for
             return self._graph_hardware
-        hw = self._base_hardware().with_host_memory(self.host_settings.budget.capacity)
+        # before a plan: the budget less what the process holds besides the model
+        # (what its devices take of host memory depends on the plan: host_graph)
         settings = self.host_settings
+        besides = besides_the_model(self.host_module)
+        hw = self._base_hardware().with_host_memory(max(1, settings.budget.capacity - besides))
         known = settings.directory is not None and settings.rates is not None
         return hw.with_disk(settings.rates if known else None)
+
+    def host_graph(self, plan: Plan, settings: HostSettings) -> tuple[TaskGraph, Hardware]:
+        """The graph of ``plan`` with the host memory and disk tier of
+        ``settings`` (:func:`~harmony.engine.disk_setup.build_for_host`), and the
+        hardware it was built for; :class:`HostMemoryError` if it cannot fit."""
+        updates = self._params_per_update(plan).values()
+        return build_for_host(
+            self.profile or self.spec,  # the profile's times, where there is one
+            self._base_hardware(),
+            plan,
+            settings,
+            max((len(ps) for ps in updates), default=0),
+            self.safe_updates,
+            besides_the_model(self.host_module),
+            self.backends,
+        )
 
     def _base_hardware(self) -> Hardware:
         return self._hardware if self._hardware is not None else calibrate(self.device)
@@ -354,16 +373,7 @@ class Engine:
                 )
             # the profile has the same sizes as the description, and times: the play
             # that fixes the memory order then resembles the run
-            graph, server = build_for_host(
-                self.profile or self.spec,
-                self._base_hardware(),
-                self.plan,
-                self.host_settings,
-                max((len(optimizer_params(o)) for o in self.optimizers.values() if o), default=0),
-                self.safe_updates,
-                besides_the_model(self.host_module),
-                self.backends,
-            )
+            graph, server = self.host_graph(self.plan, self.host_settings)
             check_updates_run_where_state_is(graph, self.plan)
             check_host_memory(self, graph)
             self.disk = attach(self, graph, self.host_settings, self.safe_updates)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..costs.hardware import Hardware
+from ..costs.placement import HostMemoryError
 from ..errors import HarmonyError
 from ..plan import Plan
 from ..planner.search import search
@@ -43,8 +46,38 @@ def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
             safe_updates=engine.safe_updates,
             dtype=engine.compute_dtype,
         )
+    # a disk tier's bandwidth is part of what the search weighs: measure it first
+    engine.host_settings.measure_disk()
     # the whole device: the engine takes memory exactly as the simulator plays it
     hw = engine.hardware()
+    for _ in range(SEARCHES):
+        plan, short = _first_that_runs(engine, _ranked(engine, hw))
+        if plan is not None:
+            return plan
+        if short is None or short.available is None or short.available >= hw.host_memory:
+            break
+        # the search saw host memory less the process; the devices (an emulated GPU's
+        # buffers, the cpu backend's computations), the tier's I/O buffers and the
+        # update journal take some too: search again with what the fastest plan's
+        # placement was left of it
+        hw = hw.with_host_memory(int(short.available))
+    if short is not None:
+        raise HostMemoryError(
+            f"plan='auto' found no plan that fits this engine's host memory: {short}"
+        ) from None
+    raise HarmonyError(
+        f"plan='auto' found no plan this engine can run on {engine.backend.kind}: every plan "
+        "that fits puts tied weights inside one data-parallel pack; use one GPU or harmony-pp"
+    )
+
+
+#: searches ``plan="auto"`` runs at most, each with the host memory the last one's
+#: fastest plan was left for its state
+SEARCHES = 4
+
+
+def _ranked(engine: "Engine", hw: Hardware) -> list[Plan]:
+    """Plans for ``engine`` on ``hw``, fastest first."""
     try:
         n = len(engine.backends)
         policies = ("harmony-pp",) if n == 1 else ("harmony-pp", "harmony-dp")
@@ -61,13 +94,25 @@ def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
         raise type(e)(
             f"plan='auto' found no plan for this model on {engine.backend.kind}: {e}"
         ) from None
-    for plan in df["plan"]:  # fastest first
+    return list(df["plan"])
+
+
+def _first_that_runs(
+    engine: "Engine", plans: list[Plan]
+) -> tuple[Plan | None, HostMemoryError | None]:
+    """The first of ``plans`` the engine can run in its host memory; else None
+    and why the fastest it could run otherwise did not fit (None: none it could
+    run)."""
+    short = None
+    for plan in plans:
         try:  # e.g. tied weights inside one data-parallel pack: a plan the engine refuses
             engine._params_per_update(plan)
         except HarmonyError:
             continue
-        return plan
-    raise HarmonyError(
-        f"plan='auto' found no plan this engine can run on {engine.backend.kind}: every plan "
-        "that fits puts tied weights inside one data-parallel pack; use one GPU or harmony-pp"
-    )
+        try:
+            engine.host_graph(plan, replace(engine.host_settings, outside={}))
+        except HostMemoryError as e:
+            short = short or e
+            continue
+        return plan, None
+    return None, short

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..costs.placement import STAGED_PACKS
 from ..costs.spec import ModelSpec
 from ..plan import Pack
+from ..policies.state import host_state
 
 #: fractions of GPU memory tried for one pack (double buffering keeps two resident)
 BUDGETS = (0.5, 0.3, 0.15)
@@ -99,3 +101,31 @@ def _cut(costs: Sequence[float], limit: float) -> list[Pack]:
         acc += c
     packs.append((a, len(costs)))
     return packs
+
+
+def split_for_staging(
+    spec: ModelSpec, packs: tuple[Pack, ...], host_memory: int
+) -> tuple[Pack, ...]:
+    """``packs`` with each backward pack cut, greedily, until its master weights
+    and optimizer state are at most what a disk tier's staging leaves to one
+    pack: host memory less every pack's gradients (they stay in host memory), over
+    the :data:`~harmony.costs.placement.STAGED_PACKS` packs staged at once. A
+    larger pack cannot be placed (:func:`harmony.policies.disk_tier.place`
+    refuses it); a single layer over the share stays whole, for the simulator to
+    refuse. Stashes also take host memory: the share is an upper bound."""
+    whole = host_state(spec, range(len(spec)))
+    share = (host_memory - whole.gradients) / STAGED_PACKS
+
+    def movable(a: int, b: int) -> int:
+        state = host_state(spec, range(a, b))
+        return state.weights + state.optimizer
+
+    out: list[Pack] = []
+    for a, b in packs:
+        start = a
+        for i in range(a + 1, b):
+            if movable(start, i + 1) > share:
+                out.append((start, i))
+                start = i
+        out.append((start, b))
+    return tuple(out)

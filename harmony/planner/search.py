@@ -44,7 +44,14 @@ from ..plan import Pack, Plan
 from ..policies import build_graph, get_policy, names
 from ..simulate import simulate_graph
 from ..trace import Summary
-from .packing import BUDGETS, balanced_packs, bwd_pack_bytes, greedy_packs, microbatch_sizes
+from .packing import (
+    BUDGETS,
+    balanced_packs,
+    bwd_pack_bytes,
+    greedy_packs,
+    microbatch_sizes,
+    split_for_staging,
+)
 
 #: what the search compares by default: Harmony's placements and their ablations
 DEFAULT_POLICIES = tuple(names("harmony") + names("ablation"))
@@ -260,6 +267,8 @@ def _bwd_packings(
         packs = greedy_packs(spec, 0, L, u, 0.95 * hw.gpu_memory, backward=True)
         if packs is not None:
             out.append((packs, {"prefetch_packs": 1}))
+    if hw.has_disk:  # packs whose state is too big to stage can never be placed
+        out = [(split_for_staging(spec, packs, hw.host_memory), o) for packs, o in out]
     unique = {(packs, tuple(sorted(o.items()))): (packs, o) for packs, o in out}
     return list(unique.values())
 

@@ -83,7 +83,8 @@ def place(spec: ModelSpec, plan: Plan, hw: Hardware, moved: Mapping[str, float])
                 f"offloaded activations {format_bytes(stash)}, staging for {STAGED_PACKS} "
                 f"packs) but host_memory is {format_bytes(hw.host_memory)}: give more host "
                 "memory (--host-memory, Hardware.with_host_memory), or smaller backward packs "
-                "(less to stage) or fewer stashes"
+                "(less to stage) or fewer stashes",
+                available=hw.host_memory,
             ) from None
     total = sum(p.total for p in state) + stash
     if plan.option("gpu_optimizer"):
@@ -94,7 +95,8 @@ def place(spec: ModelSpec, plan: Plan, hw: Hardware, moved: Mapping[str, float])
         f"host memory: {plan.policy} on {hw.name!r} keeps {format_bytes(total)} in host "
         f"memory (training state {format_bytes(total - stash)}, stashes and offloaded "
         f"activations {format_bytes(stash)}) but host_memory is "
-        f"{format_bytes(hw.host_memory)}: {fix}more host memory (--host-memory)"
+        f"{format_bytes(hw.host_memory)}: {fix}more host memory (--host-memory)",
+        available=hw.host_memory,
     )
 
 

@@ -50,6 +50,8 @@ __all__ = [
 MAX_ROWS = 5000
 #: what a timeline's lane names mean
 LANES = "lanes: compute; h2d: host → GPU; d2h: GPU → host; p2p: GPU → GPU; cpu: optimizer steps"
+#: added to :data:`LANES` under a timeline with a disk tier's lanes
+DISK_LANES = "; host.disk_read: disk → host; host.disk_write: host → disk"
 
 
 # ---- traces ---------------------------------------------------------------------------------
@@ -163,6 +165,7 @@ def timeline_chart(
             legend=alt.Legend(orient="bottom", columns=4),
         )
     lanes = sorted(df.lane.unique(), key=_lane_order)
+    disk = DISK_LANES if any(lane.startswith("host.disk") for lane in lanes) else ""
     chart = (
         alt.Chart(
             df[
@@ -199,7 +202,7 @@ def timeline_chart(
             ],
         )
         .properties(
-            title=alt.Title(title, subtitle=[*_lines(subtitle), LANES]),
+            title=alt.Title(title, subtitle=[*_lines(subtitle), LANES + disk]),
             width=width,
             height=max(120, 22 * len(lanes)),
         )

@@ -17,6 +17,7 @@ _TABLE_COLUMNS = {
     "iteration_s": ("s / iter", "{:.3g}"),
     "samples_per_s": ("samples / s", "{:.3g}"),
     "swap_gb": ("swap GB / iter", "{:.3g}"),
+    "disk_gb": ("disk GB / iter", "{:.3g}"),
     "peak_gb": ("peak GB / GPU", "{:.2f}"),
     "speedup_vs_baseline": ("× faster", "{:.2f}"),
     "swap_ratio_vs_baseline": ("× fewer bytes", "{:.2f}"),
@@ -98,8 +99,11 @@ def comparison_table(comparison: pd.DataFrame, baseline: str = ""):
             for f, b in zip(comparison.fwd_microbatch, comparison.bwd_microbatch)
         ]
     )
-    # a column with nothing in it goes, e.g. the ratios when the baseline did not run
-    df = df[list(_TABLE_COLUMNS)].dropna(axis=1, how="all")
+    # a column with nothing in it goes, e.g. the ratios when the baseline did not run,
+    # or the disk's bytes when no plan has state on disk
+    df = df[[c for c in _TABLE_COLUMNS if c in df]].dropna(axis=1, how="all")
+    if "disk_gb" in df and not (df["disk_gb"] > 0).any():
+        df = df.drop(columns="disk_gb")
     if "note" in df:
         df["note"] = df["note"].fillna("")
     headings = {c: h for c, (h, _) in _TABLE_COLUMNS.items()}
@@ -114,6 +118,8 @@ def comparison_table(comparison: pd.DataFrame, baseline: str = ""):
         f"Every policy on the controls' packs, or a baseline on its own plan; × faster and "
         f"× fewer bytes are against {baseline}. Grey rows do not fit in GPU memory or cannot run."
     )
+    if "disk_gb" in df:
+        caption += " Swap GB are bytes between host and GPUs; disk GB, between host and disk."
     styler = (
         df.rename(columns=headings)
         .style.format(formats, na_rep="–")

@@ -84,11 +84,12 @@ class Explorer:
 
     @contextlib.contextmanager
     def _held(self):
-        self._holding = True
+        """No drawing inside (nested holds keep the outer one)."""
+        before, self._holding = self._holding, True
         try:
             yield
         finally:
-            self._holding = False
+            self._holding = before
 
     def widget(self) -> w.Widget:
         """The controls in a grid over the live output (for JupyterLab)."""

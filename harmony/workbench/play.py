@@ -2,7 +2,10 @@
 run, but saying in words what is wrong, and one comparison row per policy.
 
 * :func:`play` simulates a plan when it is valid and small enough to be
-  interactive (:data:`MAX_TASKS`);
+  interactive (:data:`MAX_TASKS`); a plan whose training state does not fit
+  the host's memory (and its disk tier, where it has one) is a problem like
+  any other, in the planner's words (:class:`~harmony.costs.placement.HostMemoryError`);
+* :func:`server` is a preset with its host memory and disk tier set;
 * :func:`own_plan` is the plan a faithful baseline picks by its stated rule
   (:data:`~harmony.planner.systems.PLAN_MAKERS`), as that system would run;
 * :func:`row` is what the comparison table shows of a played plan.
@@ -38,6 +41,7 @@ COLUMNS = [
     "iteration_s",
     "samples_per_s",
     "swap_gb",
+    "disk_gb",
     "peak_gb",
     "fits",
     "status",
@@ -74,8 +78,9 @@ def out_of_memory(trace: Trace) -> str | None:
 
 def play(spec: ModelSpec, hardware: Hardware, plan: Plan) -> tuple[Trace | None, str | None]:
     """Simulate ``plan`` if it is valid and small enough: ``(trace, problem)``.
-    The trace is None when the plan could not be simulated; the problem is None
-    when the plan runs and fits in memory."""
+    The trace is None when the plan could not be simulated (its state does not
+    fit host memory included); the problem is None when the plan runs and fits
+    in memory."""
     try:
         plan.validate(len(spec))
         tasks = estimated_tasks(plan)
@@ -97,18 +102,38 @@ def cached_spec(model: str, source: str) -> ModelSpec:
     return model_spec(model, source)
 
 
+def server(hardware: str, host_memory: int | None = None, disk: str | None = None) -> Hardware:
+    """The preset ``hardware`` with ``host_memory`` bytes of host memory (None: the
+    preset's) and ``disk`` under it (a name in :data:`~harmony.costs.hardware.DISKS`
+    or ``"<read>,<write>"``, see :meth:`~harmony.costs.hardware.Hardware.with_disk`;
+    None: no disk tier)."""
+    hw = preset(hardware)
+    if host_memory is not None:
+        hw = hw.with_host_memory(host_memory)
+    return hw.with_disk(disk)
+
+
 # The controls that do not change a baseline's own plan (pack size, microbatches)
 # redraw without re-running its chooser: its plan is kept per setting.
 @functools.lru_cache(maxsize=64)
 def own_plan(
-    policy: str, model: str, source: str, hardware: str, n_gpus: int, minibatch: int
+    policy: str,
+    model: str,
+    source: str,
+    hardware: str,
+    n_gpus: int,
+    minibatch: int,
+    host_memory: int | None = None,
+    disk: str | None = None,
 ) -> tuple[Plan | None, str | None]:
     """``(plan, problem)``: the plan ``policy``'s own chooser picks for this
     setting (its packs are what the system is; its microbatch the largest that
-    fits), or None and why it has none."""
+    fits) on :func:`server` ``(hardware, host_memory, disk)``, or None and why
+    it has none."""
     try:
         spec = cached_spec(model, source)
-        return CHOOSERS[policy](spec, preset(hardware), minibatch, n_gpus=n_gpus), None
+        hw = server(hardware, host_memory, disk)
+        return CHOOSERS[policy](spec, hw, minibatch, n_gpus=n_gpus), None
     except HarmonyError as err:
         return None, str(err)
 
@@ -140,6 +165,7 @@ def row(
         "iteration_s": math.nan,
         "samples_per_s": math.nan,
         "swap_gb": math.nan,
+        "disk_gb": math.nan,
         "peak_gb": math.nan,
         "fits": False,
         "status": status(trace, problem),
@@ -151,6 +177,7 @@ def row(
             iteration_s=s.iteration_s,
             samples_per_s=s.samples_per_s,
             swap_gb=s.swap_bytes / 1e9,
+            disk_gb=s.disk_bytes / 1e9,
             peak_gb=max(s.peak_memory.values()) / 1e9,
             fits=bool(s.fits),
         )

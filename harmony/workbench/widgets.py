@@ -5,7 +5,11 @@
   run it (``layer-swap``, on its own plan), and every other policy. Its
   headline says whether the paper's claim applies to the setting and why
   (:mod:`.claim`); one click switches between :data:`CASES`, a setting where
-  it applies (the default) and one where it does not.
+  it applies (the default) and one where it does not. Its *host memory* and
+  *disk* controls set the server every policy runs on: with less host memory
+  than the training state and a disk tier, state goes to disk (the timeline
+  shows the disk's lanes, the headline what is on disk); without a disk, the
+  planner says what to set.
 * :class:`RunForReal` (:mod:`.run_for_real`) trains a small GPT-2 of the zoo
   for a few steps with the real engine on an emulated GPU and simulates the
   same plan from a profile of the same model.
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from ..costs.catalog import SOURCES, known_models
-from ..costs.hardware import PRESETS, preset
+from ..costs.hardware import PRESETS, format_bytes, preset
 from ..errors import HarmonyError
 from ..plan import Plan
 from ..planner.systems import PLAN_MAKERS
@@ -50,17 +54,32 @@ from .claim import setting
 from .comparison import baselines, comparison_table, default_baseline, headline, versus
 from .controls import STYLE, PlanExplorer, slider, w  # w: ipywidgets, or how to install it
 from .display import load_altair
-from .play import COLUMNS, cached_spec, own_plan, play, records, row
+from .play import COLUMNS, cached_spec, own_plan, play, records, row, server
 from .run_for_real import RealRun, RunForReal
+from .tiers import (
+    AS_PRESET,
+    DISK_CHOICES,
+    HOST_SHARES,
+    NO_DISK,
+    host_memory_bytes,
+    host_memory_words,
+    training_state,
+    where_state_lives,
+)
 
 __all__ = [
+    "AS_PRESET",
     "CASES",
     "CLAIM_APPLIES",
     "CLAIM_DOES_NOT_APPLY",
+    "DISK_CHOICES",
     "Exploration",
+    "HOST_SHARES",
+    "NO_DISK",
     "PackExplorer",
     "RealRun",
     "RunForReal",
+    "training_state",
 ]
 
 #: the explorer's default: the paper's setting, a model larger than a GPU
@@ -91,7 +110,8 @@ class Exploration:
     trace: Trace | None  #: None when the plan is invalid or too large to simulate
     #: one row per policy: policy, chosen, planned_by ("the controls", or a
     #: baseline's "own rule"), fwd/bwd microbatch, iteration_s, samples_per_s,
-    #: swap_gb, peak_gb, fits, status ("fits", "does not fit: ...", "not run:
+    #: swap_gb (host<->GPU), disk_gb (host<->disk), peak_gb, fits, status ("fits",
+    #: "does not fit: ...", "not run:
     #: ..."), note (why a row could not be simulated or fit),
     #: speedup_vs_baseline (the baseline's time / this one's),
     #: swap_ratio_vs_baseline (the baseline's swap volume / this one's)
@@ -100,15 +120,19 @@ class Exploration:
     baseline: str = ""  #: the policy the ratios compare against
     #: whether the paper's claim applies here, and why (:func:`.claim.setting`)
     setting: str = ""
+    #: with the host memory or the disk not the preset's: the server's, and what of the
+    #: chosen plan's training state is on disk (:func:`where_state_lives`)
+    tiers: str = ""
 
     @property
     def headlines(self) -> list[str]:
         """The chosen plan's time and swap volume against the baseline's (and
-        the fastest policy that fits, when that is another), then the setting."""
+        the fastest policy that fits, when that is another), where its training
+        state lives (when the host memory or the disk is set), then the setting."""
         if self.plan is None:
             return [f"nothing to simulate: {self.problem}"]
         numbers = headline(self.comparison, self.plan.policy, self.baseline)
-        return [numbers, self.setting] if self.setting else [numbers]
+        return [line for line in (numbers, self.tiers, self.setting) if line]
 
     @property
     def headline(self) -> str:
@@ -131,8 +155,10 @@ class Exploration:
             "headline": self.headline,
             "baseline": self.baseline,
             "setting": self.setting,
+            "tiers": self.tiers,
             "iteration_s": s and s.iteration_s,
             "swap_bytes": s and s.swap_bytes,
+            "disk_bytes": s and s.disk_bytes,
             "peak_memory": s and s.peak_memory,
             "comparison": records(self.comparison),
         }
@@ -149,6 +175,29 @@ class PackExplorer(PlanExplorer):
     :func:`~harmony.workbench.comparison.default_baseline`) is the one the
     headline and the ratios compare to. The defaults are
     :data:`CLAIM_APPLIES`.
+
+    ``host_memory`` and ``disk`` set the server every policy runs on (all the
+    rows, so the ratios compare systems on one server). ``host_memory``: None
+    (:data:`AS_PRESET`, the preset's own: hundreds of GB, so nothing goes to
+    disk), a share of the model's training state (:data:`HOST_SHARES`; master
+    weights, gradients and optimizer state, :func:`training_state`) or a size
+    (``"24GiB"``, bytes). The control offers shares rather than fixed sizes, so
+    that every model of the zoo, from BERT-Large's 5.4 GB of state to
+    GPT-2 10B's 168 GB, has state to move: with Adam half the state is
+    optimizer state and a quarter gradients, which stay in host memory; on
+    BERT-96 and GPT-2 XL, 90% sends the optimizer state of some packs to disk,
+    75% most or all of it, 60% master weights too. Somewhat lower (how low
+    depends on the plan's stashes and packs: 60% is too little for BERT-Large's
+    default plan) the gradients, stashes and the disk's staging alone do not
+    fit, and the planner says so. ``disk``: None (:data:`NO_DISK`: no disk
+    tier, so the state must fit host memory; the planner's message says what
+    to set otherwise), a name of :data:`~harmony.costs.hardware.DISKS`
+    (``"nvme"``) or ``"<read>,<write>"`` (``"0.5GB/s,0.5GB/s"``: a SATA SSD;
+    :data:`DISK_CHOICES`). A size or a disk not offered is added to its
+    control's choices (by ``set`` too). With state on disk the timeline shows
+    the disk's lanes (``host.disk_read``, ``host.disk_write``), the table its
+    bytes (``disk GB``: swap GB counts host<->GPU bytes only) and the headline
+    what is on disk.
 
     The widget re-draws on every change; plans over
     :data:`~harmony.workbench.play.MAX_TASKS` tasks are not simulated
@@ -168,6 +217,8 @@ class PackExplorer(PlanExplorer):
         offload_activations: bool = False,
         prefetch_packs: int = 2,
         baseline: str | None = None,
+        host_memory: str | int | None = None,
+        disk: str | None = None,
     ):
         gpus = preset(hardware).n_gpus
         self.model = w.Dropdown(
@@ -186,6 +237,10 @@ class PackExplorer(PlanExplorer):
             style=STYLE,
         )
         self.n_gpus = slider(n_gpus or gpus, "GPUs", gpus)
+        self._host_choices: list[str | int] = [AS_PRESET, *HOST_SHARES]
+        self.host_memory = w.Dropdown(description="host memory", style=STYLE)
+        self.disk = w.Dropdown(options=list(DISK_CHOICES.items()), description="disk", style=STYLE)
+        self._offer(host_memory=host_memory, disk=disk)
         self._plan_controls(
             policy,
             minibatch,
@@ -208,18 +263,71 @@ class PackExplorer(PlanExplorer):
 
     def controls(self) -> list[w.Widget]:
         policy, *plan = self.plan_controls()
-        return [self.model, self.source, self.hardware, policy, self.baseline, self.n_gpus, *plan]
+        server = [self.hardware, self.host_memory, self.disk]
+        return [self.model, self.source, *server, policy, self.baseline, self.n_gpus, *plan]
 
     def actions(self) -> list[w.Widget]:
         return self.cases
 
+    def set(self, **values) -> None:
+        """As :meth:`Explorer.set`; ``host_memory`` and ``disk`` take what the
+        constructor does (None, a size or a disk not offered yet)."""
+        with self._held():
+            values.update(
+                self._offer(**{k: values[k] for k in ("host_memory", "disk") if k in values})
+            )
+        super().set(**values)
+
     # keep the controls consistent with each other
+    def _offer(self, **choices) -> dict:
+        """Add the ``host_memory`` and ``disk`` given (None: the default) to their
+        controls' choices where they are not there yet, select them, and return
+        them as the controls' values."""
+        out = {}
+        if "host_memory" in choices:
+            value = AS_PRESET if choices["host_memory"] is None else choices["host_memory"]
+            if value not in self._host_choices:
+                self._host_choices.append(value)
+            self._relabel_host_memory(value)
+            out["host_memory"] = value
+        if "disk" in choices:
+            value = NO_DISK if choices["disk"] is None else choices["disk"]
+            if value not in [v for _, v in self.disk.options]:
+                with self._held():
+                    self.disk.options = [*self.disk.options, (str(value), value)]
+            out["disk"] = self.disk.value = value
+        return out
+
+    def _host_label(self, choice: str | int) -> str:
+        """A host memory choice in words, with its size for this model and preset."""
+        if choice == AS_PRESET:
+            return f"{AS_PRESET} ({format_bytes(preset(self.hardware.value).host_memory)})"
+        try:
+            size = host_memory_bytes(choice, cached_spec(self.model.value, self.source.value))
+        except HarmonyError:  # compute() says what is wrong
+            return str(choice)
+        if host_memory_words(choice):
+            return f"{host_memory_words(choice)} ({format_bytes(size)})"
+        return (
+            f"{choice} ({format_bytes(size)})" if isinstance(choice, str) else format_bytes(size)
+        )
+
+    def _relabel_host_memory(self, value=None) -> None:
+        """The host memory choices labelled with their sizes for the model and
+        preset now; ``value`` (default: the one selected) selected."""
+        value = self.host_memory.value if value is None else value
+        with self._held():  # a change of options deselects: no drawing until it is back
+            self.host_memory.options = [(self._host_label(c), c) for c in self._host_choices]
+            self.host_memory.value = value
+
     def _hardware_changed(self, _=None) -> None:
         self.n_gpus.max = preset(self.hardware.value).n_gpus
+        self._relabel_host_memory()
 
     def _model_changed(self, _=None) -> None:
         with contextlib.suppress(HarmonyError):  # an unknown spec is reported by compute()
             self.pack_size.max = len(cached_spec(self.model.value, self.source.value))
+        self._relabel_host_memory()
 
     def _wire(self) -> None:
         for control in self.controls():
@@ -232,17 +340,19 @@ class PackExplorer(PlanExplorer):
         baseline, chosen = self.baseline.value, self.policy.value
         model, source, hardware = self.model.value, self.source.value, self.hardware.value
         n, minibatch = self.n_gpus.value, self.minibatch.value
+        disk = None if self.disk.value == NO_DISK else self.disk.value
         try:
             spec = cached_spec(model, source)
+            host = host_memory_bytes(self.host_memory.value, spec)
+            hw = server(hardware, host, disk)
         except HarmonyError as err:
             empty = pd.DataFrame(columns=COLUMNS)
             self.result = Exploration(None, None, empty, str(err), baseline)
             return self.result
-        hw = preset(hardware)
         rows = []
         for policy in [chosen] + [p for p in names() if p != chosen]:
             if policy != chosen and policy in PLAN_MAKERS:
-                plan, problem = own_plan(policy, model, source, hardware, n, minibatch)
+                plan, problem = own_plan(policy, model, source, hardware, n, minibatch, host, disk)
                 trace, problem = play(spec, hw, plan) if plan else (None, problem)
                 planned_by = "its own rule"
             else:
@@ -257,12 +367,17 @@ class PackExplorer(PlanExplorer):
         comparison = versus(pd.DataFrame(rows), baseline)
         said = setting(comparison, chosen, model, source, hardware, minibatch, n)
         plan, trace, problem = mine
-        self.result = Exploration(plan, trace, comparison, problem, baseline, said)
+        tiers = ""
+        if host is not None or disk is not None:
+            memory = host_memory_words(self.host_memory.value)
+            tiers = where_state_lives(spec, hw, plan, trace, memory)
+        self.result = Exploration(plan, trace, comparison, problem, baseline, said, tiers)
         return self.result
 
     def chart(self, result: Exploration | None = None):
-        """Headline, problem (if any), swap timeline, memory per GPU vs
-        capacity, and iteration time and swap volume of every policy."""
+        """Headline, problem (if any), swap timeline (with the disk's lanes when
+        state is on disk), memory per GPU vs capacity, and iteration time and swap
+        volume (host<->GPU bytes) of every policy."""
         alt = load_altair()
         r = result or self.result or self.compute()
         parts = [problem_chart(r.problem)] if r.problem else []
@@ -279,6 +394,8 @@ class PackExplorer(PlanExplorer):
             chosen = r.plan.policy if r.plan else None
             time = "time per iteration (shorter is faster)"
             swap = "bytes over host↔GPU links per iteration"
+            if (r.comparison["disk_gb"] > 0).any():  # counted apart, in the table
+                swap = alt.Title(swap, subtitle="not the disk's: disk GB in the table")
             parts.append(
                 alt.hconcat(
                     policy_bars(
