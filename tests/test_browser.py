@@ -388,6 +388,35 @@ def test_explorer_redraws_when_a_slider_moves(lab):
     _no_requests_blocked(lab)
 
 
+def test_explorer_moves_state_to_disk_when_host_memory_and_disk_are_picked(lab):
+    page = lab.open("01_explorer.ipynb")
+    lab.run_all(page, "01_explorer-disk")
+    lab.charts_drawn(page, "01_explorer-disk", at_least=1)
+    widget = page.locator(".widget-vbox").first
+
+    def pick(label: str, starts: str) -> None:
+        select = widget.locator(
+            ".widget-dropdown", has=page.locator(".widget-label", has_text=label)
+        ).locator("select")
+        options = [o.strip() for o in select.locator("option").all_inner_texts()]
+        select.select_option(label=next(o for o in options if o.startswith(starts)))
+
+    pick("host memory", "75%")
+    pick("disk", "NVMe")
+    deadline = time.monotonic() + 90
+    while True:  # redrawn on the server with a disk: its lanes and what lives there
+        charts = page.locator(".widget-output .harmony-chart")
+        text = charts.first.inner_text() if charts.count() else ""
+        drawn = page.locator(".widget-output .harmony-chart .vega-embed svg.marks").count()
+        if drawn and "on disk the optimizer state" in text and "host.disk_read" in text:
+            break
+        assert time.monotonic() < deadline, f"no disk tier in the explorer's chart: {text[:400]}"
+        time.sleep(0.5)
+    assert not _problems(page)
+    widget.screenshot(path=ARTIFACTS / "01_explorer-widget-disk.png")
+    _no_requests_blocked(lab)
+
+
 def expected_charts(path: Path) -> int:
     """How many chart outputs ``path`` shows at least: its cells that end with a chart."""
     nb = nbformat.read(path, as_version=4)
