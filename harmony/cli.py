@@ -409,13 +409,21 @@ def _train_and_report(args, device, plan, checkpoints, host) -> int:
     else:
         print(f"nothing to do: the run had already done its {args.steps} steps")
     disk = result.engine.disk
-    if disk is not None:
+    if args.host_memory is not None:
         budget = result.engine.host_settings.budget
+        where = "all training state in host memory"
+        if disk is not None:
+            on_disk = disk.placement.on_disk
+            where = (
+                f"disk tier {disk.tier.directory}: "
+                f"{', '.join(sorted({k for _, k in on_disk}))} of "
+                f"{len({q for q, _ in on_disk})} packs"
+            )
+        outside = sum(result.engine.host_settings.outside.values())
+        peak = f", ledger peak {format_bytes(budget.peak)}" if disk is not None else ""
         print(
-            f"host memory: budget {format_bytes(budget.capacity)}, ledger peak "
-            f"{format_bytes(budget.peak)}; disk tier {disk.tier.directory}: "
-            f"{', '.join(sorted({k for _, k in disk.placement.on_disk}))} of "
-            f"{len({q for q, _ in disk.placement.on_disk})} packs"
+            f"host memory: budget {format_bytes(budget.capacity)} (the process besides the "
+            f"model and its devices {format_bytes(outside)}){peak}; {where}"
         )
     return 0
 

@@ -137,6 +137,7 @@ def test_auto_plan_fits_what_the_budget_leaves(tmp_path, monkeypatch):
     The run equals the same plan with everything in memory. (What the process holds
     besides the model is taken as 0 here: it varies with what ran before in it.)"""
     import harmony.engine.engine as engine_module
+    import harmony.engine.planning as planning
 
     width, layers, batch = 512, 8, 8
 
@@ -163,6 +164,7 @@ def test_auto_plan_fits_what_the_budget_leaves(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(engine_module, "besides_the_model", lambda module: 0)
+        m.setattr(planning, "besides_the_model", lambda module: 0)
         auto = run("60MB", "auto", tmp_path / "tier")
     try:
         assert auto.disk is not None

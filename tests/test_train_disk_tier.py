@@ -67,3 +67,22 @@ def test_a_tier_needs_a_checkpoint_every_step(tmp_path, plan_file, capsys):
     argv += [str(tmp_path / "tier"), "--checkpoint-dir", str(tmp_path / "run")]
     assert main([*argv, "--checkpoint-every", "2"]) == 2
     assert "checkpoint every step (--checkpoint-every 1)" in capsys.readouterr().err
+
+
+def test_the_report_says_where_the_state_lives(tmp_path, plan_file, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run(plan_file, 1, "--host-memory", "1GB")
+    out = capsys.readouterr().out
+    assert "host memory: budget 1 GB (the process besides the model and its devices" in out
+    assert "all training state in host memory" in out
+
+
+def test_a_budget_under_what_the_process_holds_is_refused_in_words(capsys, monkeypatch):
+    import harmony.engine.planning as planning
+
+    # what the process holds besides the model, as plan="auto" sees it: 2 GB
+    monkeypatch.setattr(planning, "besides_the_model", lambda module: 2 * 10**9)
+    argv = ["train", "--steps", "1", "--minibatch", "4", "--memory", "4MB", *SETS]
+    assert main([*argv, "--plan", "auto", "--host-memory", "1GB"]) == 2
+    err = capsys.readouterr().err
+    assert "budget of 1 GB is not more than this process holds besides the model (2 GB" in err

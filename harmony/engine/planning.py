@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..costs.hardware import Hardware
+from ..costs.hardware import Hardware, format_bytes
 from ..costs.placement import HostMemoryError
 from ..errors import HarmonyError
 from ..plan import Plan
 from ..planner.search import search
 from .describe import microbatch_dependence
+from .host_memory import besides_the_model
 from .profiler import profile
 
 if TYPE_CHECKING:
@@ -49,6 +50,13 @@ def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
     # a disk tier's bandwidth is part of what the search weighs: measure it first
     engine.host_settings.measure_disk()
     # the whole device: the engine takes memory exactly as the simulator plays it
+    budget, besides = engine.host_settings.budget.capacity, besides_the_model(engine.host_module)
+    if budget <= besides:
+        raise HostMemoryError(
+            f"host memory: the budget of {format_bytes(budget)} is not more than this process "
+            f"holds besides the model ({format_bytes(besides)}: the interpreter, torch, data): "
+            "nothing is left for training state; give a larger host_memory= (--host-memory)"
+        )
     hw = engine.hardware()
     for _ in range(SEARCHES):
         plan, short = _first_that_runs(engine, _ranked(engine, hw))
