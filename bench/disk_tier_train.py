@@ -21,7 +21,7 @@ resident memory of the process (the kernel's ``VmHWM``) against the budget,
 s/step against the simulator (with the measured disk bandwidth) and the
 lower bound. The tier's files are deleted at the end.
 
-    python bench/disk_tier_train.py [--steps 4] [--disk 200MB/s,200MB/s] [--weights]
+    python bench/disk_tier_train.py [--steps 4] [--disk 200MB/s,200MB/s] [--weights] [--auto]
     python bench/disk_tier_train.py --real --dir /var/tmp [--hidden 2560] [--steps 2]
 """
 
@@ -174,7 +174,7 @@ def emulated(args) -> None:
             lm_loss,
             device=device,
             minibatch_size=args.minibatch,
-            plan=plan,
+            plan="auto" if args.auto else plan,
             spec=spec,
             host_memory=host,
             disk_dir=Path(tmp) / "tier",
@@ -186,6 +186,8 @@ def emulated(args) -> None:
                 started = time.perf_counter()
                 engine.step(x, y)
                 times.append(time.perf_counter() - started)
+            if args.auto:
+                print(f"plan='auto' picked {engine.plan.describe()}")
             report(engine, times, lower_bound(engine, engine.host_settings.rates))
         finally:
             engine.close()
@@ -255,6 +257,8 @@ def real(args) -> None:
                 f"{format_bytes(device)}: weight copies, gradients, activations); the process "
                 f"before the model {format_bytes(base)}"
             )
+            if args.auto:
+                print(f"plan='auto' picked {engine.plan.describe()}")
             report(engine, times, lower_bound(engine, engine.host_settings.rates))
         finally:
             engine.close()
@@ -278,6 +282,9 @@ def main() -> None:
     ap.add_argument("--disk", default="200MB/s,200MB/s", help="the emulated disk link")
     ap.add_argument("--host-memory", default=None, help="default: all optimizer state on disk")
     ap.add_argument("--weights", action="store_true", help="master weights on disk too")
+    ap.add_argument(
+        "--auto", action="store_true", help="plan='auto' under the same budget (searched)"
+    )
     ap.add_argument("--real", action="store_true", help="a model larger than RAM, real disk")
     ap.add_argument("--seq", type=int, default=128, help="--real: tokens per sample")
     ap.add_argument("--vocab", type=int, default=50257, help="--real: GPT-2's")
