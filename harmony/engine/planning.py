@@ -49,7 +49,6 @@ def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
         )
     # a disk tier's bandwidth is part of what the search weighs: measure it first
     engine.host_settings.measure_disk()
-    # the whole device: the engine takes memory exactly as the simulator plays it
     budget, besides = engine.host_settings.budget.capacity, besides_the_model(engine.host_module)
     if budget <= besides:
         raise HostMemoryError(
@@ -57,6 +56,7 @@ def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
             f"holds besides the model ({format_bytes(besides)}: the interpreter, torch, data): "
             "nothing is left for training state; give a larger host_memory= (--host-memory)"
         )
+    # the whole device: the engine takes memory exactly as the simulator plays it
     hw = engine.hardware()
     for _ in range(SEARCHES):
         plan, short = _first_that_runs(engine, _ranked(engine, hw))
