@@ -58,8 +58,15 @@ def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
         )
     # the whole device: the engine takes memory exactly as the simulator plays it
     hw = engine.hardware()
+    short = None
     for _ in range(SEARCHES):
-        plan, short = _first_that_runs(engine, _ranked(engine, hw))
+        try:
+            ranked = _ranked(engine, hw)
+        except HostMemoryError:
+            if short is None:
+                raise
+            break  # what the engine's budget left was too little: said below, in full
+        plan, short = _first_that_runs(engine, ranked)
         if plan is not None:
             return plan
         if short is None or short.available is None or short.available >= hw.host_memory:
