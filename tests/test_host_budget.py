@@ -53,6 +53,19 @@ def test_besides_the_model_is_resident_memory_less_the_model():
     assert before - size <= besides <= after - size
 
 
+def test_a_flattened_model_counts_once():
+    """The engine lays weights out in a few flat buffers: every parameter is a view
+    of one, and the buffer counts once (it counted once per view)."""
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+    plan = one_pack_per_layer(8, B)
+    Engine(model, lambda ps: FlatAdamW(ps), nn.functional.mse_loss, minibatch_size=B, plan=plan)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    before = resident_bytes()
+    besides = besides_the_model(model)
+    after = resident_bytes()
+    assert before - size <= besides <= after - size
+
+
 def test_what_the_process_holds_comes_out_of_the_budget(tmp_path):
     x, y = torch.randn(B, D), torch.randn(B, D)
     state = 16 * LAYERS * (D * D + D)  # weights, gradients, AdamW's two moments

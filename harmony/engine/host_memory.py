@@ -82,8 +82,12 @@ def besides_the_model(module: nn.Module) -> int:
     resident = resident_bytes()
     if resident is None:
         return 0
-    tensors = {t.data_ptr(): t for t in (*module.parameters(), *module.buffers())}
-    model = sum(t.untyped_storage().nbytes() for t in tensors.values())
+    # per storage: flattened weights are views of a few shared buffers
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in (*module.parameters(), *module.buffers())
+    }
+    model = sum(storages.values())
     return max(0, resident - model)
 
 
