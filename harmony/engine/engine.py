@@ -197,6 +197,7 @@ class Engine:
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer | None] = {}
         self._graph_cache: TaskGraph | None = None
         self._graph_hardware: Hardware | None = None  # the server the cached graph is for
+        self._host_graph: tuple | None = None  # (plan, host_graph's result) not yet run
         self._memory_order: dict | None = None  # of the cached graph's buffers, per device
         self._batch_kinds: tuple | None = None  # shapes and dtypes of the first minibatch
         if distributed is None:
@@ -242,9 +243,14 @@ class Engine:
     def host_graph(self, plan: Plan, settings: HostSettings) -> tuple[TaskGraph, Hardware]:
         """The graph of ``plan`` with the host memory and disk tier of
         ``settings`` (:func:`~harmony.engine.disk_setup.build_for_host`), and the
-        hardware it was built for; :class:`HostMemoryError` if it cannot fit."""
+        hardware it was built for; :class:`HostMemoryError` if it cannot fit.
+        With the engine's own settings, the last one built is kept for the first
+        step of that plan (``plan="auto"`` builds it to check that it fits)."""
+        own = settings is self.host_settings
+        if own and self._host_graph is not None and self._host_graph[0] == plan:
+            return self._host_graph[1]
         updates = self._params_per_update(plan).values()
-        return build_for_host(
+        built = build_for_host(
             self.profile or self.spec,  # the profile's times, where there is one
             self._base_hardware(),
             plan,
@@ -254,6 +260,9 @@ class Engine:
             besides_the_model(self.host_module),
             self.backends,
         )
+        if own:
+            self._host_graph = (plan, built)
+        return built
 
     def _base_hardware(self) -> Hardware:
         return self._hardware if self._hardware is not None else calibrate(self.device)
@@ -374,6 +383,7 @@ class Engine:
             # the profile has the same sizes as the description, and times: the play
             # that fixes the memory order then resembles the run
             graph, server = self.host_graph(self.plan, self.host_settings)
+            self._host_graph = None
             check_updates_run_where_state_is(graph, self.plan)
             check_host_memory(self, graph)
             self.disk = attach(self, graph, self.host_settings, self.safe_updates)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -124,8 +123,8 @@ def _first_that_runs(
             engine._params_per_update(plan)
         except HarmonyError:
             continue
-        try:
-            engine.host_graph(plan, replace(engine.host_settings, outside={}))
+        try:  # kept by the engine for its first step
+            engine.host_graph(plan, engine.host_settings)
         except HostMemoryError as e:
             short = short or e
             continue
