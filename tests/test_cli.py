@@ -155,9 +155,12 @@ def test_simulate_with_a_host_budget_and_a_disk_tier(capsys, tmp_path):
     argv = ["simulate", "--model", "gpt2-xl", "--plan", str(plan), "--host-memory", "8GiB"]
     code, _, err = run(capsys, *argv)
     assert code == 2 and "give the server a disk tier (--disk nvme" in err
+    code, out, _ = run(capsys, *argv[:-1], "16GiB", "--disk", "nvme")
+    assert code == 0 and "disk tier: read" in out and "gradients held in 2 pack slots" in out
+    # the whole model's gradients would not fit beside its state: in slots, it all does
     code, out, _ = run(capsys, *argv[:-1], "24GiB", "--disk", "nvme")
-    assert code == 0 and "disk tier: read" in out
-    code, out, _ = run(capsys, *argv[:-1], "24GiB", "--disk", "3GB/s,2GB/s", "--json")
+    assert code == 0 and "gradients held in 2 pack slots" in out and "disk tier" not in out
+    code, out, _ = run(capsys, *argv[:-1], "16GiB", "--disk", "3GB/s,2GB/s", "--json")
     summary = json.loads(out)["summary"]
     assert summary["disk_read_bytes"] > 0 and summary["bytes_by_kind"]["DISK_OUT"] > 0
 

@@ -24,9 +24,12 @@ from harmony.policies import swap_volume
 D, B, LAYERS = 128, 8, 16
 # per Linear: 66 KB of weights and gradients, 132 KB of AdamW state; 2.1 MB in all. Host
 # budgets (the update journal's copies of what stays in memory count too):
-OPTIMIZER_ON_DISK = "2.1MB"  # every pack's optimizer state on disk, the weights in memory
+# Harmony's policies hold the gradients in two pack slots there, not the whole model's
+OPTIMIZER_ON_DISK = "1.8MB"  # every pack's optimizer state on disk, the weights in memory
 # the master weights too (two GPUs: room to stage each one's next weight load too)
-WEIGHTS_ON_DISK = {1: "1.4MB", 2: "1.5MB"}
+WEIGHTS_ON_DISK = {1: "1.0MB", 2: "1.1MB"}
+# the same for a policy whose packs' gradients build up together over the minibatch
+WHOLE_GRADIENTS = {"harmony-no-grouping": ("2.1MB", "1.4MB")}
 ROOMY = "1GB"
 FAST_DISK = "2GB/s,2GB/s"
 TESTS = Path(__file__).parent
@@ -138,15 +141,23 @@ def reference(policy: str, gpus: int, steps: int) -> dict:
 
 
 # ---- exact, and the bytes of the closed form -------------------------------------------
-@pytest.mark.parametrize("policy, gpus", [("harmony-pp", 1), ("harmony-pp", 2), ("harmony-dp", 2)])
+@pytest.mark.parametrize(
+    "policy, gpus",
+    [("harmony-pp", 1), ("harmony-pp", 2), ("harmony-dp", 2), ("harmony-no-grouping", 1)],
+)
 @pytest.mark.parametrize("kinds", [1, 2], ids=["optimizer", "weights"])
 def test_state_on_disk_trains_bitwise_like_in_memory(tmp_path, policy, gpus, kinds):
     plan = plan_for(policy, gpus)
-    host = OPTIMIZER_ON_DISK if kinds == 1 else WEIGHTS_ON_DISK[gpus]
-    e = train(engine(plan, host, tmp_path / "tier"), 3)
+    budgets = WHOLE_GRADIENTS.get(policy, (OPTIMIZER_ON_DISK, WEIGHTS_ON_DISK[gpus]))
+    e = train(engine(plan, budgets[kinds - 1], tmp_path / "tier"), 3)
     try:
         on_disk = e.disk.placement.on_disk
         assert len({k for _, k in on_disk}) == kinds and len(on_disk) == 8 * kinds
+        # the gradients: in two pack-sized slots, or one buffer for the whole model
+        whole = policy in WHOLE_GRADIENTS
+        assert (e.gradient_slots is None) == whole
+        held = e.host.layout.allocated_bytes + (0 if whole else e.gradient_slots.allocated_bytes)
+        assert held == (8 if whole else 2) * (D * D + D) * 4
         # nothing of it stays in host memory between steps
         for unit in e.disk.units.values():
             assert not unit.opt.state
@@ -248,7 +259,7 @@ def test_bad_disk_directories_are_refused_before_anything_changes(tmp_path, monk
     finally:
         e.close()
     with pytest.raises(HostMemoryError, match="needs at least .* even with its optimizer state"):
-        engine(plan, "1.2MB", tmp_path / "tiny").step(*batch(0))
+        engine(plan, "700KB", tmp_path / "tiny").step(*batch(0))
 
 
 # ---- kill -9 ----------------------------------------------------------------------------

@@ -14,6 +14,11 @@ A (pack, kind) on disk still passes through host memory while it is used:
 the tier's staging buffers hold three packs' worth of what is on disk (the
 pack being updated, the next one, read ahead, and the previous one, being
 written back: so the update overlaps both), and they count in the budget.
+
+Gradients never go to disk: the host sums them as they arrive. A plan whose
+packs' gradients arrive pack after pack can hold them in
+:data:`GRADIENT_SLOTS` pack-sized slots instead of one buffer for the whole
+model (``Placement.gradient_slots``; see :mod:`harmony.policies.disk_tier`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ KINDS = ("optimizer", "weights", "gradients")
 #: packs whose on-disk state is in host memory at once: one updated, one read ahead and
 #: one written back (with two, a read would wait for the previous write to end)
 STAGED_PACKS = 3
+#: packs whose gradients are in host memory at once when they are held in slots: one
+#: being updated while the next one's arrive (a pack's gradients then wait for the
+#: update of the pack two before it)
+GRADIENT_SLOTS = 2
 
 
 class HostMemoryError(HarmonyError):
@@ -70,6 +79,8 @@ class Placement:
     disk_bytes: int  # state on disk (the tier keeps two slots of each: twice this on disk)
     read_bytes_per_step: int
     write_bytes_per_step: int
+    #: packs whose gradients the reserve holds at once (0: every pack's, the whole step)
+    gradient_slots: int = 0
 
     @property
     def host_bytes(self) -> int:

@@ -22,6 +22,7 @@ from .updates import UpdateJournal
 if TYPE_CHECKING:
     from .disk_state import StateOnDisk
     from .distributed import GradientSync
+    from .gradient_slots import GradientSlots
 
 
 @dataclass(frozen=True)
@@ -49,3 +50,5 @@ class StepContext:
     sync: "GradientSync | None"  # gradients averaged across servers (None: one server)
     #: the state kept on a disk tier, read and written by DISK_IN / DISK_OUT (None: none)
     disk: "StateOnDisk | None" = None
+    #: host gradients held in pack-sized slots (None: one buffer for the whole model)
+    gradient_slots: "GradientSlots | None" = None

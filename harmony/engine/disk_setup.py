@@ -239,7 +239,7 @@ def attach(
             f"this engine's placement keeps {on_disk}: resume with the same plan, host_memory "
             "and hardware as the run"
         )
-    if placement is None:
+    if placement is None or not placement.on_disk:  # at most gradient slots: no tier
         return None
     units = make_units(engine, placement)
     budget = settings.budget

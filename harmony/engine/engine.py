@@ -57,6 +57,7 @@ from .engine_checks import (
     check_updates_run_where_state_is,
     make_optimizers,
 )
+from .gradient_slots import GradientSlots, gradient_slots_for
 from .host_memory import besides_the_model, check_host_memory
 from .host_model import HostModel
 from .reference_loop import as_args
@@ -155,6 +156,7 @@ class Engine:
         )
         self.host_settings = host_settings(host_memory, disk_dir, disk, hardware)
         self.disk: StateOnDisk | None = None  # the state on the disk tier, once placed
+        self.gradient_slots: GradientSlots | None = None  # host gradients in slots, if placed so
         self.chain = decompose(model)
         self.layers: list[nn.Module] = list(self.chain.layers)
         self.model = model
@@ -335,6 +337,7 @@ class Engine:
             journal=self.journal if self.safe_updates else None,
             sync=self.sync,
             disk=self.disk,
+            gradient_slots=self.gradient_slots,
         )
 
     def _graph(self, inputs: tuple, target: torch.Tensor) -> TaskGraph:
@@ -387,6 +390,7 @@ class Engine:
             check_updates_run_where_state_is(graph, self.plan)
             check_host_memory(self, graph)
             self.disk = attach(self, graph, self.host_settings, self.safe_updates)
+            self.gradient_slots = gradient_slots_for(self, graph)
             self.host_settings.resume = None
             # master weights on the tier are placeholders now: lay out the rest anew
             on_disk = frozenset(self.disk.on_disk if self.disk is not None else ())

@@ -137,8 +137,11 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
     """Bytes the engine will add to host memory for its plan (``graph``: its
     task graph, needed to count an emulated GPU's buffers and what its disk
     tier takes and gives back), by what."""
+    from .gradient_slots import gradient_slots_for
+
     grads = optimizer = freed = 0.0
     placement = placement_of(graph)
+    slots = gradient_slots_for(engine, graph)
     for (q, _), opt in engine.optimizers.items():
         if opt is None:
             continue
@@ -158,6 +161,8 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
     emulated = 0.0
     if any(b.kind == "emulated" for b in engine.backends):
         emulated = emulated_pool_bytes(graph)
+    if slots is not None:
+        grads = slots.nbytes
     return {
         "gradients": grads,
         "optimizer state": optimizer,

@@ -118,8 +118,13 @@ class Updates:
             return
         key = (task.pack, task.data.shard[0])
         opt = self.ctx.optimizers[key]
-        if opt is None:
-            return
+        if opt is not None:
+            self.host_update(task, key, opt)
+        if self.ctx.gradient_slots is not None:  # the pack's gradients are dropped
+            self.ctx.gradient_slots.updated(task.pack)
+
+    def host_update(self, task: Task, key: tuple[int, int], opt: torch.optim.Optimizer) -> None:
+        """Step ``opt`` (update ``task`` of the unit ``key``) on the host tensors."""
         sync = self.ctx.sync
         with sync.update(key) if sync is not None else contextlib.nullcontext():
             if sync is not None:

@@ -109,7 +109,11 @@ class StepRun(StepMemory, Transfers, Compute, Updates, DiskSteps):
         self.pacer = shared.pacer if shared else LinkPacer(graph.links)
         # the graph sends the gradients of parameters tied across packs per microbatch
         self.splits_ties = any(isinstance(t.data, TiedGradients) for t in graph.tasks)
-        self.ties = TieSums(ctx.host, graph, self.grads_lock) if self.splits_ties else None
+        self.ties = (
+            TieSums(ctx.host, graph, self.grads_lock, self.gradient_buffer)
+            if self.splits_ties
+            else None
+        )
         # gradient sums kept on the GPUs, and updates on them (the plan's options)
         gpu_sums = ctx.plan.option("gpu_gradients")
         self.accumulators = Accumulators(graph) if gpu_sums else None
@@ -217,6 +221,8 @@ class StepRun(StepMemory, Transfers, Compute, Updates, DiskSteps):
                     b.copy_(old)
         for p in self.ctx.host.module.parameters():
             p.grad = None
+        if self.ctx.gradient_slots is not None:
+            self.ctx.gradient_slots.reset()
         self.disk_roll_back()
         for buf, (n, excess) in self.charged.items():
             self._give_back(buf, n, excess)

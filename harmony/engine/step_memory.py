@@ -125,11 +125,20 @@ class StepMemory:
         pools = [b.pool for b in self.backends.values() if b.pool is not None] + [
             self.ctx.host.pool
         ]
-        grads = self.ctx.host.layout
+        grads = [self.ctx.host.layout, self.ctx.gradient_slots]
+        grads = [g for g in grads if g is not None]
         return (
-            sum(p.allocations for p in pools) + grads.allocations,
-            sum(p.allocated_bytes for p in pools) + grads.allocated_bytes,
+            sum(p.allocations for p in pools + grads),
+            sum(p.allocated_bytes for p in pools + grads),
         )
+
+    def gradient_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        """Where host parameter ``p``'s gradient lands this step: its slot, or a
+        buffer of the host layout kept from step to step."""
+        slots = self.ctx.gradient_slots
+        if slots is not None and slots.holds(p):
+            return slots.buffer(p)
+        return self.ctx.host.layout.grad_buffer(p)
 
     def pieces(self, bufs: list[int]) -> list:
         return [(self.graph.buffers[b].samples, self.store[b]) for b in bufs]

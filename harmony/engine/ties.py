@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -17,8 +18,15 @@ class TieSums:
     backward order (the highest layers first, as autograd reaches them), and
     those sums over the microbatches in order, into the parameter's ``.grad``."""
 
-    def __init__(self, host: HostModel, graph: TaskGraph, lock: threading.Lock):
-        self.host, self.lock = host, lock
+    def __init__(
+        self,
+        host: HostModel,
+        graph: TaskGraph,
+        lock: threading.Lock,
+        gradient_buffer: Callable[[torch.Tensor], torch.Tensor],
+    ):
+        """``gradient_buffer``: where a parameter's gradient lands (the step's)."""
+        self.host, self.lock, self.gradient_buffer = host, lock, gradient_buffer
         self.params: dict[int, torch.Tensor] = {}
         self.packs: dict[int, set] = defaultdict(set)  # parameter -> packs that send a part
         ranges: dict[int, set] = defaultdict(set)
@@ -52,8 +60,8 @@ class TieSums:
             total = ordered[0].to(p.dtype)
             for part in ordered[1:]:
                 total = total + part.to(p.dtype)
-            if p.grad is None:  # a buffer kept from step to step
-                p.grad = self.host.layout.grad_buffer(p)
+            if p.grad is None:  # memory kept from step to step
+                p.grad = self.gradient_buffer(p)
                 p.grad.copy_(total)
             else:
                 p.grad.add_(total)

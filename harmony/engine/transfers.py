@@ -173,8 +173,8 @@ class Transfers:
             first, more = [], []
             for host, g in sums:
                 if host.grad is None or replace:
-                    if host.grad is None:  # a buffer kept from step to step (float32 under
-                        host.grad = self.ctx.host.layout.grad_buffer(host)  # mixed precision)
+                    if host.grad is None:  # memory kept from step to step (float32 under
+                        host.grad = self.gradient_buffer(host)  # mixed precision)
                     first.append((host.grad, g))
                 else:
                     more.append((host.grad, g))

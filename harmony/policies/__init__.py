@@ -100,7 +100,7 @@ def swap_volume(spec: ModelSpec, plan: Plan, hardware: Hardware | None = None) -
     out = policy.swap_volume(spec, plan)
     if hardware is None:
         return out
-    placement = place(spec, plan, hardware, out)
+    placement = place(spec, plan, hardware, out, gradient_window(plan))
     return policy.swap_volume(spec, plan, disk=placement) if placement.on_disk else out
 
 
@@ -112,7 +112,14 @@ def disk_placement(spec: ModelSpec, hardware: Hardware, plan: Plan) -> Placement
     plan.validate(len(spec))
     check_options(plan)
     spec = spec_for(spec, plan)
-    return place(spec, plan, hardware, get_policy(plan.policy).swap_volume(spec, plan))
+    moved = get_policy(plan.policy).swap_volume(spec, plan)
+    return place(spec, plan, hardware, moved, gradient_window(plan))
+
+
+def gradient_window(plan: Plan) -> bool:
+    """Whether ``plan``'s policy sends its packs' gradients pack after pack, so
+    that they can be held in slots (its ``GRADIENT_WINDOW``)."""
+    return getattr(get_policy(plan.policy), "GRADIENT_WINDOW", False)
 
 
 def spec_for(spec: ModelSpec, plan: Plan) -> ModelSpec:

@@ -11,7 +11,13 @@ state; :func:`~.state.host_state`) the run keeps in host memory a *reserve*:
   at once, as the engine's host check counts them);
 * the gradients: the host sums them as they arrive, microbatch by
   microbatch (or shard by shard), so a copy on disk would save nothing
-  while they are summed; they never go to disk here;
+  while they are summed; they never go to disk. All of them, for the whole
+  step, where that fits; else, where the policy's gradients arrive pack after
+  pack (its ``GRADIENT_WINDOW``), :data:`~harmony.costs.placement.GRADIENT_SLOTS`
+  slots of the largest pack's: the G_OUTs of a pack wait for the update of
+  the pack that many before it (:func:`hold_gradients_in_slots`), and a
+  parameter tied across packs keeps its gradient for the step (its parts come
+  from several packs' backward);
 * with ``gpu_optimizer``, the whole state of a plan that swaps it to the
   GPU for the update (OPT_IN / OPT_OUT): the baselines that do so (virtual
   memory, GPipe with swapping) have no disk tier; a plan whose state stays
@@ -46,9 +52,28 @@ from dataclasses import asdict, replace
 from typing import Iterable, Mapping
 
 from ..costs.hardware import Hardware, format_bytes
-from ..costs.placement import STAGED_PACKS, HostMemoryError, PackBytes, Placement, place_state
-from ..costs.spec import ModelSpec
-from ..graph import ACT_OUT, DISK_IN, DISK_OUT, OPT_IN, STASH_OUT, UPD, W_IN, DiskState, Task
+from ..costs.placement import (
+    GRADIENT_SLOTS,
+    STAGED_PACKS,
+    HostMemoryError,
+    PackBytes,
+    Placement,
+    place_state,
+)
+from ..costs.spec import ModelSpec, Tie, dtype_bytes
+from ..graph import (
+    ACT_OUT,
+    DISK_IN,
+    DISK_OUT,
+    G_OUT,
+    OPT_IN,
+    STASH_OUT,
+    UPD,
+    W_IN,
+    DiskState,
+    Gradients,
+    Task,
+)
 from ..plan import Pack, Plan, layer_shard
 from .base import HOST, GraphBase
 from .state import host_state
@@ -57,47 +82,91 @@ READ = "host.disk_read"
 WRITE = "host.disk_write"
 
 
-def place(spec: ModelSpec, plan: Plan, hw: Hardware, moved: Mapping[str, float]) -> Placement:
+def place(
+    spec: ModelSpec, plan: Plan, hw: Hardware, moved: Mapping[str, float], window: bool = False
+) -> Placement:
     """Where ``plan``'s state lives on ``hw`` (the module docstring's rule);
-    ``moved``: its bytes per transfer kind (the closed form, or a graph's)."""
+    ``moved``: its bytes per transfer kind (the closed form, or a graph's);
+    ``window``: the plan's packs' gradients arrive pack after pack, so they
+    can be held in slots (the policy's ``GRADIENT_WINDOW``)."""
     state = [host_state(spec, range(*p)) for p in plan.bwd_packs]
-    stash = moved.get(STASH_OUT, 0.0) + moved.get(ACT_OUT, 0.0)
+    stash = int(moved.get(STASH_OUT, 0.0) + moved.get(ACT_OUT, 0.0))
     if plan.option("gpu_optimizer"):
         pinned = sum(p.total for p in state) if moved.get(OPT_IN, 0.0) else 0
         movable = [PackBytes(0, 0, 0)] * len(state)
+        choices = [(0, pinned)]
     else:
-        pinned = sum(p.gradients for p in state)
         movable = [replace(p, gradients=0) for p in state]
-    reserve = int(stash) + pinned
-    try:
-        placement = place_state(movable, hw.host_memory, reserve=reserve)
-        if not placement.on_disk or hw.has_disk:
+        choices = [(0, sum(p.gradients for p in state))]
+        if window and not plan.option("gpu_gradients"):
+            choices.append((GRADIENT_SLOTS, windowed_gradients(spec, plan)))
+    # the whole model's gradients if all then fits host memory; else gradient slots
+    # where the plan allows them (they put less on disk), and the disk for the rest
+    placed = []
+    for slots, gradients in choices:
+        try:
+            placement = place_state(movable, hw.host_memory, reserve=stash + gradients)
+        except HostMemoryError:
+            continue
+        placement = replace(placement, gradient_slots=slots)
+        if not placement.on_disk:
             return placement
-    except HostMemoryError:
-        if hw.has_disk and any(p.total for p in movable):
-            least = reserve + STAGED_PACKS * max(p.total for p in movable)
-            raise HostMemoryError(
-                f"host memory: {plan.policy} on {hw.name!r} needs at least "
-                f"{format_bytes(least)} of host memory even with its optimizer state and "
-                f"master weights on disk (gradients {format_bytes(pinned)}, stashes and "
-                f"offloaded activations {format_bytes(stash)}, staging for {STAGED_PACKS} "
-                f"packs) but host_memory is {format_bytes(hw.host_memory)}: give more host "
-                "memory (--host-memory, Hardware.with_host_memory), or smaller backward packs "
-                "(less to stage) or fewer stashes",
-                available=hw.host_memory,
-            ) from None
-    total = sum(p.total for p in state) + stash
+        placed.append(placement)
+    if placed and hw.has_disk:
+        return placed[-1]
+    slots, gradients = choices[-1]
+    held = (
+        f"gradient slots for {slots} packs {format_bytes(gradients)}"
+        if slots
+        else f"gradients {format_bytes(gradients)}"
+    )
+    if hw.has_disk and any(p.total for p in movable):
+        least = stash + gradients + STAGED_PACKS * max(p.total for p in movable)
+        raise HostMemoryError(
+            f"host memory: {plan.policy} on {hw.name!r} needs at least "
+            f"{format_bytes(least)} of host memory even with its optimizer state and "
+            f"master weights on disk ({held}, stashes and offloaded activations "
+            f"{format_bytes(stash)}, staging for {STAGED_PACKS} packs) but host_memory is "
+            f"{format_bytes(hw.host_memory)}: give more host memory (--host-memory, "
+            "Hardware.with_host_memory), or smaller backward packs (less to stage) or fewer "
+            "stashes",
+            available=hw.host_memory,
+        )
+    total = sum(p.total for p in movable) + gradients + stash
     if plan.option("gpu_optimizer"):
         fix = "run without gpu_optimizer (the CPU update can read its state from a disk tier) or "
     else:
         fix = "give the server a disk tier (--disk nvme, Hardware.with_disk) or "
     raise HostMemoryError(
         f"host memory: {plan.policy} on {hw.name!r} keeps {format_bytes(total)} in host "
-        f"memory (training state {format_bytes(total - stash)}, stashes and offloaded "
-        f"activations {format_bytes(stash)}) but host_memory is "
+        f"memory (training state {format_bytes(total - stash)}, of which {held}, stashes and "
+        f"offloaded activations {format_bytes(stash)}) but host_memory is "
         f"{format_bytes(hw.host_memory)}: {fix}more host memory (--host-memory)",
         available=hw.host_memory,
     )
+
+
+def tied_across_packs(spec: ModelSpec, plan: Plan) -> list[Tie]:
+    """The ties whose layers are in more than one backward pack: their gradient
+    sums parts from several packs' backward, so it is held the whole backward."""
+    packs = plan.bwd_packs
+    return [
+        tie
+        for tie in spec.ties
+        if len({q for q, (a, b) in enumerate(packs) for i in tie.layers if a <= i < b}) > 1
+    ]
+
+
+def windowed_gradients(spec: ModelSpec, plan: Plan) -> int:
+    """Host bytes of gradients held in :data:`GRADIENT_SLOTS` slots: that many of
+    the largest pack's (less the ties across packs), and the ties' for the step."""
+    master = dtype_bytes(spec.master_dtype or spec.param_dtype)
+    tied = {tie.layers[0]: tie.numel * master for tie in tied_across_packs(spec, plan)}
+    per_pack = [
+        host_state(spec, range(a, b)).gradients - sum(n for i, n in tied.items() if a <= i < b)
+        for a, b in plan.bwd_packs
+    ]
+    return GRADIENT_SLOTS * max(per_pack, default=0) + sum(tied.values())
 
 
 def weight_packs(spec: ModelSpec, plan: Plan, layers: Pack) -> list[int]:
@@ -127,17 +196,56 @@ def disk_volume(
     }
 
 
-def add_disk_tasks(b: GraphBase) -> dict | None:
-    """Place the state of ``b``'s plan and add the disk transfers it implies (see
-    the module docstring). Returns the placement for the graph's ``info``, or
-    None when nothing is on disk (the graph is left as it was)."""
+def add_disk_tasks(b: GraphBase, window: bool = False) -> dict | None:
+    """Place the state of ``b``'s plan (``window``: as for :func:`place`) and add
+    the disk transfers and gradient slots it implies (see the module
+    docstring). Returns the placement for the graph's ``info``, or None when it
+    all fits host memory as it always did (the graph is left as it was)."""
     moved: dict[str, float] = defaultdict(float)
     for t in b.tasks:
         if t.is_transfer:
             moved[t.kind] += t.nbytes
-    placement = place(b.spec, b.plan, b.hw, moved)
-    if not placement.on_disk:
+    placement = place(b.spec, b.plan, b.hw, moved, window)
+    if not placement.on_disk and not placement.gradient_slots:
         return None
+    if placement.gradient_slots:
+        hold_gradients_in_slots(b, placement.gradient_slots)
+    if placement.on_disk:
+        _add_transfers(b, placement)
+    return asdict(placement)
+
+
+def hold_gradients_in_slots(b: GraphBase, slots: int) -> None:
+    """The gradients of the j-th pack whose gradients reach host memory (in
+    priority order) wait for the updates of the (j - ``slots``)-th: its slot.
+    A policy declares its gradients arrive pack after pack (``GRADIENT_WINDOW``);
+    priorities that say otherwise (a pack's update after the first gradient that
+    waits for it) would deadlock, and are refused here."""
+    outs: dict[int, list[Task]] = defaultdict(list)
+    order: list[int] = []
+    gradients = [t for t in b.tasks if t.kind == G_OUT and isinstance(t.data, Gradients)]
+    for out in sorted(gradients, key=lambda t: t.seq):
+        if out.pack not in outs:
+            order.append(out.pack)
+        outs[out.pack].append(out)
+    updates: dict[int, list[Task]] = defaultdict(list)
+    for t in b.tasks:
+        if t.kind == UPD and t.device == "cpu":
+            updates[t.pack].append(t)
+    for j in range(slots, len(order)):
+        free = updates[order[j - slots]]
+        for out in outs[order[j]]:
+            if any(u.seq >= out.seq for u in free):
+                raise AssertionError(
+                    f"{b.plan.policy}: the gradients of pack {out.pack} arrive before the update "
+                    f"of pack {order[j - slots]} ({slots} packs earlier): its GRADIENT_WINDOW "
+                    "is wrong for this plan"
+                )
+            out.deps = sorted(set(out.deps) | {u.id for u in free})
+
+
+def _add_transfers(b: GraphBase, placement: Placement) -> None:
+    """The DISK_IN and DISK_OUT tasks of ``placement`` (the module docstring's)."""
     b.links[READ], b.links[WRITE] = b.hw.disk_read, b.hw.disk_write
     weights = _disk_weights(b.spec, b.plan, placement)
     for load in [t for t in b.tasks if t.kind == W_IN]:
@@ -160,7 +268,8 @@ def add_disk_tasks(b: GraphBase) -> dict | None:
         read = _disk(b, DISK_IN, update, -1, nbytes, slot, data)
         update.deps = sorted(set(update.deps) | {read.id})
         written.append(_disk(b, DISK_OUT, update, +1, nbytes, [update.id], data).id)
-    return asdict(placement)
+
+
 
 
 def _disk_weights(spec: ModelSpec, plan: Plan, placement: Placement) -> list[int]:

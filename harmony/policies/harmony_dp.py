@@ -35,12 +35,18 @@ NAME = "harmony-dp"
 ROLE = "harmony"
 #: planned by harmony's search (else by its own chooser in harmony.planner.systems)
 SEARCHED = True
+#: a pack's gradients all reach host memory before the next-but-one pack's first one (packs
+#: run grouped over the whole minibatch), so where host memory is short they can be held
+#: in slots (harmony.policies.disk_tier)
+GRADIENT_WINDOW = True
 PER_MICROBATCH = False
 
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
     # tied gradients split per microbatch unless they are reduced across GPUs
-    b = GraphBuilder(spec, hw, plan, model, split_ties=plan.n_gpus == 1)
+    b = GraphBuilder(
+        spec, hw, plan, model, split_ties=plan.n_gpus == 1, gradient_window=GRADIENT_WINDOW
+    )
     n = plan.n_gpus
     offload = plan.option("offload_activations")
     per_replica = [

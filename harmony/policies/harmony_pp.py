@@ -31,13 +31,17 @@ NAME = "harmony-pp"
 ROLE = "harmony"
 #: planned by harmony's search (else by its own chooser in harmony.planner.systems)
 SEARCHED = True
+#: a pack's gradients all reach host memory before the next-but-one pack's first one (packs
+#: run grouped over the whole minibatch), so where host memory is short they can be held
+#: in slots (harmony.policies.disk_tier)
+GRADIENT_WINDOW = True
 #: packs run grouped over the microbatches (see harmony.policies.harmony_no_grouping for the
 #: opposite)
 PER_MICROBATCH = False
 
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
-    b = GraphBuilder(spec, hw, plan, model)
+    b = GraphBuilder(spec, hw, plan, model, gradient_window=GRADIENT_WINDOW)
     n = plan.n_gpus
     # Consecutive steps share a GPU only when there is one GPU.
     offload = plan.option("offload_activations") and n == 1

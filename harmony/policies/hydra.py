@@ -50,6 +50,10 @@ NAME = "hydra"
 ROLE = "system"
 #: planned by harmony's search (else by its own chooser in harmony.planner.systems)
 SEARCHED = False
+#: a pack's gradients all reach host memory before the next-but-one pack's first one (packs
+#: run grouped over the whole minibatch), so where host memory is short they can be held
+#: in slots (harmony.policies.disk_tier)
+GRADIENT_WINDOW = True
 PER_MICROBATCH = False
 
 
@@ -64,7 +68,9 @@ def _check(plan: Plan) -> None:
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
     _check(plan)
-    b = GraphBuilder(spec, hw, plan, model, overlap_recompute=False)
+    b = GraphBuilder(
+        spec, hw, plan, model, overlap_recompute=False, gradient_window=GRADIENT_WINDOW
+    )
     steps = grouped_ops(plan, (0, plan.minibatch), lambda i: 0, lambda i: True)
     b.run([op for step in steps for op in step])
     update_after_gradients(b)
