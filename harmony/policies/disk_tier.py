@@ -98,8 +98,9 @@ def place(
     else:
         movable = [replace(p, gradients=0) for p in state]
         choices = [(0, sum(p.gradients for p in state))]
-        if window and not plan.option("gpu_gradients"):
-            choices.append((GRADIENT_SLOTS, windowed_gradients(spec, plan)))
+        slots = windowed_gradients(spec, plan)
+        if window and not plan.option("gpu_gradients") and slots < choices[0][1]:
+            choices.append((GRADIENT_SLOTS, slots))
     # the whole model's gradients if all then fits host memory; else gradient slots
     # where the plan allows them (they put less on disk), and the disk for the rest
     placed = []
