@@ -9,7 +9,12 @@ of a commodity machine (``--host-memory``, 24 GiB) over a PCIe 4.0 NVMe drive
    disk; the disk bytes per iteration, simulated and in closed form, and their
    ratio (1.0: the graph moves what the formula says); the disk's time
    (bytes over bandwidth) and the lower bound against the iteration.
-2. The search run on the short-memory server itself: its best plan's seconds
+2. Gradients in two pack slots (Harmony's policies, where the whole model's do
+   not fit) against the whole model's gradients in host memory (the policies'
+   ``GRADIENT_WINDOW`` turned off: ``harmony.policies.without_gradient_slots``),
+   the plan of 1 on the short server: what goes to disk, seconds per
+   iteration, their ratio.
+3. The search run on the short-memory server itself: its best plan's seconds
    per iteration against the best with memory to spare.
 
     python bench/disk_tier_sim.py [--minibatch 64] [--host-memory 24GiB] [--disk nvme]
@@ -18,6 +23,7 @@ of a commodity machine (``--host-memory``, 24 GiB) over a PCIe 4.0 NVMe drive
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import harmony
@@ -25,7 +31,7 @@ from harmony.costs.catalog import model_spec
 from harmony.costs.hardware import format_bytes, preset
 from harmony.costs.placement import HostMemoryError
 from harmony.graph import DISK_IN, DISK_OUT
-from harmony.policies import disk_placement, swap_volume
+from harmony.policies import disk_placement, swap_volume, without_gradient_slots
 from harmony.trace import Summary
 
 
@@ -68,14 +74,17 @@ def main() -> None:
     except HostMemoryError as e:
         print(f"   does not fit the short server: {e}")
 
+    print("\n2. gradients in slots against the whole model's, the plan of 1 on the short server:")
+    slots_or_whole(spec, short, plan)
+
     started = time.perf_counter()
     try:
         chosen = harmony.search(spec, short, args.minibatch, workers=args.workers)
     except HostMemoryError as e:
-        print(f"\n2. no plan the search tries fits the short server: {e}")
+        print(f"\n3. no plan the search tries fits the short server: {e}")
         return
     row, ratio = chosen.iloc[0], chosen.iloc[0]["iteration_s"] / best.iloc[0]["iteration_s"]
-    print(f"\n2. the search on the short server ({time.perf_counter() - started:.0f} s):")
+    print(f"\n3. the search on the short server ({time.perf_counter() - started:.0f} s):")
     print(f"   {row['plan'].describe()}: {row['iteration_s']:.3f} s/iter, ", end="")
     print(f"disk {row['disk_gb']:.2f} GB read + written")
     print(
@@ -117,6 +126,27 @@ def same_plan(spec, roomy, short, plan) -> None:
         f"lower bound {spilled.lower_bound_s:.3f} s ({spilled.lower_bound_by}), "
         f"time / lower bound {spilled.time_over_lower_bound:.3f}"
     )
+
+
+def slots_or_whole(spec, short, plan) -> None:
+    rows = {}
+    for name, ctx in (("slots", contextlib.nullcontext()), ("whole", without_gradient_slots())):
+        with ctx:
+            try:
+                placement = disk_placement(spec, short, plan)
+                rows[name] = (placement, simulate(spec, short, plan))
+            except HostMemoryError as e:
+                print(f"   {name}: does not fit: {e}")
+    for name, (placement, summary) in rows.items():
+        print(
+            f"   {name}: gradient slots {placement.gradient_slots}, reserve (gradients, stashes) "
+            f"{format_bytes(placement.reserve)}, on disk {len(placement.on_disk)} (pack, kind), "
+            f"disk {(summary.disk_read_bytes + summary.disk_write_bytes) / 1e9:.2f} GB/iter, "
+            f"{summary.iteration_s:.3f} s/iter"
+        )
+    if len(rows) == 2:
+        ratio = rows["slots"][1].iteration_s / rows["whole"][1].iteration_s
+        print(f"   s/iter slots / whole: {ratio:.4f}")
 
 
 if __name__ == "__main__":

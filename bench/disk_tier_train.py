@@ -10,6 +10,10 @@ times. Printed: the placement, measured s/step (median over the steps after
 the first, which reads no optimizer state yet) against the simulated
 iteration and the lower bound (disk bytes over bandwidth against compute),
 and per disk kind measured / simulated / closed-form bytes.
+``--gradients both`` trains twice under the same budget: the gradients in two
+pack slots (Harmony's policies, where the whole model's do not fit) and the
+whole model's (``harmony.policies.without_gradient_slots``), and prints what
+each put on disk and their s/step side by side.
 
 **Real** (``--real``): a GPT-2-style model of ``--blocks`` blocks of width
 ``--hidden`` (29 x 2560: fp32 weights, gradients and AdamW state 1.6x a
@@ -22,12 +26,14 @@ s/step against the simulator (with the measured disk bandwidth) and the
 lower bound. The tier's files are deleted at the end.
 
     python bench/disk_tier_train.py [--steps 4] [--disk 200MB/s,200MB/s] [--weights] [--auto]
+        [--gradients slots|whole|both]
     python bench/disk_tier_train.py --real --dir /var/tmp [--hidden 2560] [--steps 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import shutil
 import statistics
@@ -53,7 +59,8 @@ from harmony.engine.profiler import profile
 from harmony.engine.tiers import measure_disk_bandwidth
 from harmony.engine.tiers.budget import return_freed_memory
 from harmony.graph import DISK_IN, DISK_OUT
-from harmony.policies import build_graph, swap_volume
+from harmony.policies import build_graph, swap_volume, without_gradient_slots
+from harmony.policies.disk_tier import windowed_gradients
 from harmony.policies.state import host_state
 from harmony.workbench.training import build_model, lm_loss
 
@@ -75,15 +82,15 @@ def one_pack_per_layer(n_layers: int, minibatch: int, microbatch: int) -> Plan:
 
 def budget_for(spec, plan: Plan, weights_too: bool) -> int:
     """Host memory that sends every pack's optimizer state to disk (and, with
-    ``weights_too``, half of the master weights): gradients, the master weights
-    left and the update journal's copy of them, stashes, three packs of staging
-    and room for the tier's buffers."""
+    ``weights_too``, half of the master weights): gradients (in two pack slots),
+    the master weights left and the update journal's copy of them, stashes,
+    three packs of staging and room for the tier's buffers."""
     state = [host_state(spec, range(*p)) for p in plan.bwd_packs]
     moved = swap_volume(spec, plan)
     stash = moved.get("STASH_OUT", 0.0) + moved.get("ACT_OUT", 0.0)
     weights = sum(s.weights for s in state) // (2 if weights_too else 1)
     staging = 3 * max(s.optimizer + (s.weights if weights_too else 0) for s in state)
-    need = sum(s.gradients for s in state) + 2 * weights + stash + staging
+    need = windowed_gradients(spec, plan) + 2 * weights + stash + staging
     return int(need * 1.03)  # the tier's I/O buffers and file padding
 
 
@@ -105,11 +112,14 @@ def report(engine: Engine, times: list[float], lower: float) -> None:
     it = statistics.median(times[1:])
     placement = engine.disk.placement
     kinds = sorted({k for _, k in placement.on_disk})
+    held = engine.gradient_slots
     print(
         f"placement: {', '.join(kinds)} of {len({q for q, _ in placement.on_disk})} packs on "
         f"disk, {format_bytes(placement.disk_bytes)} (x2 slots on disk); host state "
         f"{format_bytes(placement.host_state_bytes)}, staging "
-        f"{format_bytes(placement.staging_bytes)}"
+        f"{format_bytes(placement.staging_bytes)}; gradients "
+        + (f"in {placement.gradient_slots} pack slots" if held else "of the whole model")
+        + f" (with stashes {format_bytes(placement.reserve)})"
     )
     print(
         f"measured {it:.3f} s/step (median of steps 2..{len(times)}: "
@@ -167,6 +177,21 @@ def emulated(args) -> None:
         f"{params / 1e6:.1f} M parameters; "
         f"host budget {format_bytes(host)}; emulated disk {args.disk}"
     )
+    variants = {"slots": contextlib.nullcontext, "whole": without_gradient_slots}
+    chosen = list(variants) if args.gradients == "both" else [args.gradients]
+    steps = {}
+    for name in chosen:
+        if len(chosen) > 1:
+            print(f"\n-- gradients: {name}")
+        with variants[name]():
+            steps[name] = train_emulated(args, cfg, spec, plan, device, host, x, y)
+    if len(steps) > 1:
+        ratio = steps["slots"] / steps["whole"]
+        print(f"\ns/step with gradient slots / with the whole model's: {ratio:.3f}")
+
+
+def train_emulated(args, cfg, spec, plan, device, host, x, y) -> float:
+    """Train ``args.steps`` steps; print the report; return the median s/step."""
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         engine = Engine(
             build_model("gpt2-tiny", 0, dropout=0.0, **cfg),
@@ -189,6 +214,7 @@ def emulated(args) -> None:
             if args.auto:
                 print(f"plan='auto' picked {engine.plan.describe()}")
             report(engine, times, lower_bound(engine, engine.host_settings.rates))
+            return statistics.median(times[1:])
         finally:
             engine.close()
 
@@ -284,6 +310,12 @@ def main() -> None:
     ap.add_argument("--weights", action="store_true", help="master weights on disk too")
     ap.add_argument(
         "--auto", action="store_true", help="plan='auto' under the same budget (searched)"
+    )
+    ap.add_argument(
+        "--gradients",
+        choices=("slots", "whole", "both"),
+        default="slots",
+        help="host gradients in two pack slots, the whole model's, or both side by side",
     )
     ap.add_argument("--real", action="store_true", help="a model larger than RAM, real disk")
     ap.add_argument("--seq", type=int, default=128, help="--real: tokens per sample")

@@ -339,16 +339,18 @@ def _gradient_slots_line(spec, hw, plan) -> str:
     """What holding the gradients in slots saves, where the placement does so."""
     from .costs.hardware import format_bytes
     from .policies import disk_placement, spec_for
+    from .policies.disk_tier import windowed_gradients
     from .policies.state import host_state
 
     placement = disk_placement(spec, hw, plan)
     if not placement.gradient_slots:
         return ""
-    whole = sum(host_state(spec_for(spec, plan), range(*p)).gradients for p in plan.bwd_packs)
+    spec = spec_for(spec, plan)
+    whole = sum(host_state(spec, range(*p)).gradients for p in plan.bwd_packs)
     return (
-        f"host memory: gradients held in {placement.gradient_slots} pack slots (with the "
-        f"stashes {format_bytes(placement.reserve)}), not the whole model's "
-        f"{format_bytes(whole)}"
+        f"host memory: gradients held in {placement.gradient_slots} pack slots, "
+        f"{format_bytes(windowed_gradients(spec, plan))} (the whole model's: "
+        f"{format_bytes(whole)})"
     )
 
 

@@ -115,8 +115,10 @@ def plans(draw):
 def test_the_window_never_deadlocks_and_the_closed_form_agrees(case, disk):
     name, plan = case
     spec = model_spec(name)
-    hw = preset("paper-4x1080ti").with_host_memory(between(spec, plan)).with_disk(
-        "nvme" if disk else None
+    hw = (
+        preset("paper-4x1080ti")
+        .with_host_memory(between(spec, plan))
+        .with_disk("nvme" if disk else None)
     )
     try:
         closed = disk_placement(spec, hw, plan)
@@ -203,3 +205,25 @@ def test_a_tied_gpt2_with_its_gradients_in_slots_is_exact(monkeypatch):
             assert torch.equal(value, expected[name]), name
     finally:
         short.close()
+
+
+def test_what_the_explorers_host_shares_put_on_disk_for_gpt2_xl():
+    """The numbers PackExplorer's docstring gives for its host memory shares."""
+    from harmony.planner import plan_for
+    from harmony.workbench.tiers import host_memory_bytes
+
+    spec, hw = model_spec("gpt2-xl"), preset("paper-4x1080ti")
+    plan = plan_for("harmony-pp", spec, hw, 32)
+    ablation = plan_for("harmony-no-grouping", spec, hw, 32)
+
+    def on_disk(plan, share):
+        server = hw.with_host_memory(host_memory_bytes(share, spec)).with_disk("nvme")
+        kinds = [k for _, k in disk_placement(spec, server, plan).on_disk]
+        return kinds.count("optimizer"), kinds.count("weights")
+
+    assert len(plan.bwd_packs) == 20
+    shares = {"90%": (6, 0), "75%": (12, 0), "60%": (18, 0), "45%": (20, 10)}
+    assert {s: on_disk(plan, s) for s in shares} == shares
+    assert on_disk(ablation, "60%")[0] > 0
+    with pytest.raises(HostMemoryError, match="needs at least"):
+        on_disk(ablation, "50%")

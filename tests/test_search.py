@@ -253,9 +253,10 @@ def test_equal_microbatches_only_when_the_model_needs_them():
 @given(
     st.lists(st.integers(1, 5), min_size=1, max_size=8),  # pack lengths
     st.integers(0, 200),  # host memory beside the gradients, MB
+    st.booleans(),  # the policy holds gradients in slots where host memory is short
 )
-def test_split_for_staging_cuts_packs_to_the_staging_share(lengths, host_mb):
-    from harmony.costs.placement import STAGED_PACKS
+def test_split_for_staging_cuts_packs_to_the_staging_share(lengths, host_mb, window):
+    from harmony.costs.placement import GRADIENT_SLOTS, STAGED_PACKS
     from harmony.policies.state import host_state
 
     spec = tiny_spec(sum(lengths))  # 1e6 parameters a layer: 12 MB of weights + AdamW
@@ -263,16 +264,19 @@ def test_split_for_staging_cuts_packs_to_the_staging_share(lengths, host_mb):
     packs = tuple(zip(cuts, cuts[1:]))
     grads = host_state(spec, range(len(spec))).gradients
     host = grads + host_mb * 10**6
-    out = split_for_staging(spec, packs, host)
+    out = split_for_staging(spec, packs, host, window)
     # the same layers, in order, cut only inside the given packs
     assert out[0][0] == 0 and out[-1][1] == len(spec)
     assert all(a < b for a, b in out) and all(x[1] == y[0] for x, y in zip(out, out[1:]))
     assert {a for a, _ in packs} <= {a for a, _ in out}
-    share = (host - grads) / STAGED_PACKS
-    for a, b in out:
+
+    def host_use(a: int, b: int) -> int:
         state = host_state(spec, range(a, b))
-        assert state.weights + state.optimizer <= share or b - a == 1
+        gradients = GRADIENT_SLOTS * state.gradients if window else grads
+        return STAGED_PACKS * (state.weights + state.optimizer) + gradients
+
+    for a, b in out:
+        assert host_use(a, b) <= host or b - a == 1
         # greedy: one more layer would not have fitted (or the given pack ended)
         if b < len(spec) and b not in {a for a, _ in packs}:
-            more = host_state(spec, range(a, b + 1))
-            assert more.weights + more.optimizer > share
+            assert host_use(a, b + 1) > host

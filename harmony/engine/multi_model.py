@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Sequence
 
 from ..costs.spec import ModelSpec
@@ -168,7 +169,8 @@ class _Training:
             run = self.running.get((m, s))
             if run is None:
                 x, y = self.batches[m][s]
-                context = self.engines[m].step_context()
+                # slots follow the engine's own graph: here, buffers for the whole model
+                context = replace(self.engines[m].step_context(), gradient_slots=None)
                 run = StepRun(context, self.sched.views[(m, s)], as_args(x), y, self.shared)
                 self.running[(m, s)] = run
             return run

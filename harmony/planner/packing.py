@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..costs.placement import STAGED_PACKS
+from ..costs.placement import GRADIENT_SLOTS, STAGED_PACKS
 from ..costs.spec import ModelSpec
 from ..plan import Pack
 from ..policies.state import host_state
@@ -104,27 +104,30 @@ def _cut(costs: Sequence[float], limit: float) -> list[Pack]:
 
 
 def split_for_staging(
-    spec: ModelSpec, packs: tuple[Pack, ...], host_memory: int
+    spec: ModelSpec, packs: tuple[Pack, ...], host_memory: int, window: bool = False
 ) -> tuple[Pack, ...]:
-    """``packs`` with each backward pack cut, greedily, until its master weights
-    and optimizer state are at most what a disk tier's staging leaves to one
-    pack: host memory less every pack's gradients (they stay in host memory), over
-    the :data:`~harmony.costs.placement.STAGED_PACKS` packs staged at once. A
-    larger pack cannot be placed (:func:`harmony.policies.disk_tier.place`
-    refuses it); a single layer over the share stays whole, for the simulator to
-    refuse. Stashes also take host memory: the share is an upper bound."""
-    whole = host_state(spec, range(len(spec)))
-    share = (host_memory - whole.gradients) / STAGED_PACKS
+    """``packs`` with each backward pack cut, greedily, until the
+    :data:`~harmony.costs.placement.STAGED_PACKS` copies of its master weights
+    and optimizer state a disk tier stages at once fit host memory beside the
+    gradients (they stay in host memory): every pack's or, with ``window`` (a
+    policy that holds them in slots where host memory is short),
+    :data:`~harmony.costs.placement.GRADIENT_SLOTS` of its own. A larger pack
+    cannot be placed (:func:`harmony.policies.disk_tier.place` refuses it); a
+    single layer over the limit stays whole, for the simulator to refuse.
+    Stashes (and tied gradients) also take host memory: the limit is an upper
+    bound."""
+    whole = host_state(spec, range(len(spec))).gradients
 
-    def movable(a: int, b: int) -> int:
+    def fits(a: int, b: int) -> bool:
         state = host_state(spec, range(a, b))
-        return state.weights + state.optimizer
+        gradients = GRADIENT_SLOTS * state.gradients if window else whole
+        return STAGED_PACKS * (state.weights + state.optimizer) + gradients <= host_memory
 
     out: list[Pack] = []
     for a, b in packs:
         start = a
         for i in range(a + 1, b):
-            if movable(start, i + 1) > share:
+            if not fits(start, i + 1):
                 out.append((start, i))
                 start = i
         out.append((start, b))

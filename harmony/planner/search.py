@@ -41,7 +41,7 @@ from ..costs.reference import max_profiled
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError, OutOfMemoryError
 from ..plan import Pack, Plan
-from ..policies import build_graph, get_policy, names
+from ..policies import build_graph, get_policy, gradient_window, names
 from ..simulate import simulate_graph
 from ..trace import Summary
 from .packing import (
@@ -268,7 +268,8 @@ def _bwd_packings(
         if packs is not None:
             out.append((packs, {"prefetch_packs": 1}))
     if hw.has_disk:  # packs whose state is too big to stage can never be placed
-        out = [(split_for_staging(spec, packs, hw.host_memory), o) for packs, o in out]
+        window = gradient_window(policy)
+        out = [(split_for_staging(spec, packs, hw.host_memory, window), o) for packs, o in out]
     unique = {(packs, tuple(sorted(o.items()))): (packs, o) for packs, o in out}
     return list(unique.values())
 

@@ -9,6 +9,7 @@ state between host memory and a disk tier (:func:`disk_placement`)."""
 
 from __future__ import annotations
 
+import contextlib
 from types import ModuleType
 
 from ..costs.hardware import Hardware
@@ -100,7 +101,7 @@ def swap_volume(spec: ModelSpec, plan: Plan, hardware: Hardware | None = None) -
     out = policy.swap_volume(spec, plan)
     if hardware is None:
         return out
-    placement = place(spec, plan, hardware, out, gradient_window(plan))
+    placement = place(spec, plan, hardware, out, gradient_window(plan.policy))
     return policy.swap_volume(spec, plan, disk=placement) if placement.on_disk else out
 
 
@@ -113,13 +114,27 @@ def disk_placement(spec: ModelSpec, hardware: Hardware, plan: Plan) -> Placement
     check_options(plan)
     spec = spec_for(spec, plan)
     moved = get_policy(plan.policy).swap_volume(spec, plan)
-    return place(spec, plan, hardware, moved, gradient_window(plan))
+    return place(spec, plan, hardware, moved, gradient_window(plan.policy))
 
 
-def gradient_window(plan: Plan) -> bool:
-    """Whether ``plan``'s policy sends its packs' gradients pack after pack, so
-    that they can be held in slots (its ``GRADIENT_WINDOW``)."""
-    return getattr(get_policy(plan.policy), "GRADIENT_WINDOW", False)
+@contextlib.contextmanager
+def without_gradient_slots():
+    """Within it, every policy holds the whole model's gradients in host memory
+    (its ``GRADIENT_WINDOW`` off): to measure what gradient slots save."""
+    saved = {name: getattr(m, "GRADIENT_WINDOW", False) for name, m in POLICIES.items()}
+    for m in POLICIES.values():
+        m.GRADIENT_WINDOW = False
+    try:
+        yield
+    finally:
+        for name, m in POLICIES.items():
+            m.GRADIENT_WINDOW = saved[name]
+
+
+def gradient_window(policy: str) -> bool:
+    """Whether ``policy`` sends its packs' gradients pack after pack, so that
+    they can be held in slots (its ``GRADIENT_WINDOW``)."""
+    return getattr(get_policy(policy), "GRADIENT_WINDOW", False)
 
 
 def spec_for(spec: ModelSpec, plan: Plan) -> ModelSpec:

@@ -271,8 +271,6 @@ def _add_transfers(b: GraphBase, placement: Placement) -> None:
         written.append(_disk(b, DISK_OUT, update, +1, nbytes, [update.id], data).id)
 
 
-
-
 def _disk_weights(spec: ModelSpec, plan: Plan, placement: Placement) -> list[int]:
     """Per backward pack, the bytes of its master weights on disk (0: in host memory)."""
     return [

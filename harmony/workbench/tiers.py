@@ -17,7 +17,7 @@ from ..trace import Trace
 AS_PRESET = "as the preset"
 #: the host memory control's other choices: shares of the model's training state (master
 #: weights, gradients and optimizer state of every layer, :func:`training_state`)
-HOST_SHARES = ("90%", "75%", "60%")
+HOST_SHARES = ("90%", "75%", "60%", "45%")
 #: the disk control's default: no disk tier under host memory
 NO_DISK = "none"
 _NVME = DISKS["nvme"]
@@ -88,18 +88,26 @@ def where_state_lives(
         text += " and no disk"
     if plan is None or trace is None:
         return text
-    if not hw.has_disk:
-        return text + ": the training state stays in host memory"
     try:
         placement = disk_placement(spec, hw, plan)
     except HarmonyError:  # not expected once the plan ran: its graph was placed the same way
         return text
+    slots = (
+        f"; the gradients in {placement.gradient_slots} pack slots, not the whole model's"
+        if placement.gradient_slots
+        else ""
+    )
     if not placement.on_disk:
-        return text + ": nothing on disk, the training state fits in host memory"
+        where = (
+            ": nothing on disk, the training state fits"
+            if hw.has_disk
+            else ": the training state stays"
+        )
+        return f"{text}{where} in host memory{slots}"
     counts = {k: sum(1 for _, kind in placement.on_disk if kind == k) for k in KINDS}
     parts = [f"the {_STATE_WORDS[k]} of {n}" for k, n in counts.items() if n]
     parts[0] += f" of the {len(plan.bwd_packs)} backward packs"
     return (
         f"{text}: on disk {' and '.join(parts)} ({format_bytes(placement.disk_bytes)}), "
-        f"{format_bytes(trace.summary.disk_bytes)} read and written per iteration"
+        f"{format_bytes(trace.summary.disk_bytes)} read and written per iteration{slots}"
     )

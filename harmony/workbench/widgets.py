@@ -184,20 +184,22 @@ class PackExplorer(PlanExplorer):
     (``"24GiB"``, bytes). The control offers shares rather than fixed sizes, so
     that every model of the zoo, from BERT-Large's 5.4 GB of state to
     GPT-2 10B's 168 GB, has state to move: with Adam half the state is
-    optimizer state and a quarter gradients, which stay in host memory; on
-    BERT-96 and GPT-2 XL, 90% sends the optimizer state of some packs to disk,
-    75% most or all of it, 60% master weights too. Somewhat lower (how low
-    depends on the plan's stashes and packs: 60% is too little for BERT-Large's
-    default plan) the gradients, stashes and the disk's staging alone do not
-    fit, and the planner says so. ``disk``: None (:data:`NO_DISK`: no disk
-    tier, so the state must fit host memory; the planner's message says what
-    to set otherwise), a name of :data:`~harmony.costs.hardware.DISKS`
-    (``"nvme"``) or ``"<read>,<write>"`` (``"0.5GB/s,0.5GB/s"``: a SATA SSD;
-    :data:`DISK_CHOICES`). A size or a disk not offered is added to its
-    control's choices (by ``set`` too). With state on disk the timeline shows
-    the disk's lanes (``host.disk_read``, ``host.disk_write``), the table its
-    bytes (``disk GB``: swap GB counts host<->GPU bytes only) and the headline
-    what is on disk.
+    optimizer state and a quarter gradients, which never go to disk. Harmony's
+    policies then hold only two packs' gradients (slots), the ablations every
+    pack's: on GPT-2 XL at minibatch 32, the planner's harmony-pp plan (with an
+    NVMe disk) sends the optimizer state of 6 of its 20 packs to disk at 90%,
+    12 at 75%, 18 at 60%, all and 10 packs' master weights at 45%, where
+    harmony-no-grouping's gradients, stashes and staging no longer fit (at
+    50%). How low a plan goes depends on its stashes and packs (50% is too
+    little for BERT-Large's): below, the planner says so.
+    ``disk``: None (:data:`NO_DISK`: no disk tier, so the state must fit host
+    memory; the planner's message says what to set otherwise), a name of
+    :data:`~harmony.costs.hardware.DISKS` (``"nvme"``) or ``"<read>,<write>"``
+    (``"0.5GB/s,0.5GB/s"``: a SATA SSD; :data:`DISK_CHOICES`). A size or a disk
+    not offered is added to its control's choices (by ``set`` too). With state
+    on disk the timeline shows the disk's lanes (``host.disk_read``,
+    ``host.disk_write``), the table its bytes (``disk GB``: swap GB counts
+    host<->GPU bytes only) and the headline what is on disk.
 
     The widget re-draws on every change; plans over
     :data:`~harmony.workbench.play.MAX_TASKS` tasks are not simulated

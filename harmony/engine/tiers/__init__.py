@@ -1,6 +1,6 @@
 """Storage tiers below the GPU: host memory with a budget, and a disk for the
 per-pack state that does not fit there (optimizer state first, then master
-weights, then gradients).
+weights; gradients stay in host memory, in pack-sized slots where it is short).
 
 * :class:`HostBudget` (``budget.py``): host memory as a ledger with a capacity.
 * :class:`DiskTier` (``disk.py``): per-(pack, kind) files, double buffered,
@@ -23,8 +23,10 @@ counted in closed form and searched): ``Hardware.disk_read`` / ``disk_write``
 the plan's state does not fit, :func:`harmony.policies.disk_placement` gives the
 placement (also in ``graph.info["disk"]``): optimizer state, then master
 weights, of the last packs first; gradients and, with ``gpu_optimizer``, all of
-a swapped plan's state stay in host memory. The graph then has, on device
-``host``:
+a swapped plan's state stay in host memory (the gradients in
+``Placement.gradient_slots`` pack-sized slots where the whole model's do not
+fit and the policy allows: each pack's G_OUTs then wait for the update of the
+pack that many before it). The graph then has, on device ``host``:
 
 * ``DISK_IN`` on lane and link ``host.disk_read``, payload
   :class:`~harmony.graph.DiskState` ``(packs, kinds, shard)``: read ``kinds``
