@@ -24,8 +24,8 @@ from harmony.costs.spec import Tie
 from harmony.engine.tiers import NVME_PCIE4
 from harmony.errors import HarmonyError
 from harmony.graph import DISK_IN, DISK_OUT, UPD, W_IN, DiskState
-from harmony.policies import build_graph, disk_placement, swap_volume
-from harmony.policies.disk_tier import READ, WRITE
+from harmony.policies import build_graph, disk_placement, gradient_window, swap_volume
+from harmony.policies.disk_tier import READ, WRITE, windowed_gradients
 from harmony.policies.state import host_state
 
 MB = 1e6
@@ -39,9 +39,11 @@ DISK = (100 * MB, 100 * MB)
 
 def host_for(spec, plan) -> int:
     """Host memory that sends every pack's optimizer state to disk and nothing else:
-    stashes, gradients and weights, and the staging of three packs' optimizer state."""
+    stashes, gradients (two packs' in slots, where the policy holds them so) and
+    weights, and the staging of three packs' optimizer state."""
     stash = swap_volume(spec, plan)["STASH_OUT"]
-    return int(stash + 24 * MB + 24 * MB + STAGED_PACKS * 8 * MB)
+    gradients = windowed_gradients(spec, plan) if gradient_window(plan.policy) else 24 * MB
+    return int(stash + gradients + 24 * MB + STAGED_PACKS * 8 * MB)
 
 
 def server(host: int, disk=DISK, n_gpus: int = 1, **kw) -> Hardware:
@@ -165,14 +167,17 @@ def test_a_tied_parameter_is_read_from_its_owners_pack():
     layers = tuple(replace(c, param_numel=1_000_000) for c in SPEC.layers)
     tied = replace(SPEC, layers=layers, ties=(Tie(numel=500_000, layers=(0, 5)),))
     plan = PLAN
-    # the least host memory: stashes, gradients and three packs staged, all else on disk
+    # the least host memory: stashes, gradients (two packs' in slots, and the tied
+    # parameter's for the whole step) and three packs staged, all else on disk
     state = [host_state(tied, range(*p)) for p in plan.bwd_packs]
     stash = swap_volume(tied, plan)["STASH_OUT"]
     staged = STAGED_PACKS * max(p.total - p.gradients for p in state)
-    least = stash + sum(p.gradients for p in state) + staged
+    slots = 2 * max(p.gradients for p in state[1:]) + 500_000 * 4
+    assert windowed_gradients(tied, plan) == slots
+    least = stash + slots + staged
     hw = server(int(least))
     placement = disk_placement(tied, hw, plan)
-    assert placement.where(0, "weights") == "disk"
+    assert placement.where(0, "weights") == "disk" and placement.gradient_slots == 2
     with pytest.raises(HostMemoryError, match="needs at least"):
         disk_placement(tied, server(int(least) - 1), plan)
     graph = build_graph(tied, hw, plan)
@@ -191,12 +196,15 @@ def test_every_cpu_update_policy_gets_the_disk_tier(policy):
     n = 1 if policy == "hydra" else 2
     plan = Plan.uniform(policy, n, 4, 2, 6, 1)
     moved = swap_volume(SPEC, plan)
-    # 96 MB of state, of which 24 MB of gradients stay: two packs' optimizer state go
-    hw = server(int(moved["STASH_OUT"] + moved["ACT_OUT"] + 80 * MB), n_gpus=n)
+    # 96 MB of state, of which the gradients stay (24 MB, or two packs' 8 MB in slots
+    # where the policy's gradients arrive pack after pack): two packs' optimizer state go
+    window = gradient_window(policy)
+    gradients = windowed_gradients(SPEC, plan) if window else 24 * MB
+    hw = server(int(moved["STASH_OUT"] + moved["ACT_OUT"] + gradients + 56 * MB), n_gpus=n)
     graph = build_graph(SPEC, hw, plan)
     graph.check()
     placement = disk_placement(SPEC, hw, plan)
-    assert placement.on_disk
+    assert placement.on_disk and placement.gradient_slots == (2 if window else 0)
     s = harmony.simulate(SPEC, hw, plan).summary
     closed = swap_volume(SPEC, plan, hw)
     assert s.disk_read_bytes == pytest.approx(closed[DISK_IN])
