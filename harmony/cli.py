@@ -441,6 +441,9 @@ def _train_and_report(args, device, plan, checkpoints, host) -> int:
                 f"{', '.join(sorted({k for _, k in on_disk}))} of "
                 f"{len({q for q, _ in on_disk})} packs"
             )
+        slots = result.engine.gradient_slots
+        if slots is not None:
+            where += f"; gradients in {len(slots)} pack slots ({format_bytes(slots.nbytes)})"
         outside = sum(result.engine.host_settings.outside.values())
         peak = f", ledger peak {format_bytes(budget.peak)}" if disk is not None else ""
         print(

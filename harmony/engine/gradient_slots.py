@@ -73,6 +73,10 @@ class GradientSlots:
         self.allocations = 0
         self.allocated_bytes = 0
 
+    def __len__(self) -> int:
+        """How many slots."""
+        return len(self._buffers)
+
     @property
     def nbytes(self) -> int:
         """Host bytes the slots and the tied parameters' gradients take."""
