@@ -35,8 +35,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import re
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -53,6 +56,7 @@ from harmony.engine.host_memory import (
     available_host_bytes,
     device_memory_in_host,
     peak_resident_bytes,
+    reset_peak_resident,
     resident_bytes,
 )
 from harmony.engine.profiler import profile
@@ -171,27 +175,43 @@ def emulated(args) -> None:
     return_freed_memory()
     plan = one_pack_per_layer(len(spec), args.minibatch, args.minibatch // 2)
     device = EmulatedDevice(memory="512MB", h2d="2GB/s", d2h="2GB/s")
-    host = args.host_memory or budget_for(spec, plan, args.weights) + outside(spec, plan, device)
+    if args.host_memory:
+        host = parse_bytes(args.host_memory, "--host-memory")
+    else:
+        host = budget_for(spec, plan, args.weights) + outside(spec, plan, device)
     print(
         f"GPT-2-style, {args.blocks} blocks of width {args.hidden}: "
         f"{params / 1e6:.1f} M parameters; "
         f"host budget {format_bytes(host)}; emulated disk {args.disk}"
     )
-    variants = {"slots": contextlib.nullcontext, "whole": without_gradient_slots}
-    chosen = list(variants) if args.gradients == "both" else [args.gradients]
+    if args.gradients == "both":  # each in a fresh process, under this budget
+        both(host)
+        return
+    variant = without_gradient_slots if args.gradients == "whole" else contextlib.nullcontext
+    with variant():
+        train_emulated(args, cfg, spec, plan, device, host, x, y)
+
+
+def both(host: int) -> None:
+    """The bench once with the gradients in slots and once with the whole model's,
+    each in a process of its own (what one leaves resident would count against the
+    other's budget), under the same host budget; then their s/step side by side."""
+    argv = [a for a in sys.argv[1:] if a not in ("--gradients", "both")]
     steps = {}
-    for name in chosen:
-        if len(chosen) > 1:
-            print(f"\n-- gradients: {name}")
-        with variants[name]():
-            steps[name] = train_emulated(args, cfg, spec, plan, device, host, x, y)
-    if len(steps) > 1:
+    for name in ("slots", "whole"):
+        print(f"\n-- gradients: {name}", flush=True)
+        cmd = [sys.executable, __file__, *argv, "--gradients", name, "--host-memory", str(host)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        print(out.stdout + out.stderr[-2000:], end="", flush=True)
+        found = re.search(r"measured ([0-9.]+) s/step", out.stdout)
+        steps[name] = float(found.group(1)) if found else None
+    if None not in steps.values():
         ratio = steps["slots"] / steps["whole"]
         print(f"\ns/step with gradient slots / with the whole model's: {ratio:.3f}")
 
 
 def train_emulated(args, cfg, spec, plan, device, host, x, y) -> float:
-    """Train ``args.steps`` steps; print the report; return the median s/step."""
+    """Train ``args.steps`` steps and print the report."""
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         engine = Engine(
             build_model("gpt2-tiny", 0, dropout=0.0, **cfg),
@@ -214,7 +234,6 @@ def train_emulated(args, cfg, spec, plan, device, host, x, y) -> float:
             if args.auto:
                 print(f"plan='auto' picked {engine.plan.describe()}")
             report(engine, times, lower_bound(engine, engine.host_settings.rates))
-            return statistics.median(times[1:])
         finally:
             engine.close()
 
@@ -269,6 +288,9 @@ def real(args) -> None:
                 engine.step(x, y)
                 times.append(time.perf_counter() - started)
                 print(f"step {step}: {times[-1]:.1f} s", flush=True)
+                if step == 0:  # the model as built, in RAM, until the tier took its state
+                    setup_peak = peak_resident_bytes()
+                    reset = reset_peak_resident()
             peak = peak_resident_bytes()
             device = engine.trace.summary.peak_memory["gpu0"]
             budget = engine.host_settings.budget
@@ -276,8 +298,15 @@ def real(args) -> None:
                 f"{k} {format_bytes(v)}" for k, v in engine.host_settings.outside.items()
             )
             print(
-                f"peak resident memory {format_bytes(peak)} against the host budget "
-                f"{format_bytes(budget.capacity)} (under: {peak <= budget.capacity}); the "
+                f"peak resident memory through building the model and step 0 (the model's "
+                f"weights in RAM until the tier takes them) {format_bytes(setup_peak)}; "
+                + (
+                    f"in steps 1..{args.steps - 1} {format_bytes(peak)}"
+                    if reset and args.steps > 1
+                    else "(the peak could not be reset)"
+                )
+                + f" against the host budget {format_bytes(budget.capacity)} (under: "
+                f"{peak <= budget.capacity}); the "
                 f"budget's ledger peaked at {format_bytes(budget.peak)}, of which {outside}; "
                 f"the cpu backend's device memory {args.device_memory} (simulated peak "
                 f"{format_bytes(device)}: weight copies, gradients, activations); the process "

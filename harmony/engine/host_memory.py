@@ -76,6 +76,16 @@ def peak_resident_bytes() -> int | None:
     return None
 
 
+def reset_peak_resident() -> bool:
+    """Start :func:`peak_resident_bytes` anew from the resident memory now (the
+    kernel's ``clear_refs``); whether it could."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def besides_the_model(module: nn.Module) -> int:
     """Resident memory of this process that is not ``module``'s tensors: the
     interpreter, torch, the caller's data (0 where it cannot be told)."""
