@@ -211,6 +211,57 @@ def test_state_that_does_not_fit_without_a_disk_says_what_to_give():
         engine(plan_for("harmony-pp", 1), OPTIMIZER_ON_DISK, disk=FAST_DISK)
 
 
+def test_the_cpu_backend_computes_on_the_weights_where_the_tier_read_them(tmp_path, monkeypatch):
+    """A device that computes on host memory makes no copy of master weights read
+    from disk: the weight load uses the tier's staging in place and gives it back
+    when the graph frees the weights. Bitwise the in-memory run."""
+    from harmony.engine.disk_steps import DiskSteps
+
+    calls = {"in place": 0, "copied": 0}
+    hold, copied = DiskSteps.hold_loaded_weights, DiskSteps.weights_copied
+
+    def counted(name, method):
+        def wrapper(self, task):
+            calls[name] += 1
+            return method(self, task)
+
+        return wrapper
+
+    monkeypatch.setattr(DiskSteps, "hold_loaded_weights", counted("in place", hold))
+    monkeypatch.setattr(DiskSteps, "weights_copied", counted("copied", copied))
+
+    def run(host, tier):
+        return train(
+            Engine(
+                make_model(),
+                adamw,
+                nn.functional.mse_loss,
+                device="cpu",
+                hardware=hardware(1),
+                minibatch_size=B,
+                plan=plan_for("harmony-pp", 1),
+                host_memory=host,
+                **({} if tier is None else dict(disk_dir=tier, disk=FAST_DISK)),
+            ),
+            3,
+        )
+
+    e = run(WEIGHTS_ON_DISK[1], tmp_path / "tier")
+    try:
+        assert {k for _, k in e.disk.placement.on_disk} == {"optimizer", "weights"}
+        assert calls["in place"] > 0 and calls["copied"] == 0
+        slots = e.disk.load_slots  # every load given back, at most two held at once
+        assert len(slots._free) == len(slots._made) <= 2
+        got = weights(e)
+    finally:
+        e.close()
+    memory = run(ROOMY, None)
+    try:
+        assert same(got, weights(memory))
+    finally:
+        memory.close()
+
+
 # ---- a failed step ----------------------------------------------------------------------
 @pytest.mark.parametrize("host", [OPTIMIZER_ON_DISK, WEIGHTS_ON_DISK[1]])
 def test_a_failed_step_leaves_the_state_of_the_last_good_step(tmp_path, host):

@@ -193,11 +193,17 @@ def build_for_host(
     aside["padding in the tier's files"] = STAGED_PACKS * padding
     free = budget - sum(aside.values())
 
+    # weight loads held at once per GPU: a copying device holds one while it copies, the
+    # next one's read beside it; a device that computes on host memory uses what was read
+    # in place until its weight group ends: as many as the groups it prefetches
+    in_place = bool(backends) and not any(b.copies for b in backends)
+    held = max(2, plan.option("prefetch_packs")) if in_place else 2
+
     def beside(m: int) -> dict[str, int]:
         graph = build_graph(spec, hw.with_host_memory(m).with_disk(settings.rates), plan)
         loads = load_reads(graph)
         return {
-            "staging for weight loads": 2 * plan.n_gpus * (int(max(loads)) + padding)
+            "staging for weight loads": held * plan.n_gpus * (int(max(loads)) + padding)
             if loads
             else 0,
             journal_name: (placement_of(graph) or whole).host_state_bytes * journal,

@@ -12,7 +12,9 @@ run's :class:`~harmony.engine.disk_state.StateOnDisk`:
   the step) and gives the staging slot up;
 * a DISK_IN before a weight load (W_IN) reads the master weights of its packs;
   the W_IN copies from them (:meth:`DiskSteps.loaded_weights`) and gives them
-  back (:meth:`DiskSteps.weights_copied`).
+  back (:meth:`DiskSteps.weights_copied`), or, on a device that computes on
+  host memory (the cpu backend), uses them in place and gives them back when
+  the graph frees the weights (:meth:`DiskSteps.buffer_freed`).
 
 Bytes are counted per task as the graph counts them (state tensors, not the
 0-dim step counters). The disk is paced by the tier itself (its ``read_rate``
@@ -39,6 +41,8 @@ class DiskSteps:
         self.disk_loads: dict[int, tuple[dict, Staged]] = {}  # DISK_IN id -> what it read
         self.loads_for: dict[int, list[int]] = {}  # W_IN id -> its DISK_INs
         self.feeds_load: set[int] = set()  # the DISK_INs that read for a W_IN
+        # weights buffer -> the loads a device computing on host memory uses in place
+        self.held_loads: dict[int, list[Staged]] = {}
         if self.ctx.disk is None:
             return
         for t in self.graph.tasks:
@@ -85,6 +89,23 @@ class DiskSteps:
                 _, staged = self.disk_loads.pop(d)
             self.ctx.disk.loaded(staged)
 
+    def hold_loaded_weights(self, task: Task) -> None:
+        """The weight load ``task`` uses what its DISK_INs read in place: keep it
+        until the graph frees the weights (:meth:`buffer_freed`)."""
+        held = []
+        for d in self.loads_for.get(task.id, ()):
+            with self.lock:
+                held.append(self.disk_loads.pop(d)[1])
+        with self.lock:
+            self.held_loads[task.io["weights"]] = held
+
+    def buffer_freed(self, buf: int) -> None:
+        """The graph has freed ``buf``: give back the loads it used in place."""
+        with self.lock:
+            held = self.held_loads.pop(buf, ())
+        for staged in held:
+            self.ctx.disk.loaded(staged)
+
     def disk_roll_back(self) -> None:
         """A failed step: what is staged is forgotten, unwritten, and the tier's
         writes of this step are discarded (its committed slots are the undo copy)."""
@@ -93,8 +114,9 @@ class DiskSteps:
         with self.lock:
             units, self.disk_units = self.disk_units, {}
             loads, self.disk_loads = self.disk_loads, {}
+            held, self.held_loads = self.held_loads, {}
         for unit, kinds, staged in units.values():
             self.ctx.disk.give_up(unit, kinds, staged)
-        for _, staged in loads.values():
+        for staged in [s for _, s in loads.values()] + [s for ss in held.values() for s in ss]:
             self.ctx.disk.loaded(staged)
         self.ctx.disk.tier.discard()

@@ -53,7 +53,8 @@ def assemble(pieces: list[tuple[tuple[int, int], tuple]], a: int, b: int) -> tup
 class StepMemory:
     """Reads what :class:`~harmony.engine.step.StepRun` sets up: ``ctx``, ``graph``,
     ``backends``, ``lock``, ``store``, ``charged``, ``refs``, ``taken``, ``dtype``,
-    ``pacer``, ``paced``, ``moved``, ``moved_task``, ``tasks_left``."""
+    ``pacer``, ``paced``, ``moved``, ``moved_task``, ``tasks_left``; tells
+    :meth:`~.disk_steps.DiskSteps.buffer_freed` when the graph frees a buffer."""
 
     # ---- bookkeeping --------------------------------------------------------------
     # The executor charges each buffer's declared bytes to its device when the task
@@ -93,6 +94,7 @@ class StepMemory:
                     n, excess = self.charged.pop(b, (0, 0.0))
             if last:
                 self._give_back(b, n, excess)
+                self.buffer_freed(b)
 
     def _give_back(self, buf: int, nbytes: float, excess: float) -> None:
         ledger = self.backends[self.graph.buffers[buf].device].ledger

@@ -73,19 +73,25 @@ class Transfers:
                 i: self.buffer_version[i] for i in range(s, e) if self.ctx.host.buffers[i]
             }
         sources = [loaded.get(id(t), t) for _, _, t, _ in entries]
-        # from staging: copied (the cpu backend too) before the staging is given back, into
-        # new memory (a pool keeps a buffer per copy of the step: the model's weights, which
-        # the disk tier keeps out of host memory)
-        device = self.to_device(
-            backend,
-            sources,
-            dtypes,
-            fresh=bool(loaded),
-            non_blocking=not loaded,
-            pooled=not loaded,
-        )
-        if loaded:
-            self.weights_copied(task)
+        if loaded and not backend.copies and all(d == t.dtype for d, t in zip(dtypes, sources)):
+            # a device that computes on host memory uses the weights where the disk tier
+            # read them; the staging goes back when the graph frees the weights
+            device = [t.detach() for t in sources]
+            self.hold_loaded_weights(task)
+        else:
+            # from staging: copied before the staging is given back, into new memory (a
+            # pool keeps a buffer per copy of the step: the model's weights, which the disk
+            # tier keeps out of host memory)
+            device = self.to_device(
+                backend,
+                sources,
+                dtypes,
+                fresh=bool(loaded),
+                non_blocking=not loaded,
+                pooled=not loaded,
+            )
+            if loaded:
+                self.weights_copied(task)
         weights: dict[int, dict] = {i: {} for i in range(s, e)}
         for (i, name, t, is_param), d in zip(entries, device):
             # requires_grad as in the model, forward packs too: some kernels choose
