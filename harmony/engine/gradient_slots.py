@@ -28,6 +28,9 @@ from .updates import optimizer_params
 
 
 class GradientSlots:
+    """The slots, which pack holds which, and the tied parameters' own buffers
+    (see the module docstring)."""
+
     def __init__(
         self,
         slots: int,

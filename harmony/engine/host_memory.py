@@ -3,7 +3,9 @@ step of a plan, so a run that cannot fit says so instead of being killed by
 the operating system halfway through a step.
 
 Beyond the model's own weights (already in memory), the engine keeps on the
-host the gradients, the optimizer state (allocated by the first update) and,
+host the gradients (the whole model's, or where the placement says so a few
+packs' in slots: :mod:`.gradient_slots`), the optimizer state (allocated by
+the first update) and,
 during a step, the stashed pack inputs and offloaded activations of the
 whole minibatch. On CUDA the weights are also page-locked. An emulated GPU's
 memory is host memory too: its buffer pools keep one buffer per copy a step
