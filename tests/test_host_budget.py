@@ -53,6 +53,16 @@ def test_besides_the_model_is_resident_memory_less_the_model():
     assert before - size <= besides <= after - size
 
 
+def test_the_peak_resident_memory_can_start_anew():
+    from harmony.engine.host_memory import peak_resident_bytes, reset_peak_resident
+
+    big = torch.ones(50_000_000)  # 200 MB, resident
+    high = peak_resident_bytes()
+    del big
+    assert reset_peak_resident()
+    assert peak_resident_bytes() < high - 150e6
+
+
 def test_a_flattened_model_counts_once():
     """The engine lays weights out in a few flat buffers: every parameter is a view
     of one, and the buffer counts once (it counted once per view)."""
