@@ -215,21 +215,20 @@ def test_auto_plan_with_tied_weights_on_disk_is_exact(tmp_path, monkeypatch):
     """A GPT-2 whose embedding is tied to its head, planned by plan="auto" under a
     budget that sends optimizer state and master weights to disk: bitwise equal
     to the same plan in host memory."""
+    from test_gradient_slots import CFG, tied_gpt2
+
     import harmony
     import harmony.engine.engine as engine_module
     import harmony.engine.planning as planning
-    from harmony.workbench.training import build_model, lm_loss
+    from harmony.workbench.training import lm_loss
 
-    cfg = dict(n_layer=4, hidden=128, heads=2, seq_len=32, max_position=32, vocab=2000)
-    (x,), y = harmony.zoo.example_input("gpt2-tiny", 4, **cfg)
+    (x,), y = harmony.zoo.example_input("gpt2-tiny", 4, **CFG)
 
     def run(host_memory, plan, tier):
         torch.manual_seed(0)
         device = EmulatedDevice("16MB", "4GB/s", "4GB/s")
-        model = build_model("gpt2-tiny", 0, dropout=0.0, **cfg)
-        model[-1].lm_head.weight = model[0].wte.weight  # tied, as GPT-2's are
         e = Engine(
-            model,
+            tied_gpt2(),
             lambda ps: FlatAdamW(ps, lr=1e-3),
             lm_loss,
             device=device,
