@@ -48,11 +48,14 @@ class GradientSlots:
         #: id(parameter) -> (pack, dtype, offset in the slot's buffer of that dtype)
         self.where: dict[int, tuple[int, torch.dtype, int]] = {}
         self._tied: dict[int, torch.Tensor | None] = {}
+        self._tied_bytes = 0
         used: dict[int, Counter] = defaultdict(Counter)  # pack -> dtype -> elements
         for (q, _), opt in sorted(optimizers.items()):
             for p in optimizer_params(opt) if opt is not None else []:
                 if len(packs_of.get(id(p), ())) > 1:
-                    self._tied[id(p)] = None
+                    if id(p) not in self._tied:
+                        self._tied[id(p)] = None
+                        self._tied_bytes += p.numel() * p.element_size()
                 elif id(p) not in self.where:
                     self.where[id(p)] = (q, p.dtype, used[q][p.dtype])
                     used[q][p.dtype] += p.numel()
@@ -61,13 +64,6 @@ class GradientSlots:
         for counts in used.values():
             for dtype, n in counts.items():
                 self.size[dtype] = max(self.size[dtype], n)
-        self._tied_bytes = sum(
-            p.numel() * p.element_size()
-            for opt in optimizers.values()
-            if opt is not None
-            for p in optimizer_params(opt)
-            if id(p) in self._tied
-        )
         self.updates = Counter(t.pack for t in graph.tasks if t.kind == UPD)
         self._buffers: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in range(slots)]
         self._free = list(range(slots))
