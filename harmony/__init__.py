@@ -10,7 +10,16 @@ from .costs import zoo
 from .costs.catalog import known_models, model_spec
 from .costs.hardware import PRESETS, Hardware, parse_bytes, parse_rate, preset
 from .costs.spec import Curve, LayerCost, ModelSpec
-from .engine import Chain, EmulatedDevice, EmulatedServer, Engine, decompose, reference_step
+from .engine import (
+    Chain,
+    EmulatedDevice,
+    EmulatedServer,
+    Engine,
+    decompose,
+    empty_weights,
+    materialize,
+    reference_step,
+)
 from .engine.checkpoint import CheckpointDir, CheckpointError
 from .engine.multi_model import train_many
 from .engine.optim import FlatAdamW
@@ -32,6 +41,8 @@ __all__ = [
     "EmulatedServer",
     "Engine",
     "decompose",
+    "empty_weights",
+    "materialize",
     "reference_step",
     "CheckpointDir",
     "CheckpointError",

@@ -260,6 +260,8 @@ def attach(
         options.update(read_rate=settings.rates[0], write_rate=settings.rates[1])
     held: list[str] = []
     tier = state = None
+    unmade = engine.unmade
+    made: list = []  # unmade master weights made for the tier here (given back as written)
     try:
         for name, nbytes in charges.items():
             budget.charge(name, nbytes)
@@ -274,11 +276,24 @@ def attach(
         state = StateOnDisk(tier, placement, units, budget, loads, slots)
         if resume is None:
             for unit in units.values():
+                fresh = []
+                if unmade is not None and "weights" in unit.kinds:
+                    # made one update at a time, each written and given back at once
+                    fresh = unmade.make(p for _, p in unit.params)
+                    made += fresh
                 state.write(unit, unit.kinds, release=False)
+                if fresh:
+                    state.forget(unit, ("weights",))
             tier.commit(engine.step_count)
         else:
             _check_resumed(state)
+            if unmade is not None:  # the tier holds their values
+                unmade.kept_elsewhere(
+                    p for u in units.values() if "weights" in u.kinds for _, p in u.params
+                )
     except BaseException:
+        if made:
+            unmade.unmake(made)
         if state is not None:
             state.close()
         elif tier is not None:

@@ -60,6 +60,7 @@ from .engine_checks import (
 from .gradient_slots import GradientSlots, gradient_slots_for
 from .host_memory import besides_the_model, check_host_memory
 from .host_model import HostModel
+from .lazy_weights import UnmadeWeights
 from .reference_loop import as_args
 from .state import FORMAT as STATE_FORMAT
 from .state import (
@@ -125,6 +126,14 @@ class Engine:
     measured in ``disk_dir`` when the state needs it. Call :meth:`close` when
     done with an engine that has a disk tier.
 
+    A model too large to build in host memory: build it under
+    :func:`~harmony.engine.lazy_weights.empty_weights` (parameters on the meta
+    device) and the engine makes its weights at the first step where they live,
+    those on the disk tier one update at a time (never all in memory), each
+    layer by its modules' ``reset_parameters()`` then ``init(layer)``, seeded by
+    ``seed`` and the layer's index; :func:`~harmony.engine.lazy_weights.materialize`
+    makes the same values in memory.
+
     Checkpoints: :meth:`save` / :meth:`load` (atomic, checksummed files) and
     :meth:`state_dict` / :meth:`load_state_dict`. A run resumed from a
     checkpoint continues bitwise as if it had never stopped. With a disk
@@ -150,6 +159,7 @@ class Engine:
         host_memory: str | int | None = None,
         disk_dir: str | Path | None = None,
         disk: str | tuple[float, float] | None = None,
+        init: Callable | None = None,
     ):
         check_arguments(
             optimizer, loss_fn, minibatch_size, seed, nonfinite, precision, spec, hardware
@@ -160,6 +170,8 @@ class Engine:
         self.chain = decompose(model)
         self.layers: list[nn.Module] = list(self.chain.layers)
         self.model = model
+        # parameters on the meta device: made where they live at the first step
+        self.unmade = UnmadeWeights.of(model, self.layers, init, seed)
         # the module whose state_dict holds every host weight and buffer
         self.host_module = model if isinstance(model, nn.Module) else nn.ModuleList(self.layers)
         self.loss_fn = loss_fn
@@ -168,8 +180,9 @@ class Engine:
         # host weights in flat buffers, page-locked for a GPU (see HostModel)
         gpu = any(b.kind == "cuda" for b in self.backends)
         # with a budget, the weights are laid out once the disk tier has taken its share
-        # (laying out all of them first would hold them twice)
-        self.host = HostModel(self.layers, self.host_module, pin=gpu, flatten=host_memory is None)
+        # (laying out all of them first would hold them twice), and unmade ones once made
+        flatten = host_memory is None and self.unmade is None
+        self.host = HostModel(self.layers, self.host_module, pin=gpu, flatten=flatten)
         # BatchNorm's parameters and statistics keep their dtype under mixed precision
         self.norm_tensors = [norm_tensor_names(layer) for layer in self.layers]
         self.rng_lock = threading.Lock()
@@ -211,6 +224,11 @@ class Engine:
         self.distributed = distributed
         if distributed and disk_dir is not None:
             raise HarmonyError("the disk tier runs on one server: disk_dir with distributed")
+        if distributed and self.unmade is not None:
+            raise HarmonyError(
+                "a model with parameters on the meta device trains on one server: build it on "
+                "the CPU to train it across servers"
+            )
         self.sync = None  # GradientSync across servers, once a plan is set
         if distributed:
             from .distributed import broadcast_weights
@@ -392,10 +410,13 @@ class Engine:
             self.disk = attach(self, graph, self.host_settings, self.safe_updates)
             self.gradient_slots = gradient_slots_for(self, graph)
             self.host_settings.resume = None
-            # master weights on the tier are placeholders now: lay out the rest anew
+            # master weights on the tier are placeholders now: lay out the rest anew, and
+            # make the unmade ones in place there
             on_disk = frozenset(self.disk.on_disk if self.disk is not None else ())
             if on_disk or not self.host.layout.flattened:
                 self.host.layout.flatten(on_disk)
+            if self.unmade is not None:
+                self.unmade.make_all()
             self._graph_cache, self._graph_hardware = graph, server
             # buffers are admitted on the devices in the simulator's order: the engine's
             # peak is then the simulated one, whatever the timing (on the cpu backend,

@@ -151,22 +151,26 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
     tier takes and gives back), by what."""
     from .gradient_slots import gradient_slots_for
 
-    grads = optimizer = freed = 0.0
+    grads = optimizer = freed = made = 0.0
     placement = placement_of(graph)
     slots = gradient_slots_for(engine, graph)
+    unmade = engine.unmade
     for (q, _), opt in engine.optimizers.items():
         if opt is None:
             continue
         on_disk = placement.kinds_on_disk(q) if placement is not None else ()
         params = [p for p in optimizer_params(opt) if p.requires_grad]
         size = sum(p.numel() * p.element_size() for p in params)
+        # unmade weights: made in host memory, or for the tier (then never held in it)
+        new = unmade.nbytes(params) if unmade is not None else 0
+        made += 0 if "weights" in on_disk else new
         grads += sum(
             p.numel() * p.element_size()
             for p in params
             if not engine.host.layout.has_grad_buffer(p)
         )
         optimizer += 0 if "optimizer" in on_disk else _state_slots(opt, engine.spec) * size
-        freed += size if "weights" in on_disk else 0
+        freed += size - new if "weights" in on_disk else 0
     moved = graph.bytes_by_kind()
     # the whole minibatch's, at once
     stash, offloaded = moved.get(STASH_OUT, 0.0), moved.get(ACT_OUT, 0.0)
@@ -182,6 +186,7 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
         "offloaded activations": offloaded,
         "emulated GPU buffers": emulated,
         "disk tier staging": placement.staging_bytes if placement is not None else 0,
+        "master weights made (the model's were on the meta device)": made,
         "master weights moved to the disk tier": -freed,
     }
 

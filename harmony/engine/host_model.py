@@ -138,8 +138,9 @@ def check_on_host(layers: list[nn.Module]) -> None:
                 raise HarmonyError(
                     f"layer {i} ({type(layer).__name__}) has {name} on the meta device, which "
                     "holds no values: build the model on the CPU (e.g. harmony.zoo.build(name, "
-                    "device='cpu')) or load its weights first (module.to_empty(device='cpu') and "
-                    "a state_dict)"
+                    "device='cpu')), or under harmony.empty_weights() (parameters on the meta "
+                    "device, made by the engine), or load its weights first "
+                    "(module.to_empty(device='cpu') and a state_dict)"
                 )
             if t.device.type != "cpu":
                 raise HarmonyError(

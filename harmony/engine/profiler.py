@@ -84,18 +84,21 @@ def profile(
         sizes=sizes or (),
     )
     sizes = [u for u in sizes or default_sizes(target.shape[0]) if u >= spec.min_microbatch]
-    copies = [copy.deepcopy(layer).to(device) for layer in layers]
 
     def autocast():
         return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
     times = {(i, phase): [] for i in range(len(layers)) for phase in ("fwd", "bwd")}
-    for u in sizes:
-        acts = layer_inputs(copies, tuple(t[:u].to(device) for t in inputs))
-        y = target[:u].to(device)
-        for i, layer in enumerate(copies):
-            x = acts[i]
-            last = i == len(copies) - 1
+    # the input of the layer being measured, per microbatch size
+    acts = {u: tuple(t[:u].to(device) for t in inputs) for u in sizes}
+    for i, original in enumerate(layers):
+        # one layer copied to the device at a time: a model near the size of host memory
+        # (or larger: its weights unmade, see lazy_weights) is never copied whole
+        layer = copy.deepcopy(original).to(device)
+        last = i == len(layers) - 1
+        for u in sizes:
+            x = acts[u]
+            y = target[:u].to(device)
 
             def fwd():
                 with torch.no_grad(), autocast():
@@ -116,6 +119,9 @@ def profile(
             # with the saved-tensor meter on, as the engine runs recompute (it charges the ledger)
             times[(i, "bwd")].append(median_time(lambda: bwd(SavedBytes()), repeats, sync))
             layer.zero_grad(set_to_none=True)
+            if not last:
+                acts[u] = layer_inputs([layer], x)[1]
+        layer = None  # freed before the next layer is copied
     measured = tuple(
         replace(
             cost,

@@ -98,6 +98,7 @@ def engine_state(engine: "Engine", referenced: bool = False) -> dict:
             weights, state = disk.read_all(names)
             model.update({n: weights[first] for n, first in on_disk.items()})
             optimizer["state"].update(state)
+    _check_made(engine, model)
     return {
         "format": FORMAT,
         "step": engine.step_count,
@@ -119,7 +120,9 @@ def engine_state(engine: "Engine", referenced: bool = False) -> dict:
 def model_weights(engine: "Engine") -> dict[str, torch.Tensor]:
     """Copies of the model's weights and buffers as its ``state_dict`` names them,
     master weights on the disk tier read back (the optimizer state stays there)."""
-    model = {k: v.detach().clone() for k, v in engine.host_module.state_dict().items()}
+    own = engine.host_module.state_dict()
+    _check_made(engine, own)
+    model = {k: v.detach().clone() for k, v in own.items()}
     disk = engine.disk
     if disk is None:
         if engine.host_settings.resume is not None:
@@ -133,6 +136,20 @@ def model_weights(engine: "Engine") -> dict[str, torch.Tensor]:
     every = engine.host_module.named_parameters(remove_duplicate=False)
     model.update({n: weights[names[id(p)]] for n, p in every if id(p) in disk.on_disk})
     return model
+
+
+def _check_made(engine: "Engine", model: dict[str, torch.Tensor]) -> None:
+    """The weights in ``model`` (a state dict of the host module) are made."""
+    unmade = engine.unmade
+    if unmade is None or not unmade.pending:
+        return
+    every = engine.host_module.named_parameters(remove_duplicate=False)
+    missing = [n for n, p in every if n in model and unmade.holds(p)]
+    if missing:
+        raise HarmonyError(
+            f"the model's weights ({missing[0]}, ...) were on the meta device: the engine "
+            "makes them at its first step, where they live; step first"
+        )
 
 
 def check_state(engine: "Engine", state: dict, source: str) -> None:
@@ -189,10 +206,15 @@ def apply_state(engine: "Engine", state: dict, plan: Plan | None) -> None:
     """Make ``engine`` continue the run ``state`` was taken from (checked first)."""
     if plan is not None:
         engine.set_plan(plan)
+    unmade = engine.unmade
+    params = dict(engine.host_module.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         own = engine.host_module.state_dict()
         for name, t in state["model"].items():
-            own[name].copy_(t)
+            if unmade is not None and unmade.holds(params.get(name)):
+                unmade.adopt(params[name], t)  # the checkpoint's value: not made
+            else:
+                own[name].copy_(t)
     for p in engine.host_module.parameters():
         p.grad = None
     load_optimizer_state(engine.optimizers, state["optimizer"], param_names(engine))
