@@ -17,7 +17,8 @@ each put on disk and their s/step side by side.
 
 **Real** (``--real``): a GPT-2-style model of ``--blocks`` blocks of width
 ``--hidden`` (29 x 2560: fp32 weights, gradients and AdamW state 1.6x a
-25 GB machine's RAM), trained for a few steps on the CPU (the ``cpu``
+25 GB machine's RAM), built under ``harmony.empty_weights()`` (its weights made
+by the engine where they live, never all in RAM), trained for a few steps on the CPU (the ``cpu``
 backend: no device copies) with a host budget under RAM (``--host-memory``,
 the whole process's) over the real disk in ``--dir``, measured there first.
 Printed: the state's size against RAM and the budget, the placement, peak
@@ -48,8 +49,9 @@ from pathlib import Path
 import torch
 
 import harmony
-from harmony import EmulatedDevice, Engine, FlatAdamW, Plan
+from harmony import EmulatedDevice, Engine, FlatAdamW, Plan, empty_weights
 from harmony.costs.hardware import format_bytes, parse_bytes
+from harmony.costs.zoo.modules import init_transformer
 from harmony.engine.calibrate import calibrate
 from harmony.engine.devices import make_backends
 from harmony.engine.host_memory import (
@@ -248,7 +250,8 @@ def real(args) -> None:
     base = peak_resident_bytes()
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         started = time.perf_counter()
-        model = build_model("gpt2-tiny", 0, dropout=0.0, **cfg)
+        with empty_weights():  # the engine makes the weights where they live
+            model = build_model("gpt2-tiny", 0, dropout=0.0, **cfg)
         params = sum(p.numel() for p in model.parameters())
         state = 16 * params
         print(
@@ -279,6 +282,7 @@ def real(args) -> None:
             host_memory=args.host_memory,
             disk_dir=Path(tmp) / "tier",
             disk=(bw.read, bw.write) if args.pace else None,
+            init=init_transformer,  # GPT-2's N(0, 0.02)
         )
         del model
         try:
@@ -288,7 +292,7 @@ def real(args) -> None:
                 engine.step(x, y)
                 times.append(time.perf_counter() - started)
                 print(f"step {step}: {times[-1]:.1f} s", flush=True)
-                if step == 0:  # the model as built, in RAM, until the tier took its state
+                if step == 0:  # with making the weights and writing the tier's share
                     setup_peak = peak_resident_bytes()
                     reset = reset_peak_resident()
             peak = peak_resident_bytes()
@@ -298,8 +302,8 @@ def real(args) -> None:
                 f"{k} {format_bytes(v)}" for k, v in engine.host_settings.outside.items()
             )
             print(
-                f"peak resident memory through building the model and step 0 (the model's "
-                f"weights in RAM until the tier takes them) {format_bytes(setup_peak)}; "
+                f"peak resident memory through building the model and step 0 (making its "
+                f"weights, the tier's share written as made) {format_bytes(setup_peak)}; "
                 + (
                     f"in steps 1..{args.steps - 1} {format_bytes(peak)}"
                     if reset and args.steps > 1

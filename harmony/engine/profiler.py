@@ -4,8 +4,10 @@ For every layer and microbatch size ``u``: forward time without autograd,
 backward time *including the recompute forward* (the reference profiles'
 convention) and the CPU time of the optimizer step; sizes and working memory
 come from :func:`~harmony.engine.describe.describe`, measured the way the
-engine's meters count them. Layers are measured on copies, so the model's
-weights and BatchNorm statistics are left untouched.
+engine's meters count them. Layers are measured on copies, one at a time, so
+the model's weights and BatchNorm statistics are left untouched; a model built
+under :func:`~harmony.engine.lazy_weights.empty_weights` is measured on
+placeholders (zeros), its weights left for the engine to make.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 from ..costs.hardware import Hardware
 from ..costs.spec import Curve, ModelSpec
 from .describe import describe, layer_inputs
+from .lazy_weights import UnmadeWeights
 from .meters import SavedBytes
 from .reference_loop import as_args
 from .updates import UpdateJournal, apply_update, optimizer_kind
@@ -71,6 +74,9 @@ def profile(
     in this dtype, with the sizes the engine then moves (see ``describe``)."""
     inputs = as_args(inputs)
     device = torch.device(device)
+    # parameters on the meta device (a model built under empty_weights): placeholders,
+    # as the engine holds them until it makes them (sizes and times need no values)
+    UnmadeWeights.of(None, list(layers), None, 0)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     spec = describe(
         layers,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..costs import zoo
-from ..engine import EmulatedDevice, EmulatedServer, Engine
+from ..engine import EmulatedDevice, EmulatedServer, Engine, empty_weights, materialize
 from ..engine.checkpoint import CheckpointDir
 from ..engine.distributed import init_from_env
 from ..engine.optim import FlatAdamW
@@ -65,6 +65,19 @@ def build_model(name: str, seed: int = 0, **overrides) -> nn.Sequential:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return nn.Sequential(*zoo.build(name, device="cpu", **overrides)[:-1])
+
+
+def empty_model(name: str, **overrides) -> nn.Sequential:
+    """The zoo model without its loss layer, its parameters on the meta device
+    (:func:`harmony.empty_weights`): an engine given ``init=zoo.layer_init(name)``
+    makes them where they live; :func:`made_model` makes the same in memory."""
+    with empty_weights():
+        return nn.Sequential(*zoo.build(name, device="cpu", **overrides)[:-1])
+
+
+def made_model(name: str, seed: int = 0, **overrides) -> nn.Sequential:
+    """The weights :func:`train` makes on one server for ``seed``, in memory."""
+    return materialize(empty_model(name, **overrides), zoo.layer_init(name), seed)
 
 
 @dataclass
@@ -129,7 +142,10 @@ def train(
     With ``checkpoints``, a checkpoint is written every ``checkpoint_every``
     steps and after the last; ``resume`` continues from the newest good one
     (the minibatches are a function of the step, so the run ends exactly as an
-    uninterrupted one would). ``host``: the host memory budget and disk tier
+    uninterrupted one would). On one server the weights are made by the
+    engine where they live (:func:`empty_model`; the values of
+    :func:`made_model`), so a model larger than host memory is never built in
+    it; across servers, rank 0's are broadcast. ``host``: the host memory budget and disk tier
     (:class:`HostOptions`); a checkpoint refers to the tier's state, which the
     tier keeps for its last two steps, so with a tier a checkpoint is written
     every step. Close the result's engine (and ``host``) when done."""
@@ -146,9 +162,12 @@ def train(
         )
     distributed = init_from_env(timeout_s)
     rank = torch.distributed.get_rank() if distributed else 0
-    model = build_model(name, seed, **overrides)
-    optimizer, loss_fn = (lambda ps: FlatAdamW(ps, lr=lr)), loss_for(name)
     given = {k: v for k, v in options.items() if v is not None}  # else the checkpoint's
+    if distributed:  # built on every server, rank 0's weights broadcast to the others
+        model = build_model(name, seed, **overrides)
+    else:  # made by the engine where they live (a model larger than host memory)
+        model, given["init"] = empty_model(name, **overrides), zoo.layer_init(name)
+    optimizer, loss_fn = (lambda ps: FlatAdamW(ps, lr=lr)), loss_for(name)
     common = dict(device=device, precision=precision, nonfinite=nonfinite, **given)
     found = checkpoints.latest(log) if resume else None
     if found and "disk" in found[1]:  # the run's state is partly on its tier

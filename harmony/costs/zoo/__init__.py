@@ -20,7 +20,15 @@ number of vLayers match them exactly.
 
 from .configs import Batch, BertConfig, GPT2Config, ResNetConfig, VGGConfig
 from .cost_model import spec
-from .registry import MODELS, ZooEntry, build, config_of, example_input, forward
+from .registry import (
+    MODELS,
+    ZooEntry,
+    build,
+    config_of,
+    example_input,
+    forward,
+    layer_init,
+)
 
 __all__ = [
     "Batch",
@@ -34,5 +42,6 @@ __all__ = [
     "config_of",
     "example_input",
     "forward",
+    "layer_init",
     "spec",
 ]

@@ -114,6 +114,8 @@ class GPT2Config:
     dropout: float = 0.1
     ln_eps: float = 1e-5
     optimizer: ClassVar[str] = "adamw"
+    #: initialises a layer after its modules' reset_parameters() (see registry.layer_init)
+    layer_init: ClassVar = staticmethod(init_transformer)
 
     def __post_init__(self):
         _check_transformer(self)
@@ -127,7 +129,7 @@ class GPT2Config:
         ]
         chain += [GPT2LayerNorm(h, eps=self.ln_eps), GPT2LMHead(h, self.vocab), CrossEntropyLoss()]
         for layer in chain:
-            init_transformer(layer)
+            self.layer_init(layer)
         return chain
 
     def example_input(self, batch: int, device) -> Batch:
@@ -152,6 +154,7 @@ class BertConfig:
     dropout: float = 0.1
     ln_eps: float = 1e-12
     optimizer: ClassVar[str] = "adam"
+    layer_init: ClassVar = staticmethod(init_transformer)
 
     def __post_init__(self):
         _check_transformer(self)
@@ -165,7 +168,7 @@ class BertConfig:
         ]
         chain += [BertPooler(h), BertClassifier(h, self.num_labels, p), CrossEntropyLoss()]
         for layer in chain:
-            init_transformer(layer)
+            self.layer_init(layer)
         return chain
 
     def example_input(self, batch: int, device) -> Batch:

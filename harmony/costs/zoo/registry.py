@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -118,6 +118,14 @@ def build(name: str, device="meta", **overrides) -> list[nn.Module]:
     config = config_of(name, overrides)
     with torch.device(device):
         return config.layers()
+
+
+def layer_init(name: str) -> Callable[[nn.Module], None] | None:
+    """What ``name``'s layers are initialised with beyond their modules'
+    ``reset_parameters()`` (GPT-2's and BERT's N(0, 0.02); None: nothing more):
+    the ``init=`` of an engine that makes a model built under
+    ``harmony.empty_weights()``."""
+    return getattr(config_of(name, {}), "layer_init", None)
 
 
 def example_input(name: str, batch: int, device="cpu", **overrides) -> Batch:
