@@ -229,3 +229,18 @@ def test_what_cannot_be_made_is_said_before_anything_runs():
         e.state_dict()
     with pytest.raises(HarmonyError, match=r"layer 1 \(Scale\): scale was left unset"):
         e.step(*t.batch(0))
+
+
+def test_harmony_train_makes_its_model_where_it_lives(monkeypatch):
+    """On one server ``harmony train`` never builds the model in memory first: its
+    weights are made_model's (lr 0 leaves them as made)."""
+    from harmony.workbench import training
+
+    def refused(*a, **kw):
+        raise AssertionError("built in memory")
+
+    made = training.made_model("gpt2-tiny", 5, n_layer=2).state_dict()
+    monkeypatch.setattr(training, "build_model", refused)
+    device = harmony.EmulatedDevice("4MB", "1GB/s", "1GB/s")
+    run = training.train("gpt2-tiny", 1, 4, device, lr=0.0, seed=5, log=lambda s: None, n_layer=2)
+    assert t.same(run.engine.model_state_dict(), made)
