@@ -244,8 +244,8 @@ def make_model(blocks: int, seed: int) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(32, 5))
 
 
-def make_engine(blocks: int, seed: int, lr: float) -> Engine:
-    model = make_model(blocks, seed)
+def make_engine(blocks: int, seed: int, lr: float, model: nn.Module | None = None) -> Engine:
+    model = make_model(blocks, seed) if model is None else model
     packs = tuple((i, min(i + 3, len(model))) for i in range(0, len(model), 3))
     plan = Plan("harmony-pp", 1, B, 4, 4, packs[:-1], packs)
     return Engine(
@@ -293,6 +293,28 @@ def test_train_many_trains_each_model_bitwise_as_alone(schedule):
         assert (
             run.schedule.units().groupby("model").gpu.nunique() == 2
         ).any()  # a model changed GPU
+
+
+def test_train_many_makes_the_weights_of_models_built_on_the_meta_device():
+    """Weights the engines make (harmony.empty_weights) train as the same weights
+    made in memory (harmony.materialize) alone."""
+
+    def on_meta(blocks: int, seed: int) -> nn.Module:
+        with harmony.empty_weights():
+            return make_model(blocks, seed)
+
+    engines = [make_engine(*g, model=on_meta(*g[:2])) for g in GRID]
+    data = [minibatches(10 + seed) for _, seed, _ in GRID]
+    harmony.train_many(engines, data, SERVER, "merged")
+    for (blocks, seed, lr), engine, batches in zip(GRID, engines, data):
+        twin = harmony.materialize(on_meta(blocks, seed), seed=seed)
+        alone = make_engine(blocks, seed, lr, model=twin)
+        for x, y in batches:
+            alone.step(x, y)
+        for (name, a), b in zip(
+            engine.model.state_dict().items(), alone.model.state_dict().values()
+        ):
+            assert torch.equal(a, b), f"model {(blocks, seed)}: {name} differs"
 
 
 def test_a_failure_leaves_every_model_at_a_whole_step():

@@ -410,13 +410,9 @@ class Engine:
             self.disk = attach(self, graph, self.host_settings, self.safe_updates)
             self.gradient_slots = gradient_slots_for(self, graph)
             self.host_settings.resume = None
-            # master weights on the tier are placeholders now: lay out the rest anew, and
-            # make the unmade ones in place there
+            # master weights on the tier are placeholders now: lay out the rest anew
             on_disk = frozenset(self.disk.on_disk if self.disk is not None else ())
-            if on_disk or not self.host.layout.flattened:
-                self.host.layout.flatten(on_disk)
-            if self.unmade is not None:
-                self.unmade.make_all()
+            self.lay_out_weights(on_disk)
             self._graph_cache, self._graph_hardware = graph, server
             # buffers are admitted on the devices in the simulator's order: the engine's
             # peak is then the simulated one, whatever the timing (on the cpu backend,
@@ -424,6 +420,15 @@ class Engine:
             managed = any(b.copies for b in self.backends) or bool(on_disk)
             self._memory_order = play(graph).order if managed else None
         return self._graph_cache
+
+    def lay_out_weights(self, on_disk: frozenset[int] = frozenset()) -> None:
+        """Lay the host weights out in flat buffers, all but ``on_disk`` (ids of
+        master weights a disk tier holds), if they are not yet or some left for the
+        tier; then make the unmade ones (a model built on the meta device) in place."""
+        if on_disk or not self.host.layout.flattened:
+            self.host.layout.flatten(on_disk)
+        if self.unmade is not None:
+            self.unmade.make_all()
 
     # ---- one step -----------------------------------------------------------------
     def step(self, inputs, target: torch.Tensor) -> float:

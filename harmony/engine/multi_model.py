@@ -94,6 +94,7 @@ def _job_of(m: int, engine, data: list[tuple], spec: ModelSpec | None) -> Job:
         )
     if not data:
         raise HarmonyError(f"engine {label} has no minibatches to train on")
+    engine.lay_out_weights()  # and made, for a model built on the meta device
     for x, y in data:
         if y.shape[0] != engine.minibatch_size or any(
             t.shape[0] != engine.minibatch_size for t in as_args(x)
