@@ -15,7 +15,10 @@
    bandwidth for step 1) to the time taken (1.0: as fast as the probe; above
    1.0 when reads and writes overlap); also the peak resident memory of the
    process and how much the page cache grew, against the state's size.
-3. One pack's state read through a memory map (``numpy.memmap`` copied into
+3. The tier's CRC-32 (ISA-L's, where the ``isal`` package is installed)
+   against zlib's: throughput on one core, and section 2's stream again with
+   zlib's, steady-state step time side by side.
+4. One pack's state read through a memory map (``numpy.memmap`` copied into
    a buffer) against the tier's read into its staging buffer: time and the
    resident memory the map adds while it is open.
 
@@ -29,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import tempfile
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,7 +44,7 @@ import torch
 
 from harmony.costs.hardware import format_bytes, parse_bytes
 from harmony.engine.host_memory import peak_resident_bytes
-from harmony.engine.tiers import NVME_PCIE4, DiskTier, HostBudget, measure_disk_bandwidth
+from harmony.engine.tiers import NVME_PCIE4, DiskTier, HostBudget, files, measure_disk_bandwidth
 
 
 def meminfo(field: str) -> int:
@@ -86,6 +91,39 @@ def stream(directory: Path, pack_numel: int, packs: int, steps: int) -> dict:
             "cache_growth": meminfo("Cached") - cached,
             "budget_peak": budget.peak,
         }
+
+
+def checksums(work: Path, pack_numel: int, packs: int, steps: int, step_s: list[float]) -> None:
+    """The tier's CRC-32 (``files.crc32``: ISA-L's where installed) against
+    zlib's: throughput on one buffer (the same checksum), then the stream of
+    section 2 again with zlib's, its steady-state steps against ``step_s``."""
+    buffer = np.random.default_rng(0).integers(0, 255, 256 << 20, dtype=np.uint8)
+    rates = {}
+    for name, fn in (("tier", files.crc32), ("zlib", zlib.crc32)):
+        started = time.perf_counter()
+        value = fn(buffer)
+        rates[name] = (buffer.nbytes / (time.perf_counter() - started), value)
+    same = rates["tier"][1] == rates["zlib"][1]
+    print(
+        f"\nCRC-32 on one core: the tier's ({files.crc32.__module__}) "
+        f"{format_bytes(rates['tier'][0])}/s, zlib's {format_bytes(rates['zlib'][0])}/s "
+        f"(x{rates['tier'][0] / rates['zlib'][0]:.2f}; same checksum: {same})"
+    )
+    if files.crc32 is zlib.crc32:
+        return
+    original = files.crc32
+    files.crc32 = zlib.crc32
+    try:
+        with_zlib = stream(work / "tier-zlib", pack_numel, packs, steps)["step_s"]
+    finally:
+        files.crc32 = original
+        shutil.rmtree(work / "tier-zlib", ignore_errors=True)
+    if steps > 1:
+        ours, theirs = statistics.median(step_s[1:]), statistics.median(with_zlib[1:])
+        print(
+            f"  steady-state step (median of steps 2..{steps}): {ours:.2f} s with the tier's "
+            f"CRC-32, {theirs:.2f} s with zlib's: x{ours / theirs:.2f}"
+        )
 
 
 def mmap_vs_tier(directory: Path) -> tuple[float, int, float]:
@@ -159,6 +197,7 @@ def main() -> None:
             f"{format_bytes(got['budget_peak'])}, page cache grew "
             f"{format_bytes(got['cache_growth'])} (state {format_bytes(state_bytes)})"
         )
+        checksums(work, pack_numel, args.packs, args.steps, got["step_s"])
         map_s, grown, tier_s = mmap_vs_tier(work / "tier")
         pack_bytes = 8 * pack_numel
         print(

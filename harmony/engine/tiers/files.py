@@ -1,7 +1,8 @@
 """Bytes between tensors and files: large positional reads and writes, cut
 into chunks that a few threads move at once (``pread``/``pwrite`` release the
 GIL, so several requests are in flight, as a fast SSD needs), each chunk
-checksummed (CRC-32) and optionally paced to a bandwidth.
+checksummed (CRC-32, ISA-L's where the ``isal`` package is installed: zlib's
+checksum several times faster) and optionally paced to a bandwidth.
 
 Files are opened with ``O_DIRECT`` where the filesystem takes it: requests go
 to the disk without passing through the page cache, so the cache does not
@@ -33,7 +34,6 @@ import json
 import os
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,11 @@ import torch
 from ...errors import HarmonyError
 from ..checkpoint import fsync_dir
 from ..devices import LinkPacer
+
+try:  # ISA-L's CRC-32: zlib's checksum (the same values), ~3x faster with vector instructions
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - a platform without isal's wheels: zlib's own
+    from zlib import crc32
 
 #: bytes one thread moves per request: large enough for sequential speed, small
 #: enough that several threads keep a drive's queue busy
@@ -281,7 +286,7 @@ class ChunkIO:
             for p in pieces:
                 np.copyto(np.frombuffer(p, dtype=np.uint8), buffer[at : at + len(p)])
                 at += len(p)
-        crc = zlib.crc32(buffer[:nbytes]) if checksum else None  # releases the GIL
+        crc = crc32(buffer[:nbytes]) if checksum else None  # releases the GIL
         if _FADVISE:  # without O_DIRECT: drop the pages (after a write: start their write-back)
             os.posix_fadvise(fd, offset, span, os.POSIX_FADV_DONTNEED)
         return crc
