@@ -151,30 +151,36 @@ def tied_gpt2():
     return model
 
 
-def run_gpt2(host_memory, plan, monkeypatch) -> Engine:
-    import harmony.engine.disk_setup as disk_setup
-    import harmony.engine.engine as engine_module
+def train_gpt2(model, plan, device, steps: int = 3, **engine_kw) -> Engine:
+    """``steps`` steps of ``model`` (a GPT-2 of ``CFG``) on one minibatch of 4 (seed 0)."""
     from harmony.workbench.training import lm_loss
 
-    monkeypatch.setattr(engine_module, "besides_the_model", lambda module: 0)
-    monkeypatch.setattr(disk_setup, "device_memory_in_host", lambda *a: 0)
-    torch.manual_seed(0)
-    (x,), y = harmony.zoo.example_input("gpt2-tiny", 4, **CFG)
-    device = EmulatedDevice("64MB", "4GB/s", "4GB/s")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        (x,), y = harmony.zoo.example_input("gpt2-tiny", 4, **CFG)
     e = Engine(
-        tied_gpt2(),
+        model,
         lambda ps: FlatAdamW(ps, lr=1e-3),
         lm_loss,
         device=device,
         hardware=device.hardware(),
         minibatch_size=4,
         plan=plan,
-        host_memory=host_memory,
-        safe_updates=False,
+        **engine_kw,
     )
-    for _ in range(3):
+    for _ in range(steps):
         e.step(x, y)
     return e
+
+
+def run_gpt2(host_memory, plan, monkeypatch) -> Engine:
+    import harmony.engine.disk_setup as disk_setup
+    import harmony.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "besides_the_model", lambda module: 0)
+    monkeypatch.setattr(disk_setup, "device_memory_in_host", lambda *a: 0)
+    device = EmulatedDevice("64MB", "4GB/s", "4GB/s")
+    return train_gpt2(tied_gpt2(), plan, device, host_memory=host_memory, safe_updates=False)
 
 
 def test_a_tied_gpt2_with_its_gradients_in_slots_is_exact(monkeypatch):

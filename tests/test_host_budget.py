@@ -215,33 +215,21 @@ def test_auto_plan_with_tied_weights_on_disk_is_exact(tmp_path, monkeypatch):
     """A GPT-2 whose embedding is tied to its head, planned by plan="auto" under a
     budget that sends optimizer state and master weights to disk: bitwise equal
     to the same plan in host memory."""
-    from test_gradient_slots import CFG, tied_gpt2
+    from test_gradient_slots import tied_gpt2, train_gpt2
 
-    import harmony
     import harmony.engine.engine as engine_module
     import harmony.engine.planning as planning
-    from harmony.workbench.training import lm_loss
-
-    (x,), y = harmony.zoo.example_input("gpt2-tiny", 4, **CFG)
 
     def run(host_memory, plan, tier):
-        torch.manual_seed(0)
         device = EmulatedDevice("16MB", "4GB/s", "4GB/s")
-        e = Engine(
+        return train_gpt2(
             tied_gpt2(),
-            lambda ps: FlatAdamW(ps, lr=1e-3),
-            lm_loss,
-            device=device,
-            hardware=device.hardware(),
-            minibatch_size=4,
-            plan=plan,
+            plan,
+            device,
             host_memory=host_memory,
             disk_dir=tier,
             disk=tier and "2GB/s,2GB/s",
         )
-        for _ in range(3):
-            e.step(x, y)
-        return e
 
     with monkeypatch.context() as m:
         m.setattr(engine_module, "besides_the_model", lambda module: 0)

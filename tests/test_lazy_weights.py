@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import harmony
-from harmony import Engine, FlatAdamW, HarmonyError, empty_weights, materialize
+from harmony import Engine, HarmonyError, empty_weights, materialize
 from harmony.engine.disk_state import StateOnDisk
 from harmony.engine.lazy_weights import has_memory
 
@@ -172,30 +172,13 @@ def test_a_tied_gpt2_made_by_the_engine_trains_like_made_in_memory(monkeypatch):
     import test_gradient_slots as g
 
     from harmony.costs.zoo.modules import init_transformer
-    from harmony.workbench.training import lm_loss
 
     def tied():
         with empty_weights():
             return g.tied_gpt2()
 
-    (x,), y = harmony.zoo.example_input("gpt2-tiny", 4, **g.CFG)
-
     def run(model, plan, **kw):
-        device = t.device(1)
-        e = Engine(
-            model,
-            lambda ps: FlatAdamW(ps, lr=1e-3),
-            lm_loss,
-            device=device,
-            hardware=device.hardware(),
-            minibatch_size=4,
-            plan=plan,
-            seed=3,
-            **kw,
-        )
-        for _ in range(2):
-            e.step(x, y)
-        return e
+        return g.train_gpt2(model, plan, t.device(1), steps=2, seed=3, **kw)
 
     made = run(tied(), "auto", init=init_transformer)
     twin = materialize(tied(), init_transformer, seed=3)
