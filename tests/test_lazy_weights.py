@@ -214,6 +214,15 @@ def test_what_cannot_be_made_is_said_before_anything_runs():
         e.step(*t.batch(0))
 
 
+def test_weights_another_engine_left_on_its_tier_are_not_made_anew(tmp_path):
+    plan = t.plan_for("harmony-pp", 1)
+    first = t.train(engine(t.make_model(), plan, t.WEIGHTS_ON_DISK[1], tmp_path / "tier"), 1)
+    first.close()
+    again = engine(first.model, plan)  # its master weights are placeholders now
+    with pytest.raises(HarmonyError, match="lives on another engine's disk tier"):
+        again.step(*t.batch(0))
+
+
 def test_harmony_train_makes_its_model_where_it_lives(monkeypatch):
     """On one server ``harmony train`` never builds the model in memory first: its
     weights are made_model's (lr 0 leaves them as made)."""

@@ -14,11 +14,12 @@ Values: each layer's parameters are made by every submodule's
 torch's CPU generator seeded from the engine's seed and the layer's index
 (:func:`init_seed`). A layer's values are then the same whenever, and in
 whatever order, it is made; :func:`materialize` makes the same values in host
-memory (a run that fits, to compare with). A parameter with no memory of
-its own (on the meta device, or a placeholder an engine left) is unmade. A
-parameter several layers share is
-made with the first of them, and hidden from the others' initialisation. A
-parameter neither leaves set is an error (they are made NaN first).
+memory (a run that fits, to compare with). A parameter several layers share
+is made with the first of them and hidden from the others' initialisation. A
+parameter that neither leaves set is an error (parameters are NaN until set).
+A placeholder an earlier engine left (its master weight on that engine's
+disk tier) is not made anew: a checkpoint or the tier gives its value
+(``Engine.load``), else making it is an error.
 
 Until made, a parameter is a *placeholder* (:func:`~.disk_state.placeholder`:
 its shape and dtype, one element broadcast); describing and profiling the
@@ -99,6 +100,7 @@ class UnmadeWeights:
             self.first.append(own)
         self.layer_of = {id(p): i for i, ps in enumerate(self.first) for p in ps}
         self.pending: set[int] = set()  # ids of the parameters not made yet
+        self.left: set[int] = set()  # of them, placeholders an earlier engine left
 
     @classmethod
     def of(
@@ -121,6 +123,8 @@ class UnmadeWeights:
                         "harmony.empty_weights(), which puts only parameters on the meta device"
                     )
         made: dict[int, nn.Parameter] = {}
+        left: dict[int, nn.Parameter] = {}
+        fresh: set[int] = set()  # the placeholders made here
         for m in modules:
             for name, p in m._parameters.items():
                 if p is not None and p.is_meta:
@@ -128,9 +132,10 @@ class UnmadeWeights:
                         new = nn.Parameter(torch.empty(0, dtype=p.dtype), p.requires_grad)
                         new.data = placeholder(p)
                         made[id(p)] = new
+                        fresh.add(id(new))
                     m._parameters[name] = made[id(p)]
-                elif p is not None and not has_memory(p):  # a placeholder already
-                    made[id(p)] = p
+                elif p is not None and id(p) not in fresh and not has_memory(p):
+                    made[id(p)] = left[id(p)] = p  # a placeholder an earlier engine left
         if not made:
             if init is not None:
                 raise HarmonyError(
@@ -140,6 +145,7 @@ class UnmadeWeights:
             return None
         unmade = cls(layers, init, seed)
         unmade.pending = {id(p) for p in made.values()}
+        unmade.left = set(left)
         return unmade
 
     def holds(self, p: torch.Tensor) -> bool:
@@ -172,10 +178,13 @@ class UnmadeWeights:
         with torch.no_grad():
             p.data = value.detach().to("cpu", p.dtype, copy=True).contiguous()
         self.pending.discard(id(p))
+        self.left.discard(id(p))
 
     def kept_elsewhere(self, params: Iterable[nn.Parameter]) -> None:
         """``params`` have values elsewhere (a resumed run's disk tier): not made here."""
-        self.pending -= {id(p) for p in params}
+        ids = {id(p) for p in params}
+        self.pending -= ids
+        self.left -= ids
 
     def nbytes(self, params: Iterable[nn.Parameter]) -> int:
         """Bytes that making the unmade ones of ``params`` adds."""
@@ -185,6 +194,15 @@ class UnmadeWeights:
         layer = self.layers[i]
         making = [p for p in self.first[i] if id(p) in self.pending]
         ids = {id(p) for p in making}
+        names = {id(p): n for n, p in layer.named_parameters()}
+        for p in making:
+            if id(p) in self.left:
+                raise HarmonyError(
+                    f"layer {i} ({type(layer).__name__}): {names[id(p)]} has no values: its "
+                    "master weight lives on another engine's disk tier. Continue that run "
+                    "with Engine.load(checkpoint, model, ...), read the weights with that "
+                    "engine's model_state_dict(), or build the model anew"
+                )
         with torch.no_grad():
             for p in making:
                 if not has_memory(p):
@@ -199,7 +217,6 @@ class UnmadeWeights:
                     reset()
             if self.init is not None:
                 self.init(layer)
-        names = {id(p): n for n, p in layer.named_parameters()}
         for p in making:
             if p.is_floating_point() and bool(torch.isnan(p).any()):
                 raise HarmonyError(
