@@ -214,6 +214,20 @@ def test_what_cannot_be_made_is_said_before_anything_runs():
         e.step(*t.batch(0))
 
 
+def test_a_model_profiled_on_the_meta_device_is_then_made_by_the_engine(tmp_path):
+    """harmony.profile measures the unmade model (placeholders); the engine given
+    that profile still makes its weights, as materialize does."""
+    plan = t.plan_for("harmony-pp", 1)
+    model = meta_model()
+    spec = harmony.profile(list(model), *t.batch(0), nn.functional.mse_loss, t.adamw, repeats=1)
+    assert spec.has_times and live_weight_bytes(model) == 0
+    e = engine(model, plan, t.WEIGHTS_ON_DISK[1], tmp_path / "tier", spec=spec)
+    try:
+        assert t.same(t.weights(t.train(e, 2)), materialized(plan, 2))
+    finally:
+        e.close()
+
+
 def test_weights_another_engine_left_on_its_tier_are_not_made_anew(tmp_path):
     plan = t.plan_for("harmony-pp", 1)
     first = t.train(engine(t.make_model(), plan, t.WEIGHTS_ON_DISK[1], tmp_path / "tier"), 1)

@@ -537,8 +537,10 @@ class Engine:
         **kwargs,
     ) -> "Engine":
         """An engine that continues the run saved in ``path`` with ``model`` (built
-        the same way as the saved one; its weights are overwritten), the same
-        minibatch size and seed, and the saved plan unless ``plan`` is given."""
+        the same way as the saved one; its weights are overwritten: built under
+        :func:`~harmony.engine.lazy_weights.empty_weights`, they are never made,
+        only read from the checkpoint and the tier), the same minibatch size and
+        seed, and the saved plan unless ``plan`` is given."""
         state = read_checkpoint(path)
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise CheckpointError(f"{path} is a checkpoint but not of an engine's state")

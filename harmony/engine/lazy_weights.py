@@ -29,6 +29,7 @@ model run on those (sizes and times do not depend on the values).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -37,6 +38,34 @@ from torch import nn
 from ..errors import HarmonyError
 from .disk_state import placeholder
 from .reference_loop import layer_seed
+
+
+class _Identities:
+    """Tensors by identity, not kept alive (a WeakSet compares tensors with ==,
+    which is elementwise)."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        self._refs[id(t)] = weakref.ref(t)
+
+    def discard(self, t: torch.Tensor) -> None:
+        if t in self:
+            del self._refs[id(t)]
+
+    def difference_update(self, ts: Iterable[torch.Tensor]) -> None:
+        for t in ts:
+            self.discard(t)
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t
+
+
+#: placeholders of parameters that never had values (made from meta ones): unmade, where
+#: any other placeholder is a master weight an engine left on its disk tier
+_NEVER_MADE = _Identities()
 
 
 @contextlib.contextmanager
@@ -133,9 +162,12 @@ class UnmadeWeights:
                         new.data = placeholder(p)
                         made[id(p)] = new
                         fresh.add(id(new))
+                        _NEVER_MADE.add(new)
                     m._parameters[name] = made[id(p)]
                 elif p is not None and id(p) not in fresh and not has_memory(p):
-                    made[id(p)] = left[id(p)] = p  # a placeholder an earlier engine left
+                    made[id(p)] = p
+                    if p not in _NEVER_MADE:  # a placeholder an earlier engine left
+                        left[id(p)] = p
         if not made:
             if init is not None:
                 raise HarmonyError(
@@ -167,6 +199,7 @@ class UnmadeWeights:
             for p in params:
                 p.data = placeholder(p)
                 self.pending.add(id(p))
+                _NEVER_MADE.add(p)
 
     def make_all(self) -> None:
         for i in range(len(self.layers)):
@@ -179,12 +212,15 @@ class UnmadeWeights:
             p.data = value.detach().to("cpu", p.dtype, copy=True).contiguous()
         self.pending.discard(id(p))
         self.left.discard(id(p))
+        _NEVER_MADE.discard(p)
 
     def kept_elsewhere(self, params: Iterable[nn.Parameter]) -> None:
         """``params`` have values elsewhere (a resumed run's disk tier): not made here."""
+        params = list(params)
         ids = {id(p) for p in params}
         self.pending -= ids
         self.left -= ids
+        _NEVER_MADE.difference_update(params)
 
     def nbytes(self, params: Iterable[nn.Parameter]) -> int:
         """Bytes that making the unmade ones of ``params`` adds."""
@@ -224,6 +260,7 @@ class UnmadeWeights:
                     "modules' reset_parameters() and init=: give an init= that sets it"
                 )
         self.pending -= ids
+        _NEVER_MADE.difference_update(making)
         return making
 
 
