@@ -18,7 +18,10 @@
 3. The tier's CRC-32 (ISA-L's, where the ``isal`` package is installed)
    against zlib's: throughput on one core, and section 2's stream again with
    zlib's, steady-state step time side by side.
-4. One pack's state read through a memory map (``numpy.memmap`` copied into
+4. Reads and writes at once: one pack's state read while another's is
+   written, against each alone (is the disk full duplex, as the simulator
+   plays its ``host.disk_read`` and ``host.disk_write`` links?).
+5. One pack's state read through a memory map (``numpy.memmap`` copied into
    a buffer) against the tier's read into its staging buffer: time and the
    resident memory the map adds while it is open.
 
@@ -126,6 +129,36 @@ def checksums(work: Path, pack_numel: int, packs: int, steps: int, step_s: list[
         )
 
 
+def duplex(directory: Path, packs: int) -> None:
+    """Is the disk full duplex, as the simulator plays it (reads and writes on
+    links of their own)? Pack 0's state read alone, pack 1's written alone, then
+    pack 2's read while pack 3's is written: the time both take at once against
+    the longer of the two alone (full duplex) and their sum (one shared disk)."""
+    with DiskTier.open(directory) as tier:
+        staged = tier.read(4 % packs, "optimizer")
+        state = {name: t.clone() for name, t in staged.items()}
+        staged.release()
+
+        def timed(*jobs) -> float:
+            started = time.perf_counter()
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                for done in [pool.submit(job) for job in jobs]:
+                    done.result()
+            return time.perf_counter() - started
+
+        read_s = timed(lambda: tier.read(0, "optimizer").release())
+        write_s = timed(lambda: tier.write(1 % packs, "optimizer", state))
+        both_s = timed(
+            lambda: tier.read(2 % packs, "optimizer").release(),
+            lambda: tier.write(3 % packs, "optimizer", state),
+        )
+    print(
+        f"\none pack read and another written at once: {both_s:.2f} s; alone {read_s:.2f} s "
+        f"and {write_s:.2f} s (full duplex: {max(read_s, write_s):.2f} s, one shared disk: "
+        f"{read_s + write_s:.2f} s)"
+    )
+
+
 def mmap_vs_tier(directory: Path) -> tuple[float, int, float]:
     """Seconds and resident-memory growth of reading pack 0's state through a
     map; seconds through the tier."""
@@ -198,6 +231,7 @@ def main() -> None:
             f"{format_bytes(got['cache_growth'])} (state {format_bytes(state_bytes)})"
         )
         checksums(work, pack_numel, args.packs, args.steps, got["step_s"])
+        duplex(work / "tier", args.packs)
         map_s, grown, tier_s = mmap_vs_tier(work / "tier")
         pack_bytes = 8 * pack_numel
         print(
