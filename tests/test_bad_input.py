@@ -258,8 +258,14 @@ def test_a_loss_that_cannot_train_is_refused_before_anything_runs(case):
     )
 
 
-def test_a_model_on_the_meta_device_is_refused():
-    with pytest.raises(HarmonyError, match="on the meta device, which holds no values"):
+def test_a_model_whose_buffers_are_on_the_meta_device_is_refused():
+    """Its parameters the engine can make (harmony.empty_weights); its buffers'
+    values (a causal mask) are lost on the meta device."""
+    with pytest.raises(
+        HarmonyError,
+        match=r"causal_bias is a buffer on the meta device.*"
+        r"Build the model under harmony.empty_weights\(\)",
+    ):
         Engine(
             nn.Sequential(*harmony.zoo.build("gpt2-tiny")[:-1]), ADAMW, loss_fn, minibatch_size=B
         )

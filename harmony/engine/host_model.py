@@ -130,18 +130,11 @@ class HostModel:
 
 
 def check_on_host(layers: list[nn.Module]) -> None:
-    """The model is the host copy of the weights: its tensors must be real and in
-    host memory."""
+    """The model is the host copy of the weights: its tensors must be in host
+    memory (those on the meta device are the engine's to make or refuse first:
+    :mod:`.lazy_weights`)."""
     for i, layer in enumerate(layers):
         for name, t in (*layer.named_parameters(), *layer.named_buffers()):
-            if t.device.type == "meta":
-                raise HarmonyError(
-                    f"layer {i} ({type(layer).__name__}) has {name} on the meta device, which "
-                    "holds no values: build the model on the CPU (e.g. harmony.zoo.build(name, "
-                    "device='cpu')), or under harmony.empty_weights() (parameters on the meta "
-                    "device, made by the engine), or load its weights first "
-                    "(module.to_empty(device='cpu') and a state_dict)"
-                )
             if t.device.type != "cpu":
                 raise HarmonyError(
                     f"layer {i} ({type(layer).__name__}) has {name} on {t.device}: the engine "
