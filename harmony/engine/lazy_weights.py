@@ -29,7 +29,6 @@ model run on those (sizes and times do not depend on the values).
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -39,33 +38,21 @@ from ..errors import HarmonyError
 from .disk_state import placeholder
 from .reference_loop import layer_seed
 
-
-class _Identities:
-    """Tensors by identity, not kept alive (a WeakSet compares tensors with ==,
-    which is elementwise)."""
-
-    def __init__(self):
-        self._refs: dict[int, weakref.ref] = {}
-
-    def add(self, t: torch.Tensor) -> None:
-        self._refs[id(t)] = weakref.ref(t)
-
-    def discard(self, t: torch.Tensor) -> None:
-        if t in self:
-            del self._refs[id(t)]
-
-    def difference_update(self, ts: Iterable[torch.Tensor]) -> None:
-        for t in ts:
-            self.discard(t)
-
-    def __contains__(self, t: torch.Tensor) -> bool:
-        ref = self._refs.get(id(t))
-        return ref is not None and ref() is t
+#: the mark of a placeholder whose parameter never had values (made from a meta one):
+#: unmade, where any other placeholder is a master weight an engine left on its disk tier
+_NEVER_MADE = "_harmony_never_made"
 
 
-#: placeholders of parameters that never had values (made from meta ones): unmade, where
-#: any other placeholder is a master weight an engine left on its disk tier
-_NEVER_MADE = _Identities()
+def _never_made(p: nn.Parameter) -> bool:
+    return getattr(p, _NEVER_MADE, False)
+
+
+def _mark(params: Iterable[nn.Parameter], never_made: bool) -> None:
+    for p in params:
+        if never_made:
+            setattr(p, _NEVER_MADE, True)
+        else:
+            p.__dict__.pop(_NEVER_MADE, None)
 
 
 @contextlib.contextmanager
@@ -129,7 +116,6 @@ class UnmadeWeights:
             self.first.append(own)
         self.layer_of = {id(p): i for i, ps in enumerate(self.first) for p in ps}
         self.pending: set[int] = set()  # ids of the parameters not made yet
-        self.left: set[int] = set()  # of them, placeholders an earlier engine left
 
     @classmethod
     def of(
@@ -151,23 +137,18 @@ class UnmadeWeights:
                         "(what the constructor computed) are lost there. Build the model under "
                         "harmony.empty_weights(), which puts only parameters on the meta device"
                     )
-        made: dict[int, nn.Parameter] = {}
-        left: dict[int, nn.Parameter] = {}
-        fresh: set[int] = set()  # the placeholders made here
+        made: dict[int, nn.Parameter] = {}  # id(meta or placeholder) -> its placeholder
         for m in modules:
             for name, p in m._parameters.items():
                 if p is not None and p.is_meta:
                     if id(p) not in made:
                         new = nn.Parameter(torch.empty(0, dtype=p.dtype), p.requires_grad)
                         new.data = placeholder(p)
+                        _mark([new], never_made=True)
                         made[id(p)] = new
-                        fresh.add(id(new))
-                        _NEVER_MADE.add(new)
                     m._parameters[name] = made[id(p)]
-                elif p is not None and id(p) not in fresh and not has_memory(p):
+                elif p is not None and not has_memory(p):  # a placeholder already
                     made[id(p)] = p
-                    if p not in _NEVER_MADE:  # a placeholder an earlier engine left
-                        left[id(p)] = p
         if not made:
             if init is not None:
                 raise HarmonyError(
@@ -177,7 +158,6 @@ class UnmadeWeights:
             return None
         unmade = cls(layers, init, seed)
         unmade.pending = {id(p) for p in made.values()}
-        unmade.left = set(left)
         return unmade
 
     def holds(self, p: torch.Tensor) -> bool:
@@ -195,11 +175,12 @@ class UnmadeWeights:
     def unmake(self, params: Iterable[nn.Parameter]) -> None:
         """``params`` are unmade again (placeholders: their memory is given back),
         e.g. made for a disk tier that then failed to take them."""
+        params = list(params)
         with torch.no_grad():
             for p in params:
                 p.data = placeholder(p)
                 self.pending.add(id(p))
-                _NEVER_MADE.add(p)
+        _mark(params, never_made=True)
 
     def make_all(self) -> None:
         for i in range(len(self.layers)):
@@ -211,16 +192,13 @@ class UnmadeWeights:
         with torch.no_grad():
             p.data = value.detach().to("cpu", p.dtype, copy=True).contiguous()
         self.pending.discard(id(p))
-        self.left.discard(id(p))
-        _NEVER_MADE.discard(p)
+        _mark([p], never_made=False)
 
     def kept_elsewhere(self, params: Iterable[nn.Parameter]) -> None:
         """``params`` have values elsewhere (a resumed run's disk tier): not made here."""
         params = list(params)
-        ids = {id(p) for p in params}
-        self.pending -= ids
-        self.left -= ids
-        _NEVER_MADE.difference_update(params)
+        self.pending -= {id(p) for p in params}
+        _mark(params, never_made=False)  # an engine's placeholders now, their values on its tier
 
     def nbytes(self, params: Iterable[nn.Parameter]) -> int:
         """Bytes that making the unmade ones of ``params`` adds."""
@@ -232,7 +210,7 @@ class UnmadeWeights:
         ids = {id(p) for p in making}
         names = {id(p): n for n, p in layer.named_parameters()}
         for p in making:
-            if id(p) in self.left:
+            if not _never_made(p):  # a placeholder an earlier engine left
                 raise HarmonyError(
                     f"layer {i} ({type(layer).__name__}): {names[id(p)]} has no values: its "
                     "master weight lives on another engine's disk tier. Continue that run "
@@ -260,7 +238,7 @@ class UnmadeWeights:
                     "modules' reset_parameters() and init=: give an init= that sets it"
                 )
         self.pending -= ids
-        _NEVER_MADE.difference_update(making)
+        _mark(making, never_made=False)
         return making
 
 
