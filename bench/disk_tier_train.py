@@ -155,12 +155,13 @@ def _busy(trace, kind: str) -> float:
     return float((tl.end_s - tl.start_s)[tl.kind == kind].sum())
 
 
-def lower_bound(engine: Engine, rates: tuple[float, float]) -> float:
-    """The disk's seconds per step (each direction at its bandwidth, the two
-    overlapping) against the compute lane's busy time in the simulator's play."""
+def lower_bound(engine: Engine) -> float:
+    """The disk's seconds per step (each direction at its bandwidth: the two
+    overlapping, or one after the other where they share the disk's time)
+    against the compute lane's busy time in the simulator's play."""
     sim = engine.simulate()
     bytes_ = sim.summary.bytes_by_kind
-    disk = max(bytes_[DISK_IN] / rates[0], bytes_[DISK_OUT] / rates[1])
+    disk = engine.hardware().disk_seconds(bytes_[DISK_IN], bytes_[DISK_OUT])
     tl = sim.timeline
     compute = (tl.end_s - tl.start_s)[tl.kind.isin(["FWD", "BWD", "FWDBWD", "REC"])].sum()
     return max(disk, compute)
@@ -235,7 +236,7 @@ def train_emulated(args, cfg, spec, plan, device, host, x, y) -> float:
                 times.append(time.perf_counter() - started)
             if args.auto:
                 print(f"plan='auto' picked {engine.plan.describe()}")
-            report(engine, times, lower_bound(engine, engine.host_settings.rates))
+            report(engine, times, lower_bound(engine))
         finally:
             engine.close()
 
@@ -281,7 +282,7 @@ def real(args) -> None:
             spec=spec,
             host_memory=args.host_memory,
             disk_dir=Path(tmp) / "tier",
-            disk=(bw.read, bw.write) if args.pace else None,
+            disk=(bw.read, bw.write, bw.shared) if args.pace else None,
             init=init_transformer,  # GPT-2's N(0, 0.02)
         )
         del model
@@ -318,7 +319,7 @@ def real(args) -> None:
             )
             if args.auto:
                 print(f"plan='auto' picked {engine.plan.describe()}")
-            report(engine, times, lower_bound(engine, engine.host_settings.rates))
+            report(engine, times, lower_bound(engine))
         finally:
             engine.close()
             shutil.rmtree(Path(tmp) / "tier", ignore_errors=True)

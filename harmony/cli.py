@@ -75,7 +75,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DISK",
         help="a disk tier under host memory: 'nvme' (PCIe 4.0 NVMe spec sheet) or read,write "
-        "bandwidths, e.g. 3GB/s,2GB/s (default: none: the state must fit host memory)",
+        "bandwidths, e.g. 3GB/s,2GB/s, with ',shared' after them where reads and writes share "
+        "the disk's time (default: none: the state must fit host memory)",
     )
 
 
@@ -200,8 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--disk",
         default=None,
-        metavar="READ,WRITE",
-        help="pace the disk tier to this link, e.g. 200MB/s,200MB/s (default: measured)",
+        metavar="READ,WRITE[,shared]",
+        help="pace the disk tier to this link, e.g. 200MB/s,200MB/s, or 200MB/s,200MB/s,shared "
+        "where reads and writes share the disk's time (default: measured)",
     )
 
     sub.add_parser("models", help="list models")
@@ -358,12 +360,13 @@ def _disk_line(summary, hw) -> str:
     """What the disk tier moved, next to what the disk can do."""
     from .costs.hardware import format_bytes
 
-    busy = summary.disk_read_bytes / hw.disk_read + summary.disk_write_bytes / hw.disk_write
+    busy = hw.disk_seconds(summary.disk_read_bytes, summary.disk_write_bytes)
+    sharing = "sharing its time" if hw.disk_shared else "each at once"
     return (
         f"disk tier: read {format_bytes(summary.disk_read_bytes)}, write "
-        f"{format_bytes(summary.disk_write_bytes)} per iteration ({busy:.3g} s of disk time at "
-        f"{format_bytes(hw.disk_read)}/s read, {format_bytes(hw.disk_write)}/s write; host "
-        f"memory {format_bytes(hw.host_memory)})"
+        f"{format_bytes(summary.disk_write_bytes)} per iteration (at least {busy:.3g} s of disk "
+        f"time at {format_bytes(hw.disk_read)}/s read, {format_bytes(hw.disk_write)}/s write, "
+        f"{sharing}; host memory {format_bytes(hw.host_memory)})"
     )
 
 

@@ -10,7 +10,9 @@ transfer and CPU lanes run whichever of their ready tasks has the smallest
 urgent input). Compute tasks have a duration; transfer tasks have bytes and a
 route of links whose bandwidth they share with concurrent transfers. State
 that does not fit host memory crosses ``host.disk_read`` / ``host.disk_write``
-(DISK_IN, DISK_OUT; :mod:`harmony.policies.disk_tier` says when).
+(DISK_IN, DISK_OUT; :mod:`harmony.policies.disk_tier` says when), and also
+``host.disk`` where reads and writes share the disk's time (a link whose
+capacity a byte takes as much of as the task's ``costs`` say).
 
 Memory is a set of :class:`Buffer`: a task *allocates* buffers when it starts
 and *releases* its references when it ends; a buffer is freed when its last
@@ -168,6 +170,14 @@ class Task:
     io: dict = field(default_factory=dict)
     allocs: list[int] = field(default_factory=list)
     releases: list[int] = field(default_factory=list)
+    #: per link of ``links``, how much of its capacity one byte moved takes (empty: 1 on
+    #: each); a disk whose reads and writes share its time is a link of capacity 1 that a
+    #: byte read takes 1/read-bandwidth of (seconds), a byte written 1/write-bandwidth
+    costs: tuple[float, ...] = ()
+
+    def link_costs(self) -> tuple[float, ...]:
+        """Per link of the route, the capacity one byte takes."""
+        return self.costs or (1.0,) * len(self.links)
 
     @property
     def is_transfer(self) -> bool:
@@ -221,6 +231,7 @@ class TaskGraph:
                 assert self.tasks[d].seq < t.seq, f"dependency {self.tasks[d]} not before {t}"
             for link in t.links:
                 assert link in self.links, f"{t} uses unknown link {link}"
+            assert not t.costs or len(t.costs) == len(t.links), f"{t}: one cost per link"
         refs = defaultdict(int)
         for t in self.tasks:
             for b in t.releases:

@@ -5,7 +5,9 @@ the ready task with the smallest ``seq`` (see :mod:`harmony.graph`); a task
 starts when its lane is free and its dependencies have ended. Compute tasks take their duration.
 Transfers share links: at every moment the active transfers get max-min fair
 rates over the links of their routes (a GPU's own link and its switch's
-uplink are both limits), capped by any per-transfer rate. Memory is a ledger
+uplink are both limits; a byte may take more or less than one unit of a
+link, as on a disk whose reads and writes share its time), capped by any
+per-transfer rate. Memory is a ledger
 per device: buffers are charged when the task that allocates them starts and
 freed when their last user ends; the peak is reported (the planner rejects
 plans whose peak exceeds capacity).
@@ -34,37 +36,42 @@ _EPS = 1e-12
 
 
 def fair_rates(
-    active: dict[int, tuple[tuple[str, ...], float]], capacity: dict[str, float]
+    active: dict[int, tuple[tuple[str, ...], float, tuple[float, ...]]],
+    capacity: dict[str, float],
 ) -> dict[int, float]:
     """Max-min fair rates (progressive filling) of transfers over shared links.
 
-    ``active`` maps a transfer to (its links, its own rate cap)."""
+    ``active`` maps a transfer to (its links, its own rate cap, per link the
+    capacity one byte takes: :meth:`~harmony.graph.Task.link_costs`). Rates rise
+    together; a link is full when the sum over its transfers of rate x cost
+    reaches its capacity, and its transfers then stop rising (weighted
+    progressive filling: with every cost 1, the usual max-min fair shares)."""
     if len(active) == 1:  # the common case: one transfer gets its narrowest link
-        ((tid, (links, mx)),) = active.items()
-        return {tid: min([mx] + [capacity[link] for link in links])}
+        ((tid, (links, mx, costs)),) = active.items()
+        return {tid: min([mx] + [capacity[link] / c for link, c in zip(links, costs)])}
     rates: dict[int, float] = {}
     left = dict(active)
     cap = dict(capacity)
-    users: dict[str, set[int]] = defaultdict(set)
-    for tid, (links, _) in left.items():
-        for link in links:
-            users[link].add(tid)
+    users: dict[str, dict[int, float]] = defaultdict(dict)  # link -> {transfer: cost}
+    for tid, (links, _, costs) in left.items():
+        for link, c in zip(links, costs):
+            users[link][tid] = c
     while left:
         share, bottleneck = math.inf, None
         for link, us in users.items():
             if us:
-                s = cap[link] / len(us)
+                s = cap[link] / sum(us.values())
                 if s < share:
                     share, bottleneck = s, link
-        capped = [tid for tid, (_, mx) in left.items() if mx <= share]
+        capped = [tid for tid, (_, mx, _) in left.items() if mx <= share]
         frozen = capped if capped else list(users[bottleneck]) if bottleneck else list(left)
         for tid in frozen:
-            links, mx = left.pop(tid)
+            links, mx, costs = left.pop(tid)
             r = min(mx, share)
             rates[tid] = r
-            for link in links:
-                cap[link] = max(0.0, cap[link] - r)
-                users[link].discard(tid)
+            for link, c in zip(links, costs):
+                cap[link] = max(0.0, cap[link] - r * c)
+                users[link].pop(tid, None)
     return rates
 
 
@@ -114,6 +121,7 @@ def play(graph: TaskGraph) -> Played:
         heapq.heapify(heap)
     busy = {lane: False for lane in lanes}
     refs = [b.refs for b in graph.buffers]
+    costs = [t.link_costs() for t in tasks]
     capacity = graph.memory_capacity
     # what each copy allocates on a device with a capacity, and the lanes whose most
     # urgent ready copy waits for room on a device
@@ -239,7 +247,8 @@ def play(graph: TaskGraph) -> Played:
             continue
         if rates_stale:
             rates = fair_rates(
-                {tid: (tasks[tid].links, tasks[tid].max_rate) for tid in moving}, graph.links
+                {tid: (tasks[tid].links, tasks[tid].max_rate, costs[tid]) for tid in moving},
+                graph.links,
             )
             rates_stale = False
         # Advance to the next end.

@@ -175,8 +175,8 @@ class Trace:
                 cpu += took
             elif t.is_transfer:
                 by_kind[t.kind] += moved[t.id]
-                for link in t.links:
-                    link_bytes[link] += moved[t.id]
+                for link, cost in zip(t.links, t.link_costs()):
+                    link_bytes[link] += moved[t.id] * cost
             else:
                 compute[t.device] += took
         bounds = {f"compute:{d}": v for d, v in compute.items()}

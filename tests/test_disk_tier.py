@@ -429,9 +429,44 @@ def test_paced_mode_takes_bytes_over_bandwidth(tmp_path):
     assert abs(read / (nbytes / 40e6) - 1) < 0.15, read
 
 
+def test_a_paced_shared_disk_takes_the_sum_of_a_read_and_a_write_at_once(tmp_path):
+    """Paced per direction, a read and a write at once each get their bandwidth;
+    paced as a disk whose reads and writes share its time, they take the sum."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    state = {"x": torch.zeros(4 << 20, dtype=torch.uint8)}  # 4.2 MB: 0.1 s at 42 MB/s
+    alone = state["x"].numel() / 42e6
+
+    def both_at_once(shared: bool) -> float:
+        with DiskTier.create(
+            tmp_path / str(shared), read_rate=42e6, write_rate=42e6, shared=shared, chunk=1 << 20
+        ) as tier:
+            tier.write(0, "optimizer", state)
+            started = time.perf_counter()
+            with ThreadPoolExecutor(2) as pool:
+                jobs = [
+                    pool.submit(lambda: tier.read(0, "optimizer").release()),
+                    pool.submit(tier.write, 1, "optimizer", state),
+                ]
+                for job in jobs:
+                    job.result()
+            return time.perf_counter() - started
+
+    assert both_at_once(shared=True) >= 2 * alone * 0.97
+    assert both_at_once(shared=False) < 1.6 * alone
+    with pytest.raises(DiskTierError, match="give read_rate and write_rate"):
+        DiskTier.create(tmp_path / "one", read_rate=42e6, shared=True)
+
+
 def test_measured_bandwidth_is_positive(tmp_path):
     measured = measure_disk_bandwidth(tmp_path, "8MB")
     assert measured.read > 0 and measured.write > 0 and not list(tmp_path.iterdir())
+    # a read and a write at once, against each alone: the disk's time shared or not
+    assert measured.mixed_s > 0 and len(measured.alone_s) == 2
+    assert measured.shared == (
+        measured.mixed_s > 0.5 * max(measured.alone_s) + 0.5 * sum(measured.alone_s)
+    )
+    assert "at once" in str(measured)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["crash"]:

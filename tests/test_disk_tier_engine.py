@@ -20,6 +20,7 @@ from harmony.engine.tiers import DiskTierError
 from harmony.errors import NonFiniteError
 from harmony.graph import DISK_IN, DISK_OUT
 from harmony.policies import swap_volume
+from harmony.policies.disk_tier import SHARED
 
 D, B, LAYERS = 128, 8, 16
 # per Linear: 66 KB of weights and gradients, 132 KB of AdamW state; 2.1 MB in all. Host
@@ -173,6 +174,24 @@ def test_state_on_disk_trains_bitwise_like_in_memory(tmp_path, policy, gpus, kin
             assert measured[kind] == simulated[kind] == closed[kind] > 0
         budget = e.host_settings.budget
         assert budget.peak <= budget.capacity
+    finally:
+        e.close()
+
+
+def test_a_disk_whose_reads_and_writes_share_its_time(tmp_path):
+    """``disk="<read>,<write>,shared"``: the tier is paced as one disk that reads
+    and writes take turns on, the graph the engine plays and simulates has the
+    shared link, and the run is still bitwise the in-memory one."""
+    plan = plan_for("harmony-pp", 1)
+    disk = f"{FAST_DISK},shared"
+    e = train(engine(plan, OPTIMIZER_ON_DISK, tmp_path / "tier", disk=disk), 3)
+    try:
+        assert e.hardware().disk_shared and e.disk.tier.io.shared
+        assert SHARED in e._graph_cache.links
+        assert same(weights(e), reference("harmony-pp", 1, 3))
+        measured, simulated = e.trace.summary, e.simulate().summary
+        for kind in (DISK_IN, DISK_OUT):
+            assert measured.bytes_by_kind[kind] == simulated.bytes_by_kind[kind] > 0
     finally:
         e.close()
 

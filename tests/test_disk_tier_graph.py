@@ -25,7 +25,7 @@ from harmony.engine.tiers import NVME_PCIE4
 from harmony.errors import HarmonyError
 from harmony.graph import DISK_IN, DISK_OUT, UPD, W_IN, DiskState
 from harmony.policies import build_graph, disk_placement, gradient_window, swap_volume
-from harmony.policies.disk_tier import READ, WRITE, windowed_gradients
+from harmony.policies.disk_tier import READ, SHARED, WRITE, windowed_gradients
 from harmony.policies.state import host_state
 
 MB = 1e6
@@ -69,6 +69,18 @@ def test_hardware_disk_link_is_validated_and_named():
     with pytest.raises(HarmonyError, match="cannot read disk read bandwidth"):
         parse_disk("fast,2GB/s")
     assert all(p.disk_read is None for p in PRESETS.values())  # presets fit their state
+    # a disk whose reads and writes share its time
+    assert parse_disk("3GB/s,2GB/s, Shared") == (3e9, 2e9, True)
+    assert parse_disk("nvme")[2] is False and parse_disk("3GB/s,2GB/s")[2] is False
+    shared = hw.with_disk("4GB/s,2GB/s,shared")
+    assert shared.disk_shared and not hw.with_disk((4e9, 2e9)).disk_shared
+    assert hw.with_disk((4e9, 2e9, True)).disk_shared and not shared.with_disk(None).disk_shared
+    assert shared.disk_seconds(8e9, 2e9) == 2 + 1  # one after the other
+    assert shared.with_disk((4e9, 2e9)).disk_seconds(8e9, 2e9) == 2  # at once
+    with pytest.raises(HarmonyError, match="',shared' after them"):
+        parse_disk("3GB/s,2GB/s,duplex")
+    with pytest.raises(HarmonyError, match="True only with a disk"):
+        replace(hw, disk_shared=True)
 
 
 # ---- placement ------------------------------------------------------------------------
@@ -141,6 +153,37 @@ def test_updates_read_ahead_and_write_behind():
     assert s.lower_bound_by in (f"link:{READ}", f"link:{WRITE}")
     assert s.lower_bound_s == pytest.approx(48 * MB / DISK[0])
     assert s.to_dict()["disk_read_bytes"] == 48 * MB
+
+
+def test_a_shared_disk_splits_its_time_between_reads_and_writes():
+    """Where reads and writes share the disk's time, every disk transfer also
+    crosses ``host.disk`` (capacity 1, a byte taking 1/bandwidth of it): the
+    same tasks and bytes, but a read and a write at once each go at half speed
+    (equal bandwidths), so the step is at least the sum of the disk's read and
+    write times, which is then its lower bound."""
+    host = host_for(SPEC, PLAN)
+    duplex, shared = server(host), server(host, DISK + (True,))
+    a, b = build_graph(SPEC, duplex, PLAN), build_graph(SPEC, shared, PLAN)
+    b.check()
+    disk = [t for t in b.tasks if t.kind in (DISK_IN, DISK_OUT)]
+    assert disk and all(t.links[1:] == (SHARED,) for t in disk)
+    assert all(t.link_costs() == (1.0, 1 / DISK[0]) for t in disk)
+    assert b.links[SHARED] == 1.0 and SHARED not in a.links
+    assert [(t.kind, t.nbytes, t.deps) for t in a.tasks] == [
+        (t.kind, t.nbytes, t.deps) for t in b.tasks
+    ]
+    fast, slow = harmony.simulate(SPEC, duplex, PLAN), harmony.simulate(SPEC, shared, PLAN)
+    assert slow.summary.bytes_by_kind == fast.summary.bytes_by_kind
+    both = 48 * MB / DISK[0] + 48 * MB / DISK[1]
+    assert slow.summary.lower_bound_by == f"link:{SHARED}"
+    assert slow.summary.lower_bound_s == pytest.approx(both)
+    assert fast.summary.lower_bound_s == pytest.approx(48 * MB / DISK[0])
+    assert slow.iteration_s >= both > fast.iteration_s * 1.1
+    # never two disk transfers at once faster than the disk's time allows
+    tl = slow.timeline
+    io = tl[tl.kind.isin([DISK_IN, DISK_OUT])]
+    for _, row in io.iterrows():
+        assert row.end_s - row.start_s >= row.bytes / DISK[0] * (1 - 1e-9)
 
 
 def test_weight_loads_read_weights_on_disk_through_the_tier():

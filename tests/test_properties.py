@@ -320,16 +320,38 @@ def test_transfer_on_a_route_is_limited_by_its_narrowest_link_and_rate_cap():
     assert math.isclose(end[1], 10.0)
 
 
+def _ones(active):
+    """``fair_rates``'s input with every byte taking one unit of each link."""
+    return {tid: (links, cap, (1.0,) * len(links)) for tid, (links, cap) in active.items()}
+
+
 def test_fair_rates_hand_example():
     inf = math.inf
     rates = fair_rates(
-        {1: (("A",), inf), 2: (("A", "B"), inf), 3: (("B",), inf)}, {"A": 10.0, "B": 4.0}
+        _ones({1: (("A",), inf), 2: (("A", "B"), inf), 3: (("B",), inf)}), {"A": 10.0, "B": 4.0}
     )
     assert rates == pytest.approx({1: 8.0, 2: 2.0, 3: 2.0})
     # a cap frees bandwidth for the others
-    rates = fair_rates({1: (("A",), 1.0), 2: (("A",), inf), 3: (("A",), inf)}, {"A": 9.0})
+    rates = fair_rates(_ones({1: (("A",), 1.0), 2: (("A",), inf), 3: (("A",), inf)}), {"A": 9.0})
     assert rates == pytest.approx({1: 1.0, 2: 4.0, 3: 4.0})
-    assert fair_rates({7: (("A", "B"), 3.0)}, {"A": 10.0, "B": 4.0}) == {7: 3.0}
+    assert fair_rates(_ones({7: (("A", "B"), 3.0)}), {"A": 10.0, "B": 4.0}) == {7: 3.0}
+
+
+def test_fair_rates_with_costs_share_a_disk_s_time():
+    """A disk reading 4 B/s and writing 2 B/s whose reads and writes share its time:
+    link D of capacity 1 (seconds per second), a byte read takes 1/4 of it, a
+    byte written 1/2. Alone each streams at its own bandwidth; together they get
+    one rate r with r/4 + r/2 = 1."""
+    inf = math.inf
+    links = {"R": 4.0, "W": 2.0, "D": 1.0}
+    read = (("R", "D"), inf, (1.0, 0.25))
+    write = (("W", "D"), inf, (1.0, 0.5))
+    assert fair_rates({1: read}, links) == {1: 4.0}
+    assert fair_rates({2: write}, links) == {2: 2.0}
+    assert fair_rates({1: read, 2: write}, links) == pytest.approx({1: 4 / 3, 2: 4 / 3})
+    # a capped write leaves the rest of the disk's time to the read
+    capped = (("W", "D"), 1.0, (1.0, 0.5))
+    assert fair_rates({1: read, 2: capped}, links) == pytest.approx({1: 2.0, 2: 1.0})
 
 
 @st.composite
@@ -342,7 +364,8 @@ def sharing_problems(draw):
             draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names), unique=True))
         )
         cap = draw(st.one_of(st.just(math.inf), st.floats(0.1, 50.0)))
-        active[tid] = (links, cap)
+        costs = tuple(draw(st.one_of(st.just(1.0), st.floats(0.05, 5.0))) for _ in links)
+        active[tid] = (links, cap, costs)
     return active, capacity
 
 
@@ -353,22 +376,22 @@ def test_fair_rates_are_max_min_fair(problem):
     rates = fair_rates(active, capacity)
     assert set(rates) == set(active)
     load = defaultdict(float)
-    for tid, (links, cap) in active.items():
+    for tid, (links, cap, costs) in active.items():
         assert 0 < rates[tid] <= cap * (1 + 1e-9)
-        for link in links:
-            load[link] += rates[tid]
+        for link, c in zip(links, costs):
+            load[link] += rates[tid] * c
     for link, used in load.items():
         assert used <= capacity[link] * (1 + 1e-9), link
     # Max-min fairness: every transfer is at its cap or crosses a saturated link on
     # which no other transfer gets more than it does (so it cannot grow without
     # taking from someone slower or equal).
-    for tid, (links, cap) in active.items():
+    for tid, (links, cap, _) in active.items():
         r = rates[tid]
         if math.isclose(r, cap, rel_tol=1e-9):
             continue
         assert any(
             math.isclose(load[link], capacity[link], rel_tol=1e-9)
-            and all(rates[o] <= r * (1 + 1e-9) for o, (ol, _) in active.items() if link in ol)
+            and all(rates[o] <= r * (1 + 1e-9) for o, (ol, _, _) in active.items() if link in ol)
             for link in links
         ), (tid, rates, capacity)
 

@@ -55,6 +55,13 @@ class Hardware:
     #: state must fit ``host_memory``. Both or neither.
     disk_read: float | None = None
     disk_write: float | None = None
+    #: whether reads and writes share the disk's time: a read and a write at once take the
+    #: sum of their times alone (a disk that is not full duplex, as most are under mixed
+    #: streams), and the simulator plays them on one link, ``host.disk``, that each byte
+    #: read takes ``1/disk_read`` seconds of and each byte written ``1/disk_write``
+    #: (:mod:`harmony.policies.disk_tier`); False: each direction streams at its own
+    #: bandwidth whatever the other does
+    disk_shared: bool = False
 
     def __post_init__(self) -> None:
         for fld in ("n_gpus", "gpus_per_switch", "cpu_update_workers"):
@@ -102,6 +109,11 @@ class Hardware:
                 f"hardware {self.name!r}: give both disk_read and disk_write (a disk tier) "
                 f"or neither, got {self.disk_read!r} and {self.disk_write!r}"
             )
+        if not isinstance(self.disk_shared, bool) or (self.disk_shared and not self.has_disk):
+            raise HarmonyError(
+                f"hardware {self.name!r}: disk_shared must be True or False, and True only "
+                f"with a disk (disk_read and disk_write), got {self.disk_shared!r}"
+            )
 
     @property
     def has_disk(self) -> bool:
@@ -120,14 +132,23 @@ class Hardware:
         """The same server with a host memory budget of ``size`` (bytes or ``"24GiB"``)."""
         return replace(self, host_memory=parse_bytes(size, "host memory"))
 
-    def with_disk(self, disk: str | tuple[float, float] | None) -> "Hardware":
+    def with_disk(self, disk: str | tuple | None) -> "Hardware":
         """The same server with a disk tier: a name in :data:`DISKS` (``"nvme"``),
-        ``"<read>,<write>"`` bandwidths (``"3GB/s,2GB/s"``), a (read, write) pair
-        in bytes/s, or None for none."""
+        ``"<read>,<write>[,shared]"`` bandwidths (``"3GB/s,2GB/s"``; ``shared``: reads
+        and writes share the disk's time, :attr:`disk_shared`), a (read, write) or
+        (read, write, shared) tuple in bytes/s, or None for none."""
         if disk is None:
-            return replace(self, disk_read=None, disk_write=None)
-        read, write = parse_disk(disk) if isinstance(disk, str) else disk
-        return replace(self, disk_read=read, disk_write=write)
+            return replace(self, disk_read=None, disk_write=None, disk_shared=False)
+        read, write, *shared = parse_disk(disk) if isinstance(disk, str) else disk
+        return replace(
+            self, disk_read=read, disk_write=write, disk_shared=bool(shared and shared[0])
+        )
+
+    def disk_seconds(self, read_bytes: float, write_bytes: float) -> float:
+        """The least time the disk takes to read and write these bytes: the sum of the
+        two where they share its time (:attr:`disk_shared`), else the longer one."""
+        read, write = read_bytes / self.disk_read, write_bytes / self.disk_write
+        return read + write if self.disk_shared else max(read, write)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -227,20 +248,28 @@ NVME_PCIE4_SOURCE = "PCIe 4.0 NVMe spec sheet (Samsung 980 PRO 1 TB)"
 DISKS: dict[str, tuple[float, float]] = {"nvme": (NVME_PCIE4_READ, NVME_PCIE4_WRITE)}
 
 
-def parse_disk(text: str, what: str = "disk") -> tuple[float, float]:
-    """``"nvme"`` -> the preset's (read, write) bytes/s; ``"3GB/s,2GB/s"`` -> (3e9, 2e9)."""
+#: the word after a disk's bandwidths that says reads and writes share its time
+SHARED = "shared"
+
+
+def parse_disk(text: str, what: str = "disk") -> tuple[float, float, bool]:
+    """``"nvme"`` -> the preset's (read, write, False); ``"3GB/s,2GB/s"`` ->
+    (3e9, 2e9, False); ``"3GB/s,2GB/s,shared"`` -> (3e9, 2e9, True): reads and
+    writes share the disk's time (:attr:`Hardware.disk_shared`)."""
     name = str(text).strip().lower()
     if name in DISKS:
-        return DISKS[name]
-    parts = str(text).split(",")
-    if len(parts) != 2:
+        return (*DISKS[name], False)
+    parts = [p.strip() for p in str(text).split(",")]
+    shared = len(parts) == 3 and parts[2].lower() == SHARED
+    if len(parts) != 2 and not shared:
         raise HarmonyError(
             f"cannot read {what} {text!r}: give a disk by name ({', '.join(DISKS)}) or its "
-            "read and write bandwidths, e.g. '3GB/s,2GB/s'"
+            f"read and write bandwidths, e.g. '3GB/s,2GB/s', and ',{SHARED}' after them where "
+            "reads and writes share the disk's time (a read and a write at once take the sum "
+            "of their times)"
         )
-    return parse_rate(parts[0], f"{what} read bandwidth"), parse_rate(
-        parts[1], f"{what} write bandwidth"
-    )
+    read = parse_rate(parts[0], f"{what} read bandwidth")
+    return read, parse_rate(parts[1], f"{what} write bandwidth"), shared
 
 
 def preset(name: str) -> Hardware:

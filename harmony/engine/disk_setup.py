@@ -59,12 +59,13 @@ ROOMY = 10**18
 @dataclass
 class HostSettings:
     """``budget``: the host memory ledger; ``directory``: the disk tier's (None:
-    none); ``rates``: its (read, write) bytes/s, given (``paced``: an emulated
-    disk link) or measured; ``resume``: the checkpoint's disk entry when resuming."""
+    none); ``rates``: its (read bytes/s, write bytes/s, whether reads and writes
+    share the disk's time), given (``paced``: an emulated disk link) or
+    measured; ``resume``: the checkpoint's disk entry when resuming."""
 
     budget: HostBudget
     directory: Path | None
-    rates: tuple[float, float] | None
+    rates: tuple[float, float, bool] | None
     paced: bool
     resume: dict | None = None
     #: host memory the budget covers beyond the engine's own, by what (set by
@@ -86,7 +87,7 @@ class HostSettings:
         if self.rates is None and self.directory is not None:
             where = self.directory if self.directory.is_dir() else self.directory.parent
             measured = measure_disk_bandwidth(where)
-            self.rates = (measured.read, measured.write)
+            self.rates = (measured.read, measured.write, measured.shared)
 
 
 def host_settings(host_memory, disk_dir, disk, hardware: Hardware | None) -> HostSettings:
@@ -107,10 +108,14 @@ def host_settings(host_memory, disk_dir, disk, hardware: Hardware | None) -> Hos
     if disk is not None and directory is None:
         raise HarmonyError(f"disk={disk!r} is the disk tier's link: give its directory, disk_dir=")
     if disk is not None:
-        rates = parse_disk(disk) if isinstance(disk, str) else tuple(float(r) for r in disk)
+        if isinstance(disk, str):
+            rates = parse_disk(disk)
+        else:
+            read, write, *shared = disk
+            rates = (float(read), float(write), bool(shared and shared[0]))
         return HostSettings(budget, directory, rates, paced=True)
     given = hardware is not None and hardware.has_disk
-    rates = (hardware.disk_read, hardware.disk_write) if given else None
+    rates = (hardware.disk_read, hardware.disk_write, hardware.disk_shared) if given else None
     return HostSettings(budget, directory, rates, paced=False)
 
 
@@ -257,7 +262,8 @@ def attach(
     }
     options = dict(budget=budget, threads=IO_THREADS, chunk=settings.chunk)
     if settings.paced:
-        options.update(read_rate=settings.rates[0], write_rate=settings.rates[1])
+        read, write, shared = settings.rates
+        options.update(read_rate=read, write_rate=write, shared=shared)
     held: list[str] = []
     tier = state = None
     unmade = engine.unmade

@@ -121,9 +121,11 @@ class Engine:
     state first, then master weights, last pack first;
     :mod:`harmony.policies.disk_tier`), read and written around each update
     and weight load, crash-safe: see :mod:`.disk_setup`. ``disk``: the disk
-    link's bandwidth, ``"200MB/s,200MB/s"`` or a name (``"nvme"``): the tier
-    is paced to it, an emulated disk; default: the ``hardware``'s, else
-    measured in ``disk_dir`` when the state needs it. Call :meth:`close` when
+    link's bandwidth, ``"200MB/s,200MB/s"`` (``",shared"`` after them: reads
+    and writes share the disk's time) or a name (``"nvme"``): the tier is
+    paced to it, an emulated disk; default: the ``hardware``'s, else measured
+    in ``disk_dir`` when the state needs it (whether reads and writes share
+    its time included). Call :meth:`close` when
     done with an engine that has a disk tier.
 
     A model too large to build in host memory: build it under
@@ -158,7 +160,7 @@ class Engine:
         hardware: Hardware | None = None,
         host_memory: str | int | None = None,
         disk_dir: str | Path | None = None,
-        disk: str | tuple[float, float] | None = None,
+        disk: str | tuple | None = None,
         init: Callable | None = None,
     ):
         check_arguments(

@@ -43,6 +43,13 @@ gets the graph it always had), on lanes and links ``host.disk_read`` and
   DISK_IN of the whole weights of every backward pack it touches whose
   weights are on disk (files hold whole packs; a parameter tied into the
   load counts its owner's pack), once the load's own dependencies are met.
+
+Where the disk's reads and writes share its time (``Hardware.disk_shared``:
+a read and a write at once take the sum of their times alone), every disk
+transfer also crosses the link ``host.disk``, of capacity 1: a byte read
+takes ``1/disk_read`` of it, a byte written ``1/disk_write``, so a DISK_IN
+and a DISK_OUT at once split the disk's time, and the disk's lower bound is
+the sum of read and write times rather than the longer of the two.
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ from .state import host_state
 
 READ = "host.disk_read"
 WRITE = "host.disk_write"
+#: the disk's time, where reads and writes share it (``Hardware.disk_shared``)
+SHARED = "host.disk"
 
 
 def place(
@@ -248,6 +257,8 @@ def hold_gradients_in_slots(b: GraphBase, slots: int) -> None:
 def _add_transfers(b: GraphBase, placement: Placement) -> None:
     """The DISK_IN and DISK_OUT tasks of ``placement`` (the module docstring's)."""
     b.links[READ], b.links[WRITE] = b.hw.disk_read, b.hw.disk_write
+    if b.hw.disk_shared:
+        b.links[SHARED] = 1.0  # seconds of the disk's time per second
     weights = _disk_weights(b.spec, b.plan, placement)
     for load in [t for t in b.tasks if t.kind == W_IN]:
         packs = [q for q in weight_packs(b.spec, b.plan, load.layers) if weights[q]]
@@ -286,11 +297,14 @@ def _disk(
     priority: the room :data:`~.base.SEQ_ROOM` left there."""
     link = READ if kind == DISK_IN else WRITE
     verb = "read" if kind == DISK_IN else "write"
+    route, costs = (link,), ()
+    if b.hw.disk_shared:  # a byte takes 1/bandwidth seconds of the disk's time
+        route, costs = (link, SHARED), (1.0, 1.0 / b.links[link])
     return b.transfer(
         kind,
         link,
         HOST,
-        (link,),
+        route,
         nbytes,
         deps,
         f"{verb} {'+'.join(data.kinds)} of packs {list(data.packs)} for {of.kind} {of.layers}",
@@ -298,4 +312,5 @@ def _disk(
         data=data,
         pack=of.pack,
         layers=of.layers,
+        costs=costs,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from ...costs.hardware import (
     parse_bytes,
 )
 from .directory import check_room, usable_directory
-from .files import CHUNK, ChunkIO, byte_view
+from .files import CHUNK, PAGE, ChunkIO, byte_view
 
 #: random bytes written over and over by the measurement (a file of random data,
 #: so a compressing filesystem cannot shrink it; repeated, so making it is cheap)
@@ -31,20 +32,34 @@ class DiskBandwidth:
     a file in place, as the tier rewrites its slots once each has been
     written; ``first_write`` (where measured) writes a new file, allocating
     its blocks, as the first write into each slot does: much slower on some
-    disks (thin-provisioned virtual disks, copy-on-write filesystems)."""
+    disks (thin-provisioned virtual disks, copy-on-write filesystems).
+    ``shared``: a read and a write at once took nearer the sum of their times
+    alone than the longer of them (the disk's time is shared between
+    directions; ``Hardware.disk_shared``); ``mixed_s`` / ``alone_s``: those
+    times, where measured (both at once; read alone, write alone)."""
 
     read: float
     write: float
     source: str = ""
     first_write: float | None = None
+    shared: bool = False
+    mixed_s: float | None = None
+    alone_s: tuple[float, float] | None = None
 
     def __str__(self) -> str:
         first = (
             "" if self.first_write is None else f" (new file {format_bytes(self.first_write)}/s)"
         )
+        mixed = ""
+        if self.mixed_s is not None and self.alone_s is not None:
+            read_s, write_s = self.alone_s
+            mixed = (
+                f"; a read and a write at once {self.mixed_s:.3f} s against {read_s:.3f} + "
+                f"{write_s:.3f} s alone: " + ("shared" if self.shared else "full duplex")
+            )
         return (
-            f"read {format_bytes(self.read)}/s, write {format_bytes(self.write)}/s{first} "
-            f"({self.source})"
+            f"read {format_bytes(self.read)}/s, write {format_bytes(self.write)}/s{first}"
+            f"{mixed} ({self.source})"
         )
 
 
@@ -65,7 +80,8 @@ def measure_disk_bandwidth(
     """Sequential write then read bandwidth of ``directory``'s filesystem,
     bytes/s, through the disk tier's own I/O path (``threads`` requests of
     ``chunk`` bytes in flight, no checksums; ``direct``: with ``O_DIRECT``
-    where the filesystem allows, as the tier does by default).
+    where the filesystem allows, as the tier does by default), and whether a
+    read and a write at once share the disk's time.
 
     A file of ``size`` bytes is written, then rewritten, each fsync'd (the
     write times include the fsync: bytes on the disk, not in the page
@@ -73,13 +89,23 @@ def measure_disk_bandwidth(
     (``posix_fadvise(DONTNEED)``; direct I/O never put them there) so that
     the read comes from the disk and not from memory, and it is deleted. A
     virtual machine's disk may still be cached by its host: then this
-    measures that."""
+    measures that.
+
+    Then the first half of the file is read while its second half is
+    rewritten, at once, through one set of I/O threads as the tier's DISK_IN
+    and DISK_OUT share them: ``shared`` where that takes nearer the sum of the
+    two halves' times alone (at the bandwidths just measured) than the longer
+    of them."""
     directory = usable_directory(directory, create=False)
     nbytes = parse_bytes(size, "bandwidth probe size")
     check_room(directory, nbytes, "the bandwidth probe file")
     pattern = torch.randint(0, 256, (min(nbytes, _PATTERN),), dtype=torch.uint8)
     view = byte_view(pattern)
-    pieces = [(at, view[: min(len(view), nbytes - at)]) for at in range(0, nbytes, len(view))]
+
+    def pieces(size: int) -> list:  # the pattern, repeated over ``size`` bytes
+        return [(at, view[: min(len(view), size - at)]) for at in range(0, size, len(view))]
+
+    half = nbytes // 2 // PAGE * PAGE
     path = directory / f".bandwidth-probe-{os.getpid()}"
     io = ChunkIO(threads, chunk, direct=direct)
     try:
@@ -88,23 +114,48 @@ def measure_disk_bandwidth(
             write_s = []
             for _ in range(2):  # a new file, then the same blocks again
                 started = time.perf_counter()
-                io.write(fd, 0, pieces, nbytes, checksum=False)
+                io.write(fd, 0, pieces(nbytes), nbytes, checksum=False)
                 os.fsync(fd)
                 write_s.append(time.perf_counter() - started)
-            if hasattr(os, "posix_fadvise"):  # the pages are clean after fsync: this drops them
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            _drop_cache(fd)
             started = time.perf_counter()
-            io.read(fd, 0, pieces, nbytes, checksum=False)  # into the pattern: contents are moot
+            # into the pattern: contents are moot
+            io.read(fd, 0, pieces(nbytes), nbytes, checksum=False)
             read_s = time.perf_counter() - started
+            _drop_cache(fd)
+            mixed_s = _at_once(
+                lambda: io.read(fd, 0, pieces(half), half, checksum=False),
+                lambda: (io.write(fd, half, pieces(half), half, checksum=False), os.fsync(fd)),
+            )
         finally:
             os.close(fd)
     finally:
         io.close()
         path.unlink(missing_ok=True)
     where = f"measured in {directory}, {format_bytes(nbytes)} file"
+    alone = (half * read_s / nbytes, half * write_s[1] / nbytes)
     return DiskBandwidth(
         read=nbytes / read_s,
         write=nbytes / write_s[1],
         first_write=nbytes / write_s[0],
         source=where + ("" if direct else ", through the page cache"),
+        shared=mixed_s > (max(alone) + sum(alone)) / 2,
+        mixed_s=mixed_s,
+        alone_s=alone,
     )
+
+
+def _drop_cache(fd: int) -> None:
+    """Drop the file's pages from the page cache (they are clean after fsync), so
+    the next read comes from the disk; direct I/O never put them there."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _at_once(*jobs) -> float:
+    """Seconds until every job, each started at once on a thread of its own, ends."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for job in [pool.submit(j) for j in jobs]:
+            job.result()
+    return time.perf_counter() - started

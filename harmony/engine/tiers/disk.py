@@ -93,7 +93,9 @@ class DiskTier:
 
     ``budget``: the :class:`HostBudget` that the tier's host buffers are
     charged to. ``read_rate`` / ``write_rate``: pace the disk to these
-    bandwidths (bytes/s or ``"2GB/s"``), like the emulated GPU links.
+    bandwidths (bytes/s or ``"2GB/s"``), like the emulated GPU links;
+    ``shared``: its reads and writes share the disk's time (a read and a write
+    at once take the sum of their times alone; :class:`~.files.ChunkIO`).
     ``threads``: requests in flight, each through an aligned buffer of
     ``chunk`` bytes, the bytes per request and per checksum. ``direct``:
     bypass the page cache where the filesystem allows (see
@@ -107,6 +109,7 @@ class DiskTier:
         budget: HostBudget | None = None,
         read_rate: str | float | None = None,
         write_rate: str | float | None = None,
+        shared: bool = False,
         threads: int = 4,
         chunk: int = CHUNK,
         direct: bool = True,
@@ -122,7 +125,7 @@ class DiskTier:
             parse_rate(r, f"disk {how} bandwidth") if r else None
             for r, how in ((read_rate, "read"), (write_rate, "write"))
         ]
-        self.io = ChunkIO(threads, chunk, *rates, direct=direct)
+        self.io = ChunkIO(threads, chunk, *rates, shared=shared, direct=direct)
         self._budget, self._io_name = budget, f"disk tier {directory} I/O buffers"
         self._staging = Staging(budget, f"disk tier {directory}")
         if budget is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import errno
 import json
+import math
 import os
 import threading
 import time
@@ -51,6 +52,8 @@ try:  # ISA-L's CRC-32: zlib's checksum (the same values), ~3x faster with vecto
 except ImportError:  # pragma: no cover - a platform without isal's wheels: zlib's own
     from zlib import crc32
 
+#: the paced link of a disk whose reads and writes share its time (ChunkIO ``shared``)
+SHARED_DISK = "disk"
 #: bytes one thread moves per request: large enough for sequential speed, small
 #: enough that several threads keep a drive's queue busy
 CHUNK = 32 << 20
@@ -165,8 +168,11 @@ class ChunkIO:
     caller's thread sleeps for the rest of the payload's bytes / rate once its
     chunks are moved, as the emulated GPU links do, so a laptop can study a
     slow disk; the I/O threads never sleep, so a paced read and a paced write
-    each get their own bandwidth). ``direct``: try ``O_DIRECT`` (see the
-    module docstring)."""
+    each get their own bandwidth). ``shared``: the paced reads and writes
+    share the disk's time instead (a payload of n bytes takes n / rate of it,
+    after what is queued there: a read and a write at once take the sum of
+    their times, as on a disk that is not full duplex). ``direct``: try
+    ``O_DIRECT`` (see the module docstring)."""
 
     def __init__(
         self,
@@ -175,8 +181,14 @@ class ChunkIO:
         read_rate: float | None = None,
         write_rate: float | None = None,
         *,
+        shared: bool = False,
         direct: bool = True,
     ):
+        if shared and not (read_rate and write_rate):
+            raise DiskTierError(
+                "a disk whose reads and writes share its time (shared=True) is paced to both "
+                f"bandwidths: give read_rate and write_rate, got {read_rate!r} and {write_rate!r}"
+            )
         if chunk <= 0 or chunk % PAGE:
             raise DiskTierError(
                 f"the disk tier's chunk must be a positive multiple of {PAGE} bytes, got {chunk}"
@@ -184,7 +196,11 @@ class ChunkIO:
         self.chunk, self.threads = chunk, max(1, threads)
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.rates = {"read": read_rate, "write": write_rate}
-        self.pacer = LinkPacer({k: v for k, v in self.rates.items() if v})
+        self.shared = shared
+        # shared: one queue of disk-seconds (a link of 1 s/s that a payload takes
+        # n / rate of); else one queue of bytes per direction
+        links = {SHARED_DISK: 1.0} if shared else {k: v for k, v in self.rates.items() if v}
+        self.pacer = LinkPacer(links)
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="disk-tier")
         self.bytes = {"read": 0, "write": 0}
         self._local = threading.local()  # each thread's aligned buffer
@@ -261,7 +277,9 @@ class ChunkIO:
         ]
         wait(jobs)  # all of them, so none still touches the buffers when a failure is raised
         crcs = [job.result() for job in jobs]
-        if self.rates[how]:
+        if self.shared:
+            self.pacer.wait((SHARED_DISK,), size / self.rates[how], math.inf, started)
+        elif self.rates[how]:
             self.pacer.wait((how,), size, self.rates[how], started)
         self.bytes[how] += size
         return crcs if checksum else None
