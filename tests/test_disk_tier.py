@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from harmony.engine.tiers import (
     adopt_state,
     drop_state,
     export_state,
+    files,
     measure_disk_bandwidth,
     place_state,
 )
@@ -432,8 +434,6 @@ def test_paced_mode_takes_bytes_over_bandwidth(tmp_path):
 def test_a_paced_shared_disk_takes_the_sum_of_a_read_and_a_write_at_once(tmp_path):
     """Paced per direction, a read and a write at once each get their bandwidth;
     paced as a disk whose reads and writes share its time, they take the sum."""
-    from concurrent.futures import ThreadPoolExecutor
-
     state = {"x": torch.zeros(4 << 20, dtype=torch.uint8)}  # 4.2 MB: 0.1 s at 42 MB/s
     alone = state["x"].numel() / 42e6
 
@@ -458,6 +458,36 @@ def test_a_paced_shared_disk_takes_the_sum_of_a_read_and_a_write_at_once(tmp_pat
         DiskTier.create(tmp_path / "one", read_rate=42e6, shared=True)
 
 
+def test_reads_do_not_queue_behind_writes(tmp_path, monkeypatch):
+    """Reads and writes have I/O threads of their own: on a disk that can do both
+    at once (here each request takes 50 ms whatever else runs), a read and a
+    write at once take as long as one alone, not their sum."""
+    real = files._transfer
+
+    def slow(fd, buffer, offset, write):
+        time.sleep(0.05)
+        real(fd, buffer, offset, write)
+
+    monkeypatch.setattr(files, "_transfer", slow)
+    io = files.ChunkIO(threads=2, chunk=1 << 20)
+    data = torch.zeros(4 << 20, dtype=torch.uint8)  # 4 chunks: two rounds of two threads
+    view = files.byte_view(data)
+    try:
+        fd = io.open(tmp_path / "f", write=True)
+        io.write(fd, 0, [(0, view)], len(view), checksum=False)
+        started = time.perf_counter()
+        with ThreadPoolExecutor(2) as pool:
+            read = pool.submit(io.read, fd, 0, [(0, view)], len(view), False)
+            write = pool.submit(io.write, fd, len(view), [(0, view)], len(view), False)
+            read.result(), write.result()
+        both = time.perf_counter() - started
+        os.close(fd)
+    finally:
+        io.close()
+    assert both < 0.16, both  # alone: 2 x 50 ms; one after the other: 4 x 50 ms
+    assert io.buffer_bytes == 2 * 2 * (1 << 20)  # a buffer per thread, per direction
+
+
 def test_measured_bandwidth_is_positive(tmp_path):
     measured = measure_disk_bandwidth(tmp_path, "8MB")
     assert measured.read > 0 and measured.write > 0 and not list(tmp_path.iterdir())
@@ -478,8 +508,6 @@ def test_the_tiers_checksum_is_zlibs_crc32():
     """Files written with zlib's CRC-32 (or where isal is missing) read anywhere:
     the tier's checksum is the same function, whatever computes it."""
     import zlib
-
-    from harmony.engine.tiers import files
 
     data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy()
     for part in (data, data[1:], data[: 1 << 20], data[5:9]):

@@ -413,6 +413,9 @@ def test_set_host_memory_and_disk():
         r.headline
     )
     slower = r.trace.iteration_s
+    ex.set(disk="1GB/s,1GB/s,shared")  # the same disk, its reads and writes taking turns
+    assert "writing 1 GB/s (one at a time): on disk" in ex.result.headline
+    assert ex.result.trace.iteration_s > slower
     ex.set(disk="nvme")
     assert ex.result.trace.iteration_s < slower  # a faster disk hides more
     ex.set(host_memory="4GiB")  # a size not offered: added, labelled

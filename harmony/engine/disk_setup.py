@@ -37,13 +37,14 @@ from .host_memory import device_memory_in_host, placement_of, resident_bytes
 from .tiers import DiskTier, HostBudget, machine_host_bytes, measure_disk_bandwidth
 from .tiers.budget import return_freed_memory
 from .tiers.directory import check_directory
-from .tiers.files import ALIGN, CHUNK, PAGE
+from .tiers.files import ALIGN, CHUNK, DIRECTIONS, PAGE
 from .updates import optimizer_params
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-#: requests the tier keeps in flight (each through an I/O buffer of one chunk)
+#: requests the tier keeps in flight per direction, read and write (each through an I/O
+#: buffer of one chunk)
 IO_THREADS = 4
 #: the tier's I/O buffers take at most this share of the host budget
 IO_SHARE = 1 / 64
@@ -75,12 +76,13 @@ class HostSettings:
     @property
     def chunk(self) -> int:
         """Bytes per I/O request: a small share of the budget, whole pages."""
-        share = int(self.budget.capacity * IO_SHARE) // IO_THREADS // PAGE * PAGE
+        buffers = len(DIRECTIONS) * IO_THREADS
+        share = int(self.budget.capacity * IO_SHARE) // buffers // PAGE * PAGE
         return max(PAGE, min(CHUNK, share))
 
     @property
     def io_bytes(self) -> int:
-        return IO_THREADS * self.chunk
+        return len(DIRECTIONS) * IO_THREADS * self.chunk
 
     def measure_disk(self) -> None:
         """Measure the tier's directory's disk if its bandwidth is not known yet."""

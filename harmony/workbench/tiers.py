@@ -25,7 +25,8 @@ _NVME = DISKS["nvme"]
 DISK_CHOICES = {
     "none": NO_DISK,
     f"NVMe, PCIe 4.0 ({_NVME[0] / 1e9:.3g} GB/s read, {_NVME[1] / 1e9:.3g} GB/s write)": "nvme",
-    "SATA SSD (0.5 GB/s read and write)": "0.5GB/s,0.5GB/s",
+    # SATA's link is half duplex: reads and writes take turns on it
+    "SATA SSD (0.5 GB/s, reads and writes taking turns)": "0.5GB/s,0.5GB/s,shared",
 }
 #: what each kind of state on disk is called
 _STATE_WORDS = {
@@ -82,7 +83,7 @@ def where_state_lives(
     if hw.has_disk:
         text += (
             f" over a disk reading {hw.disk_read / 1e9:.3g} GB/s and writing "
-            f"{hw.disk_write / 1e9:.3g} GB/s"
+            f"{hw.disk_write / 1e9:.3g} GB/s" + (" (one at a time)" if hw.disk_shared else "")
         )
     else:
         text += " and no disk"

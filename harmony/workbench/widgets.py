@@ -195,7 +195,8 @@ class PackExplorer(PlanExplorer):
     ``disk``: None (:data:`NO_DISK`: no disk tier, so the state must fit host
     memory; the planner's message says what to set otherwise), a name of
     :data:`~harmony.costs.hardware.DISKS` (``"nvme"``) or ``"<read>,<write>"``
-    (``"0.5GB/s,0.5GB/s"``: a SATA SSD; :data:`DISK_CHOICES`). A size or a disk
+    (``"0.5GB/s,0.5GB/s,shared"``: a SATA SSD, whose reads and writes take turns;
+    :data:`DISK_CHOICES`). A size or a disk
     not offered is added to its control's choices (by ``set`` too). With state
     on disk the timeline shows the disk's lanes (``host.disk_read``,
     ``host.disk_write``), the table its bytes (``disk GB``: swap GB counts

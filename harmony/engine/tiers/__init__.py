@@ -43,6 +43,13 @@ pack that many before it). The graph then has, on device ``host``:
 * ``DISK_OUT`` on lane and link ``host.disk_write``, the same payload and bytes
   as the update's ``DISK_IN``: depends on the ``UPD``; writes the updated state
   back (the next step's slot) and gives the staging back.
+* where reads and writes share the disk's time (``Hardware.disk_shared``,
+  ``disk="<read>,<write>,shared"``, or found so by
+  :func:`measure_disk_bandwidth`), both also cross link ``host.disk`` of
+  capacity 1, a byte read taking ``1/disk_read`` of it and a byte written
+  ``1/disk_write`` (``Task.costs``): a read and a write at once split the
+  disk's time, as they do on such a disk (the tier then paces its reads and
+  writes as one queue of disk time).
 
 Neither allocates or frees graph buffers (host memory is not a ledger of the
 graph; the placement's ``host_bytes`` is what the host holds).

@@ -92,10 +92,10 @@ def measure_disk_bandwidth(
     measures that.
 
     Then the first half of the file is read while its second half is
-    rewritten, at once, through one set of I/O threads as the tier's DISK_IN
-    and DISK_OUT share them: ``shared`` where that takes nearer the sum of the
-    two halves' times alone (at the bandwidths just measured) than the longer
-    of them."""
+    rewritten, at once, each on its own I/O threads as the tier's DISK_IN and
+    DISK_OUT are: ``shared`` where that takes nearer the sum of the two
+    halves' times alone (at the bandwidths just measured) than the longer of
+    them."""
     directory = usable_directory(directory, create=False)
     nbytes = parse_bytes(size, "bandwidth probe size")
     check_room(directory, nbytes, "the bandwidth probe file")

@@ -52,6 +52,8 @@ try:  # ISA-L's CRC-32: zlib's checksum (the same values), ~3x faster with vecto
 except ImportError:  # pragma: no cover - a platform without isal's wheels: zlib's own
     from zlib import crc32
 
+#: what a ChunkIO moves, each on threads of its own
+DIRECTIONS = ("read", "write")
 #: the paced link of a disk whose reads and writes share its time (ChunkIO ``shared``)
 SHARED_DISK = "disk"
 #: bytes one thread moves per request: large enough for sequential speed, small
@@ -164,14 +166,17 @@ def aligned(nbytes: int) -> np.ndarray:
 
 class ChunkIO:
     """Moves payloads between memory and files, chunk by chunk, on ``threads``
-    threads; paced to ``read_rate`` / ``write_rate`` bytes/s where given (the
-    caller's thread sleeps for the rest of the payload's bytes / rate once its
-    chunks are moved, as the emulated GPU links do, so a laptop can study a
-    slow disk; the I/O threads never sleep, so a paced read and a paced write
-    each get their own bandwidth). ``shared``: the paced reads and writes
-    share the disk's time instead (a payload of n bytes takes n / rate of it,
-    after what is queued there: a read and a write at once take the sum of
-    their times, as on a disk that is not full duplex). ``direct``: try
+    threads per direction (reads and writes have threads of their own, so a
+    write-back never queues an urgent read behind its chunks, and a disk that
+    can read and write at once does); paced to ``read_rate`` / ``write_rate``
+    bytes/s where given (the caller's thread sleeps for the rest of the
+    payload's bytes / rate once its chunks are moved, as the emulated GPU
+    links do, so a laptop can study a slow disk; the I/O threads never sleep,
+    so a paced read and a paced write each get their own bandwidth).
+    ``shared``: the paced reads and writes share the disk's time instead (a
+    payload of n bytes takes n / rate of it, after what is queued there: a
+    read and a write at once take the sum of their times, as on a disk that
+    is not full duplex). ``direct``: try
     ``O_DIRECT`` (see the module docstring)."""
 
     def __init__(
@@ -201,7 +206,10 @@ class ChunkIO:
         # n / rate of); else one queue of bytes per direction
         links = {SHARED_DISK: 1.0} if shared else {k: v for k, v in self.rates.items() if v}
         self.pacer = LinkPacer(links)
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="disk-tier")
+        self.pools = {
+            how: ThreadPoolExecutor(self.threads, thread_name_prefix=f"disk-tier-{how}")
+            for how in DIRECTIONS
+        }
         self.bytes = {"read": 0, "write": 0}
         self._local = threading.local()  # each thread's aligned buffer
 
@@ -209,7 +217,7 @@ class ChunkIO:
     def buffer_bytes(self) -> int:
         """Host memory of the threads' aligned buffers (once each has run; more
         while reading a payload written with larger chunks)."""
-        return self.threads * self.chunk
+        return len(DIRECTIONS) * self.threads * self.chunk
 
     def open(self, path: Path, write: bool) -> int:
         """A file descriptor for ``path`` (made if ``write``): direct where the
@@ -224,7 +232,8 @@ class ChunkIO:
         return os.open(path, flags, 0o644)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        for pool in self.pools.values():
+            pool.shutdown(wait=True)
 
     def write(
         self,
@@ -264,7 +273,7 @@ class ChunkIO:
         started = time.perf_counter()
         starts = [s for s, _ in pieces]
         jobs = [
-            self.pool.submit(
+            self.pools[how].submit(
                 self._chunk,
                 fd,
                 offset + a,

@@ -62,6 +62,7 @@ def _row(disk: str, summary, roomy, hw: Hardware, spec, plan: Plan) -> dict:
         "fits": True,
         "read_GBps": (hw.disk_read or 0) / 1e9,
         "write_GBps": (hw.disk_write or 0) / 1e9,
+        "reads_and_writes": _DUPLEX[hw.disk_shared] if hw.has_disk else "",
         "iteration_s": summary.iteration_s,
         "slowdown": summary.iteration_s / roomy.iteration_s,
         "on_disk_gb": placement.disk_bytes / 1e9 if placement else 0.0,
@@ -75,6 +76,10 @@ def _row(disk: str, summary, roomy, hw: Hardware, spec, plan: Plan) -> dict:
     }
 
 
+#: how a disk's reads and writes go together, by ``Hardware.disk_shared``
+_DUPLEX = {False: "at once (full duplex)", True: "taking turns (shared)"}
+
+
 def tiers_trace(model: str, plan: Plan, hw: Hardware) -> Trace:
     """The iteration of ``plan`` on ``hw``: its timeline has the GPUs' compute
     lanes, the PCIe links and the disk's ``host.disk_read`` / ``host.disk_write``."""
@@ -82,8 +87,9 @@ def tiers_trace(model: str, plan: Plan, hw: Hardware) -> Trace:
 
 
 def slowdown_chart(sweep: pd.DataFrame, title: str = ""):
-    """Seconds per iteration against the disk's read bandwidth, with the same
-    plan's time on a host with memory to spare as a rule."""
+    """Seconds per iteration against the disk's read bandwidth, one line for
+    full-duplex disks and one for disks whose reads and writes share its time,
+    with the same plan's time on a host with memory to spare as a rule."""
     from ..charts import load_altair
 
     alt = load_altair()
@@ -97,6 +103,7 @@ def slowdown_chart(sweep: pd.DataFrame, title: str = ""):
                 "read_GBps:Q", scale=alt.Scale(type="log"), title="disk read bandwidth (GB/s)"
             ),
             y=alt.Y("iteration_s:Q", title="iteration time (s, simulated)"),
+            color=alt.Color("reads_and_writes:N", title="reads and writes"),
             tooltip=["disk", "iteration_s", "slowdown", "disk_read_gb", "lower_bound_by"],
         )
     )
