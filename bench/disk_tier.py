@@ -19,8 +19,9 @@
    against zlib's: throughput on one core, and section 2's stream again with
    zlib's, steady-state step time side by side.
 4. Reads and writes at once: one pack's state read while another's is
-   written, against each alone (is the disk full duplex, as the simulator
-   plays its ``host.disk_read`` and ``host.disk_write`` links?).
+   written, against each alone: is the disk full duplex, or do reads and
+   writes share its time (``Hardware.disk_shared``, which the engine's
+   ``measure_disk_bandwidth`` finds out with its probe file too)?
 5. One pack's state read through a memory map (``numpy.memmap`` copied into
    a buffer) against the tier's read into its staging buffer: time and the
    resident memory the map adds while it is open.
@@ -48,6 +49,7 @@ import torch
 from harmony.costs.hardware import format_bytes, parse_bytes
 from harmony.engine.host_memory import peak_resident_bytes
 from harmony.engine.tiers import NVME_PCIE4, DiskTier, HostBudget, files, measure_disk_bandwidth
+from harmony.engine.tiers.bandwidth import time_at_once
 
 
 def meminfo(field: str) -> int:
@@ -130,25 +132,19 @@ def checksums(work: Path, pack_numel: int, packs: int, steps: int, step_s: list[
 
 
 def duplex(directory: Path, packs: int) -> None:
-    """Is the disk full duplex, as the simulator plays it (reads and writes on
-    links of their own)? Pack 0's state read alone, pack 1's written alone, then
-    pack 2's read while pack 3's is written: the time both take at once against
-    the longer of the two alone (full duplex) and their sum (one shared disk)."""
+    """Is the disk full duplex (reads and writes each at its bandwidth), or do
+    they share its time (``Hardware.disk_shared``)? Pack 0's state read alone,
+    pack 1's written alone, then pack 2's read while pack 3's is written: the
+    time both take at once against the longer of the two alone (full duplex)
+    and their sum (one shared disk)."""
     with DiskTier.open(directory) as tier:
         staged = tier.read(4 % packs, "optimizer")
         state = {name: t.clone() for name, t in staged.items()}
         staged.release()
 
-        def timed(*jobs) -> float:
-            started = time.perf_counter()
-            with ThreadPoolExecutor(len(jobs)) as pool:
-                for done in [pool.submit(job) for job in jobs]:
-                    done.result()
-            return time.perf_counter() - started
-
-        read_s = timed(lambda: tier.read(0, "optimizer").release())
-        write_s = timed(lambda: tier.write(1 % packs, "optimizer", state))
-        both_s = timed(
+        read_s = time_at_once(lambda: tier.read(0, "optimizer").release())
+        write_s = time_at_once(lambda: tier.write(1 % packs, "optimizer", state))
+        both_s = time_at_once(
             lambda: tier.read(2 % packs, "optimizer").release(),
             lambda: tier.write(3 % packs, "optimizer", state),
         )

@@ -10,6 +10,9 @@ times. Printed: the placement, measured s/step (median over the steps after
 the first, which reads no optimizer state yet) against the simulated
 iteration and the lower bound (disk bytes over bandwidth against compute),
 and per disk kind measured / simulated / closed-form bytes.
+``--weights-apart``: every weight load reads the master weights on disk for
+itself (``harmony.policies.without_weights_with_update``), where by default a
+pack's backward load takes them from its update's read (Harmony's pipeline).
 ``--gradients both`` trains twice under the same budget: the gradients in two
 pack slots (Harmony's policies, where the whole model's do not fit) and the
 whole model's (``harmony.policies.without_gradient_slots``), and prints what
@@ -27,7 +30,7 @@ s/step against the simulator (with the measured disk bandwidth) and the
 lower bound. The tier's files are deleted at the end.
 
     python bench/disk_tier_train.py [--steps 4] [--disk 200MB/s,200MB/s] [--weights] [--auto]
-        [--gradients slots|whole|both]
+        [--gradients slots|whole|both] [--weights-apart]
     python bench/disk_tier_train.py --real --dir /var/tmp [--hidden 2560] [--steps 2]
 """
 
@@ -65,7 +68,12 @@ from harmony.engine.profiler import profile
 from harmony.engine.tiers import measure_disk_bandwidth
 from harmony.engine.tiers.budget import return_freed_memory
 from harmony.graph import DISK_IN, DISK_OUT
-from harmony.policies import build_graph, swap_volume, without_gradient_slots
+from harmony.policies import (
+    build_graph,
+    swap_volume,
+    without_gradient_slots,
+    without_weights_with_update,
+)
 from harmony.policies.disk_tier import windowed_gradients
 from harmony.policies.state import host_state
 from harmony.workbench.training import build_model, lm_loss
@@ -357,8 +365,16 @@ def main() -> None:
     ap.add_argument("--pace", action="store_true", help="--real: pace to the measured disk")
     ap.add_argument("--profile", action="store_true", help="--real: measure compute times")
     ap.add_argument("--device-memory", default="2GB", help="--real: the cpu backend's")
+    ap.add_argument(
+        "--weights-apart",
+        action="store_true",
+        help="every weight load reads master weights on disk for itself (none shares its "
+        "pack's update's read)",
+    )
     args = ap.parse_args()
-    real(args) if args.real else emulated(args)
+    apart = without_weights_with_update if args.weights_apart else contextlib.nullcontext
+    with apart():
+        real(args) if args.real else emulated(args)
 
 
 if __name__ == "__main__":

@@ -132,11 +132,13 @@ class DiskState:
     each backward pack in ``packs``, or of shard ``(r, k)`` of the one pack
     ``packs[0]`` (the layers :func:`~harmony.plan.layer_shard` gives, as the
     :class:`Update` it serves). Shard ``(0, 1)`` is the whole pack, in
-    whatever files hold it."""
+    whatever files hold it. ``load``: read for weight loads (W_IN) only, not
+    for an update (whose read a backward weight load of its pack may share)."""
 
     packs: tuple[int, ...]
     kinds: tuple[str, ...]
     shard: tuple[int, int] = (0, 1)
+    load: bool = False
 
 
 Payload = Weights | Batch | Activation | Gradients | TiedGradients | Update | DiskState | None

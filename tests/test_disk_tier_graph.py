@@ -24,7 +24,13 @@ from harmony.costs.spec import Tie
 from harmony.engine.tiers import NVME_PCIE4
 from harmony.errors import HarmonyError
 from harmony.graph import DISK_IN, DISK_OUT, UPD, W_IN, DiskState
-from harmony.policies import build_graph, disk_placement, gradient_window, swap_volume
+from harmony.policies import (
+    build_graph,
+    disk_placement,
+    gradient_window,
+    swap_volume,
+    without_weights_with_update,
+)
 from harmony.policies.disk_tier import READ, SHARED, WRITE, windowed_gradients
 from harmony.policies.state import host_state
 
@@ -192,18 +198,48 @@ def test_weight_loads_read_weights_on_disk_through_the_tier():
     hw = server(host_for(SPEC, PLAN) - 1)
     placement = disk_placement(SPEC, hw, PLAN)
     assert [q for q, k in placement.on_disk if k == "weights"] == [5, 4, 3, 2]
+    assert placement.weights_with_update  # harmony-pp: each update follows its backward
     graph = build_graph(SPEC, hw, PLAN)
     graph.check()
-    for load in (t for t in graph.tasks if t.kind == W_IN):
-        reads = [graph.tasks[d] for d in load.deps if graph.tasks[d].kind == DISK_IN]
+    tasks = graph.tasks
+    for load in (t for t in tasks if t.kind == W_IN):
+        reads = [tasks[d] for d in load.deps if tasks[d].kind == DISK_IN]
         pack = load.layers[0]  # packs of one layer: the load's layer is its pack
-        assert [r.data for r in reads] == ([DiskState((pack,), ("weights",))] if pack >= 2 else [])
+        if pack < 2:
+            assert reads == []
+        elif "grads" in load.io:  # a backward load: its update's read, state and weights
+            (read,) = reads
+            assert read.data == DiskState((pack,), ("optimizer", "weights"))
+            (update,) = [t for t in tasks if t.kind == UPD and t.pack == pack]
+            assert read.id in update.deps and read.seq < load.seq
+        else:  # a forward load reads the weights for itself
+            assert [r.data for r in reads] == [DiskState((pack,), ("weights",), load=True)]
     s = harmony.simulate(SPEC, hw, PLAN).summary
     closed = swap_volume(SPEC, PLAN, hw)
-    # the updates read and write all optimizer state and four packs' weights; seven
-    # loads (three forward, four backward) read those weights again
+    # the updates read and write all optimizer state and four packs' weights; the three
+    # forward loads read those weights again, the four backward ones share the updates'
     assert closed[DISK_OUT] == s.disk_write_bytes == 48 * MB + 16 * MB
-    assert closed[DISK_IN] == s.disk_read_bytes == 48 * MB + 16 * MB + 7 * 4 * MB
+    assert closed[DISK_IN] == s.disk_read_bytes == 48 * MB + 16 * MB + 3 * 4 * MB
+    with without_weights_with_update():  # every load reads for itself: four reads more
+        apart = harmony.simulate(SPEC, hw, PLAN).summary
+        assert swap_volume(SPEC, PLAN, hw)[DISK_IN] == apart.disk_read_bytes
+        assert apart.disk_read_bytes == 48 * MB + 16 * MB + 7 * 4 * MB
+        assert not disk_placement(SPEC, hw, PLAN).weights_with_update
+    # a policy whose updates do not follow each pack's backward reads them for every load
+    apart = Plan.uniform("harmony-no-grouping", 1, 4, 2, 6, 1)
+    short = server(host_for(SPEC, apart) - 1)
+    placed = disk_placement(SPEC, short, apart)
+    on = {q for q, k in placed.on_disk if k == "weights"}
+    assert on and not placed.weights_with_update
+    # two microbatches, each loading the five forward packs and the six backward ones
+    assert swap_volume(SPEC, apart)["W_IN"] == 2 * (5 + 6) * 4 * MB
+    loaded = sum(1 for a, _ in apart.fwd_packs if a in on) + len(on)
+    assert swap_volume(SPEC, apart, short)[DISK_IN] == pytest.approx(
+        placed.read_bytes_per_step + 2 * loaded * 4 * MB
+    )
+    assert harmony.simulate(SPEC, short, apart).summary.disk_read_bytes == pytest.approx(
+        swap_volume(SPEC, apart, short)[DISK_IN]
+    )
 
 
 def test_a_tied_parameter_is_read_from_its_owners_pack():
@@ -225,8 +261,10 @@ def test_a_tied_parameter_is_read_from_its_owners_pack():
         disk_placement(tied, server(int(least) - 1), plan)
     graph = build_graph(tied, hw, plan)
     fused = next(t for t in graph.tasks if t.kind == W_IN and t.layers == (5, 6))
-    (read,) = [graph.tasks[d] for d in fused.deps if graph.tasks[d].kind == DISK_IN]
-    assert read.data.packs == (0, 5)  # its layer's pack, and the owner of its tied weight
+    reads = [graph.tasks[d] for d in fused.deps if graph.tasks[d].kind == DISK_IN]
+    # its own pack's weights from its update's read; the owner of its tied weight's
+    # read for the load
+    assert sorted((r.data.packs, r.data.load) for r in reads) == [((0,), True), ((5,), False)]
     s = harmony.simulate(tied, hw, plan).summary
     closed = swap_volume(tied, plan, hw)
     assert closed[DISK_IN] == pytest.approx(s.disk_read_bytes)

@@ -29,7 +29,7 @@ from ..costs.hardware import Hardware, format_bytes, parse_disk
 from ..costs.placement import STAGED_PACKS, HostMemoryError, Placement
 from ..costs.spec import ModelSpec, state_slots
 from ..errors import HarmonyError
-from ..graph import DISK_IN, W_IN, TaskGraph
+from ..graph import DISK_IN, TaskGraph
 from ..plan import Plan
 from ..policies import build_graph, disk_placement
 from .disk_state import StateOnDisk, Unit
@@ -232,9 +232,8 @@ def build_for_host(
 
 
 def load_reads(graph: TaskGraph) -> list[float]:
-    """Bytes of each DISK_IN that reads master weights for a weight load (W_IN)."""
-    feeds = {d for t in graph.tasks if t.kind == W_IN for d in t.deps}
-    return [t.nbytes for t in graph.tasks if t.kind == DISK_IN and t.id in feeds]
+    """Bytes of each DISK_IN that reads master weights for weight loads (W_IN) only."""
+    return [t.nbytes for t in graph.tasks if t.kind == DISK_IN and t.data.load]
 
 
 def attach(
@@ -278,8 +277,7 @@ def attach(
             tier = DiskTier.create(settings.directory, state_bytes=placement.disk_bytes, **options)
         else:
             tier = DiskTier.open(settings.directory, expect_step=resume["step"], **options)
-        feeds = {d for t in graph.tasks if t.kind == W_IN for d in t.deps}
-        loads = [t.data.packs for t in graph.tasks if t.kind == DISK_IN and t.id in feeds]
+        loads = [t.data.packs for t in graph.tasks if t.kind == DISK_IN and t.data.load]
         slots = state_slots(engine.spec.optimizer)
         state = StateOnDisk(tier, placement, units, budget, loads, slots)
         if resume is None:

@@ -61,6 +61,12 @@ def placeholder(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=p.dtype).expand(p.shape)
 
 
+def has_memory(p: torch.Tensor) -> bool:
+    """Whether ``p`` has memory of its own for every element (not a meta tensor
+    nor a placeholder)."""
+    return not p.is_meta and p.untyped_storage().nbytes() >= p.numel() * p.element_size()
+
+
 def state_payload(params: list[torch.Tensor], slots: int) -> int:
     """Bytes of an optimizer state file of ``params``: ``slots`` tensors of each
     one's size (Adam's two moments) and a step counter."""
@@ -262,8 +268,9 @@ class StateOnDisk:
         return weights, state
 
     def check_weights_read(self, p: torch.Tensor, loaded: dict[int, torch.Tensor]) -> None:
-        """A weight load of ``p``, which lives on disk, has read it first."""
-        if id(p) in self.on_disk and id(p) not in loaded:
+        """A weight load of ``p``, which lives on disk, has read it first: for the
+        load (``loaded``), or for its update (staged: its data is the slot's)."""
+        if id(p) in self.on_disk and id(p) not in loaded and not has_memory(p):
             raise HarmonyError(
                 "a weight load needs master weights that live on the disk tier, and the graph "
                 "reads none for it (a DISK_IN before the W_IN): the graph and the placement "

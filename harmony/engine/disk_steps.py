@@ -10,6 +10,9 @@ run's :class:`~harmony.engine.disk_state.StateOnDisk`:
   slot's, and the UPD steps them in place;
 * the DISK_OUT after it writes them back (the tier's next slot, committed with
   the step) and gives the staging slot up;
+* a backward weight load (W_IN) of a pack whose update reads its master
+  weights (the placement's ``weights_with_update``) depends on that read
+  too, and copies from the parameters, which are the staged weights then;
 * a DISK_IN before a weight load (W_IN) reads the master weights of its packs;
   the W_IN copies from them (:meth:`DiskSteps.loaded_weights`) and gives them
   back (:meth:`DiskSteps.weights_copied`), or, on a device that computes on
@@ -45,9 +48,10 @@ class DiskSteps:
         self.held_loads: dict[int, list[Staged]] = {}
         if self.ctx.disk is None:
             return
-        for t in self.graph.tasks:
+        tasks = self.graph.tasks
+        for t in tasks:
             if t.kind == W_IN:
-                reads = [d for d in t.deps if self.graph.tasks[d].kind == DISK_IN]
+                reads = [d for d in t.deps if tasks[d].kind == DISK_IN and tasks[d].data.load]
                 if reads:
                     self.loads_for[t.id] = reads
         self.feeds_load = {d for reads in self.loads_for.values() for d in reads}

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import HarmonyError
-from .disk_state import placeholder
+from .disk_state import has_memory, placeholder
 from .reference_loop import layer_seed
 
 #: the mark of a placeholder whose parameter never had values (made from a meta one):
@@ -240,12 +240,6 @@ class UnmadeWeights:
         self.pending -= ids
         _mark(making, never_made=False)
         return making
-
-
-def has_memory(p: torch.Tensor) -> bool:
-    """Whether ``p`` has memory of its own for every element (not a meta tensor
-    nor a placeholder)."""
-    return not p.is_meta and p.untyped_storage().nbytes() >= p.numel() * p.element_size()
 
 
 @contextlib.contextmanager

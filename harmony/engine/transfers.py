@@ -50,11 +50,14 @@ class Transfers:
         ]
         sizes = [t.numel() * d.itemsize for (_, _, t, _), d in zip(entries, dtypes)]
         # master weights on a disk tier: read by the DISK_INs this load depends on
+        # (or, for a backward load, by its update's: the parameters are the staged weights)
         loaded = self.loaded_weights(task) if self.ctx.disk is not None else {}
+        from_disk = False
         if self.ctx.disk is not None:
             for _, _, t, is_param in entries:
                 if is_param:
                     self.ctx.disk.check_weights_read(t, loaded)
+                    from_disk = from_disk or id(t) in self.ctx.disk.on_disk
         self.reserve(task.io["weights"], sum(sizes))
         split = (
             {id(p) for _, _, p in self.ctx.host.split_ties(s, e)} if self.splits_ties else set()
@@ -81,14 +84,15 @@ class Transfers:
         else:
             # from staging: copied before the staging is given back, into new memory (a
             # pool keeps a buffer per copy of the step: the model's weights, which the disk
-            # tier keeps out of host memory)
+            # tier keeps out of host memory); a device that computes on host memory uses
+            # weights its update staged where they are (the update follows the backward)
             device = self.to_device(
                 backend,
                 sources,
                 dtypes,
                 fresh=bool(loaded),
-                non_blocking=not loaded,
-                pooled=not loaded,
+                non_blocking=not from_disk,
+                pooled=not from_disk,
             )
             if loaded:
                 self.weights_copied(task)

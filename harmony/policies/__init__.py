@@ -101,7 +101,7 @@ def swap_volume(spec: ModelSpec, plan: Plan, hardware: Hardware | None = None) -
     out = policy.swap_volume(spec, plan)
     if hardware is None:
         return out
-    placement = place(spec, plan, hardware, out, gradient_window(plan.policy))
+    placement = place(spec, plan, hardware, out, *_disk_traits(plan))
     return policy.swap_volume(spec, plan, disk=placement) if placement.on_disk else out
 
 
@@ -114,27 +114,46 @@ def disk_placement(spec: ModelSpec, hardware: Hardware, plan: Plan) -> Placement
     check_options(plan)
     spec = spec_for(spec, plan)
     moved = get_policy(plan.policy).swap_volume(spec, plan)
-    return place(spec, plan, hardware, moved, gradient_window(plan.policy))
+    return place(spec, plan, hardware, moved, *_disk_traits(plan))
 
 
-@contextlib.contextmanager
 def without_gradient_slots():
     """Within it, every policy holds the whole model's gradients in host memory
     (its ``GRADIENT_WINDOW`` off): to measure what gradient slots save."""
-    saved = {name: getattr(m, "GRADIENT_WINDOW", False) for name, m in POLICIES.items()}
+    return _without("GRADIENT_WINDOW")
+
+
+def without_weights_with_update():
+    """Within it, every weight load reads the master weights it needs from the
+    disk tier for itself (the policies' ``WEIGHTS_WITH_UPDATE`` off): to measure
+    what a backward load sharing its pack's update's read saves."""
+    return _without("WEIGHTS_WITH_UPDATE")
+
+
+@contextlib.contextmanager
+def _without(trait: str):
+    """Within it, every policy's ``trait`` is off."""
+    saved = {name: getattr(m, trait, False) for name, m in POLICIES.items()}
     for m in POLICIES.values():
-        m.GRADIENT_WINDOW = False
+        setattr(m, trait, False)
     try:
         yield
     finally:
         for name, m in POLICIES.items():
-            m.GRADIENT_WINDOW = saved[name]
+            setattr(m, trait, saved[name])
 
 
 def gradient_window(policy: str) -> bool:
     """Whether ``policy`` sends its packs' gradients pack after pack, so that
     they can be held in slots (its ``GRADIENT_WINDOW``)."""
     return getattr(get_policy(policy), "GRADIENT_WINDOW", False)
+
+
+def _disk_traits(plan: Plan) -> tuple[bool, bool]:
+    """What :func:`.disk_tier.place` needs of ``plan``'s policy: its ``GRADIENT_WINDOW``
+    and its ``WEIGHTS_WITH_UPDATE``."""
+    policy = get_policy(plan.policy)
+    return gradient_window(plan.policy), getattr(policy, "WEIGHTS_WITH_UPDATE", False)
 
 
 def spec_for(spec: ModelSpec, plan: Plan) -> ModelSpec:

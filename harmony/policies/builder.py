@@ -112,6 +112,7 @@ class GraphBuilder(ActivationFlow):
         split_ties: bool = True,
         overlap_recompute: bool | None = None,
         gradient_window: bool = False,
+        weights_with_update: bool = False,
     ):
         """``split_ties``: the gradient of a parameter that the group's layers share
         with layers of other packs (:class:`~harmony.costs.spec.Tie`) leaves the GPU after
@@ -122,9 +123,12 @@ class GraphBuilder(ActivationFlow):
         output gradient is there (None: as the plan's option says; False for
         systems that recompute only once the gradient has arrived).
         ``gradient_window``: the policy's packs' gradients arrive pack after pack,
-        so where host memory is short they can be held in slots (:mod:`.disk_tier`)."""
+        so where host memory is short they can be held in slots (:mod:`.disk_tier`).
+        ``weights_with_update``: each pack's one CPU update follows its backward,
+        so master weights on disk are read once for both (:mod:`.disk_tier`)."""
         super().__init__(spec, hw, plan, model)
         self.gradient_window = gradient_window
+        self.weights_with_update = weights_with_update
         self._k = 0  # seq of compute ops
         self._groups_on: dict[int, list[_Group]] = {g: [] for g in range(plan.n_gpus)}
         self.bwd_groups: list[BwdGroup] = []
@@ -469,7 +473,7 @@ class GraphBuilder(ActivationFlow):
         for buf in self.buffers:
             if buf.device != HOST and buf.refs == 0:
                 raise AssertionError(f"buffer never freed: {buf}")
-        disk = add_disk_tasks(self, self.gradient_window)
+        disk = add_disk_tasks(self, self.gradient_window, self.weights_with_update)
         if disk is not None:
             info["disk"] = disk
         return TaskGraph(

@@ -287,8 +287,9 @@ def volume(
         REDUCE: reduce,
     }
     if disk is not None and disk.on_disk:
-        loads = [(p, weight_passes) for p in (*plan.fwd_packs, *plan.bwd_packs)]
-        out.update(disk_volume(spec, plan, disk, loads))
+        loads = [(p, weight_passes) for p in plan.fwd_packs]
+        backward = [(q, weight_passes) for q in range(len(plan.bwd_packs))]
+        out.update(disk_volume(spec, plan, disk, loads, backward))
     return out
 
 

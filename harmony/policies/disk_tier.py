@@ -42,7 +42,13 @@ gets the graph it always had), on lanes and links ``host.disk_read`` and
 * before each weight load (W_IN) whose layers hold weights on disk: a
   DISK_IN of the whole weights of every backward pack it touches whose
   weights are on disk (files hold whole packs; a parameter tied into the
-  load counts its owner's pack), once the load's own dependencies are met.
+  load counts its owner's pack), once the load's own dependencies are met;
+* but a pack's backward weight loads take its weights from its update's
+  DISK_IN where the policy says each pack's one update follows its backward
+  (``WEIGHTS_WITH_UPDATE``: Harmony's pipeline, HYDRA): that read comes
+  before the pack's first backward load, which depends on it, and its staged
+  weights serve the loads and then the update, so the weights on disk are
+  read twice a step (forward load, update) rather than three times.
 
 Where the disk's reads and writes share its time (``Hardware.disk_shared``:
 a read and a write at once take the sum of their times alone), every disk
@@ -92,12 +98,19 @@ SHARED = "host.disk"
 
 
 def place(
-    spec: ModelSpec, plan: Plan, hw: Hardware, moved: Mapping[str, float], window: bool = False
+    spec: ModelSpec,
+    plan: Plan,
+    hw: Hardware,
+    moved: Mapping[str, float],
+    window: bool = False,
+    ride: bool = False,
 ) -> Placement:
     """Where ``plan``'s state lives on ``hw`` (the module docstring's rule);
     ``moved``: its bytes per transfer kind (the closed form, or a graph's);
     ``window``: the plan's packs' gradients arrive pack after pack, so they
-    can be held in slots (the policy's ``GRADIENT_WINDOW``)."""
+    can be held in slots (the policy's ``GRADIENT_WINDOW``); ``ride``: each
+    pack's backward weight loads take master weights on disk from its
+    update's read (the policy's ``WEIGHTS_WITH_UPDATE``)."""
     state = [host_state(spec, range(*p)) for p in plan.bwd_packs]
     stash = int(moved.get(STASH_OUT, 0.0) + moved.get(ACT_OUT, 0.0))
     if plan.option("gpu_optimizer"):
@@ -118,7 +131,8 @@ def place(
             placement = place_state(movable, hw.host_memory, reserve=stash + gradients)
         except HostMemoryError:
             continue
-        placement = replace(placement, gradient_slots=slots)
+        with_update = ride and any(k == "weights" for _, k in placement.on_disk)
+        placement = replace(placement, gradient_slots=slots, weights_with_update=with_update)
         if not placement.on_disk:
             return placement
         placed.append(placement)
@@ -192,30 +206,41 @@ def weight_packs(spec: ModelSpec, plan: Plan, layers: Pack) -> list[int]:
 
 
 def disk_volume(
-    spec: ModelSpec, plan: Plan, placement: Placement, loads: Iterable[tuple[Pack, float]]
+    spec: ModelSpec,
+    plan: Plan,
+    placement: Placement,
+    loads: Iterable[tuple[Pack, float]],
+    backward: Iterable[tuple[int, float]] = (),
 ) -> dict[str, float]:
     """DISK_IN and DISK_OUT bytes of one iteration, closed form: every (pack, kind)
     on disk read by its update and written back, and the weights on disk read
     again by every load of a pack that needs them (``loads``: the layers of each
-    pack the plan loads, and how many times per iteration)."""
+    pack the plan loads, and how many times per iteration; ``backward``: the
+    backward packs the plan loads for their backward, and how many times: with
+    ``placement.weights_with_update``, those loads take their own pack's
+    weights from its update's read)."""
     weights = _disk_weights(spec, plan, placement)
     reads = sum(n * sum(weights[q] for q in weight_packs(spec, plan, p)) for p, n in loads)
+    for q, n in backward:
+        packs = weight_packs(spec, plan, plan.bwd_packs[q])
+        ride = placement.weights_with_update
+        reads += n * sum(weights[o] for o in packs if not (ride and o == q))
     return {
         DISK_IN: float(placement.read_bytes_per_step + reads),
         DISK_OUT: float(placement.write_bytes_per_step),
     }
 
 
-def add_disk_tasks(b: GraphBase, window: bool = False) -> dict | None:
-    """Place the state of ``b``'s plan (``window``: as for :func:`place`) and add
-    the disk transfers and gradient slots it implies (see the module
+def add_disk_tasks(b: GraphBase, window: bool = False, ride: bool = False) -> dict | None:
+    """Place the state of ``b``'s plan (``window``, ``ride``: as for :func:`place`)
+    and add the disk transfers and gradient slots it implies (see the module
     docstring). Returns the placement for the graph's ``info``, or None when it
     all fits host memory as it always did (the graph is left as it was)."""
     moved: dict[str, float] = defaultdict(float)
     for t in b.tasks:
         if t.is_transfer:
             moved[t.kind] += t.nbytes
-    placement = place(b.spec, b.plan, b.hw, moved, window)
+    placement = place(b.spec, b.plan, b.hw, moved, window, ride)
     if not placement.on_disk and not placement.gradient_slots:
         return None
     if placement.gradient_slots:
@@ -260,13 +285,19 @@ def _add_transfers(b: GraphBase, placement: Placement) -> None:
     if b.hw.disk_shared:
         b.links[SHARED] = 1.0  # seconds of the disk's time per second
     weights = _disk_weights(b.spec, b.plan, placement)
-    for load in [t for t in b.tasks if t.kind == W_IN]:
-        packs = [q for q in weight_packs(b.spec, b.plan, load.layers) if weights[q]]
+    loads = [t for t in b.tasks if t.kind == W_IN]
+    riders = _riders(b, placement, loads, weights)
+    for load in loads:
+        packs = [
+            q
+            for q in weight_packs(b.spec, b.plan, load.layers)
+            if weights[q] and load.id not in riders.get(q, ())
+        ]
         if packs:
-            data = DiskState(tuple(packs), ("weights",))
+            data = DiskState(tuple(packs), ("weights",), load=True)
             read = _disk(b, DISK_IN, load, -1, sum(weights[q] for q in packs), load.deps, data)
             load.deps = sorted(set(load.deps) | {read.id})
-    written: list[int] = []  # the DISK_OUTs so far: each frees a staging slot
+    written: list[Task] = []  # the DISK_OUTs so far: each frees a staging slot
     cpu_updates = [t for t in b.tasks if t.kind == UPD and t.device == "cpu"]
     for update in sorted(cpu_updates, key=lambda t: t.seq):
         kinds = placement.kinds_on_disk(update.pack)
@@ -276,10 +307,47 @@ def _add_transfers(b: GraphBase, placement: Placement) -> None:
         if not nbytes:
             continue
         data = DiskState((update.pack,), kinds, shard)
-        slot = [written[-STAGED_PACKS]] if len(written) >= STAGED_PACKS else []
-        read = _disk(b, DISK_IN, update, -1, nbytes, slot, data)
-        update.deps = sorted(set(update.deps) | {read.id})
-        written.append(_disk(b, DISK_OUT, update, +1, nbytes, [update.id], data).id)
+        slot = written[-STAGED_PACKS] if len(written) >= STAGED_PACKS else None
+        served = [b.tasks[i] for i in riders.get(update.pack, ())]
+        first = min([update, *served], key=lambda t: t.seq)  # the read comes before it
+        if slot is not None and slot.seq >= first.seq:
+            raise AssertionError(
+                f"{b.plan.policy}: the read for the update of pack {update.pack} must wait for "
+                f"the write of pack {slot.pack}, which comes after it: its WEIGHTS_WITH_UPDATE "
+                "is wrong for this plan"
+            )
+        label = f"UPD {update.layers}" + (" and its backward weight loads" if served else "")
+        read = _disk(b, DISK_IN, first, -1, nbytes, [slot.id] if slot else [], data, label)
+        for t in [update, *served]:
+            t.deps = sorted(set(t.deps) | {read.id})
+        written.append(_disk(b, DISK_OUT, update, +1, nbytes, [update.id], data))
+
+
+def _riders(
+    b: GraphBase, placement: Placement, loads: list[Task], weights: list[int]
+) -> dict[int, set[int]]:
+    """Per backward pack whose master weights are on disk, the backward weight
+    loads that take them from its update's read (``placement.weights_with_update``):
+    those of that pack's layers only. The policy declares its updates one per
+    pack, each after the pack's backward; a sharded update is refused here."""
+    if not placement.weights_with_update:
+        return {}
+    updates = [t for t in b.tasks if t.kind == UPD and t.device == "cpu"]
+    if any(u.data.shard != (0, 1) for u in updates):
+        raise AssertionError(
+            f"{b.plan.policy}: its updates are sharded, so a backward weight load cannot "
+            "take a pack's weights from one update's read: its WEIGHTS_WITH_UPDATE is wrong"
+        )
+    updated = {u.pack for u in updates}
+    riders: dict[int, set[int]] = defaultdict(set)
+    for load in loads:
+        q = load.pack
+        if "grads" not in load.io or q not in updated or not weights[q]:
+            continue
+        start, end = b.plan.bwd_packs[q]
+        if start <= load.layers[0] and load.layers[1] <= end:
+            riders[q].add(load.id)
+    return riders
 
 
 def _disk_weights(spec: ModelSpec, plan: Plan, placement: Placement) -> list[int]:
@@ -291,10 +359,18 @@ def _disk_weights(spec: ModelSpec, plan: Plan, placement: Placement) -> list[int
 
 
 def _disk(
-    b: GraphBase, kind: str, of: Task, side: int, nbytes: int, deps: list[int], data: DiskState
+    b: GraphBase,
+    kind: str,
+    of: Task,
+    side: int,
+    nbytes: int,
+    deps: list[int],
+    data: DiskState,
+    label: str = "",
 ) -> Task:
     """A disk transfer for task ``of``, just before (``side`` -1) or after (+1) it in
-    priority: the room :data:`~.base.SEQ_ROOM` left there."""
+    priority: the room :data:`~.base.SEQ_ROOM` left there; ``label``: what it is
+    for, in words (default: ``of``)."""
     link = READ if kind == DISK_IN else WRITE
     verb = "read" if kind == DISK_IN else "write"
     route, costs = (link,), ()
@@ -307,7 +383,8 @@ def _disk(
         route,
         nbytes,
         deps,
-        f"{verb} {'+'.join(data.kinds)} of packs {list(data.packs)} for {of.kind} {of.layers}",
+        f"{verb} {'+'.join(data.kinds)} of packs {list(data.packs)} for "
+        + (label or f"{of.kind} {of.layers}"),
         seq=(of.seq[0], of.seq[1], of.seq[2] + side),
         data=data,
         pack=of.pack,

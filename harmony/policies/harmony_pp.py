@@ -35,13 +35,24 @@ SEARCHED = True
 #: run grouped over the whole minibatch), so where host memory is short they can be held
 #: in slots (harmony.policies.disk_tier)
 GRADIENT_WINDOW = True
+#: each pack's CPU update (one per pack, not sharded) runs right after the pack's backward:
+#: where its master weights are on disk, its backward weight loads take them from the
+#: update's read (harmony.policies.disk_tier)
+WEIGHTS_WITH_UPDATE = True
 #: packs run grouped over the microbatches (see harmony.policies.harmony_no_grouping for the
 #: opposite)
 PER_MICROBATCH = False
 
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
-    b = GraphBuilder(spec, hw, plan, model, gradient_window=GRADIENT_WINDOW)
+    b = GraphBuilder(
+        spec,
+        hw,
+        plan,
+        model,
+        gradient_window=GRADIENT_WINDOW,
+        weights_with_update=WEIGHTS_WITH_UPDATE,
+    )
     n = plan.n_gpus
     # Consecutive steps share a GPU only when there is one GPU.
     offload = plan.option("offload_activations") and n == 1

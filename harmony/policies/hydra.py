@@ -54,6 +54,10 @@ SEARCHED = False
 #: run grouped over the whole minibatch), so where host memory is short they can be held
 #: in slots (harmony.policies.disk_tier)
 GRADIENT_WINDOW = True
+#: each pack's CPU update (one per pack, not sharded) runs right after the pack's backward:
+#: where its master weights are on disk, its backward weight loads take them from the
+#: update's read (harmony.policies.disk_tier)
+WEIGHTS_WITH_UPDATE = True
 PER_MICROBATCH = False
 
 
@@ -69,7 +73,13 @@ def _check(plan: Plan) -> None:
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
     _check(plan)
     b = GraphBuilder(
-        spec, hw, plan, model, overlap_recompute=False, gradient_window=GRADIENT_WINDOW
+        spec,
+        hw,
+        plan,
+        model,
+        overlap_recompute=False,
+        gradient_window=GRADIENT_WINDOW,
+        weights_with_update=WEIGHTS_WITH_UPDATE,
     )
     steps = grouped_ops(plan, (0, plan.minibatch), lambda i: 0, lambda i: True)
     b.run([op for step in steps for op in step])

@@ -37,9 +37,14 @@ pack that many before it). The graph then has, on device ``host``:
   on it and steps the staged buffers in place; it waits for the ``DISK_OUT`` three
   such updates back (three packs staged: one updated, one read ahead, one
   written back); (b) before
-  a ``W_IN`` whose layers need weights on disk: ``DiskState(packs, ("weights",))``,
-  whole packs (shard ``(0, 1)``: every file of the pack); the W_IN depends on it
-  and copies to the GPU from the staged weights, which it then gives back.
+  a ``W_IN`` whose layers need weights on disk: ``DiskState(packs, ("weights",),
+  load=True)``, whole packs (shard ``(0, 1)``: every file of the pack); the W_IN
+  depends on it and copies to the GPU from the staged weights, which it then
+  gives back. Where the placement says ``weights_with_update`` (the policy's
+  one update per pack follows the pack's backward), a backward ``W_IN`` takes
+  its own pack's weights from (a) instead, read before the load and staged
+  until the update has written them back: master weights on disk are read
+  twice per step, not three times.
 * ``DISK_OUT`` on lane and link ``host.disk_write``, the same payload and bytes
   as the update's ``DISK_IN``: depends on the ``UPD``; writes the updated state
   back (the next step's slot) and gives the staging back.

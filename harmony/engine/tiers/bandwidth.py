@@ -123,7 +123,7 @@ def measure_disk_bandwidth(
             io.read(fd, 0, pieces(nbytes), nbytes, checksum=False)
             read_s = time.perf_counter() - started
             _drop_cache(fd)
-            mixed_s = _at_once(
+            mixed_s = time_at_once(
                 lambda: io.read(fd, 0, pieces(half), half, checksum=False),
                 lambda: (io.write(fd, half, pieces(half), half, checksum=False), os.fsync(fd)),
             )
@@ -152,7 +152,7 @@ def _drop_cache(fd: int) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _at_once(*jobs) -> float:
+def time_at_once(*jobs) -> float:
     """Seconds until every job, each started at once on a thread of its own, ends."""
     started = time.perf_counter()
     with ThreadPoolExecutor(len(jobs)) as pool:
