@@ -220,6 +220,10 @@ def test_weight_loads_read_weights_on_disk_through_the_tier():
     # forward loads read those weights again, the four backward ones share the updates'
     assert closed[DISK_OUT] == s.disk_write_bytes == 48 * MB + 16 * MB
     assert closed[DISK_IN] == s.disk_read_bytes == 48 * MB + 16 * MB + 3 * 4 * MB
+    # on two GPUs, where packs are in backward at once, every load reads for itself
+    two = Plan.uniform("harmony-pp", 2, 4, 2, 6, 1)
+    on_two = disk_placement(SPEC, server(host_for(SPEC, two) - 1, n_gpus=2), two)
+    assert "weights" in {k for _, k in on_two.on_disk} and not on_two.weights_with_update
     with without_weights_with_update():  # every load reads for itself: four reads more
         apart = harmony.simulate(SPEC, hw, PLAN).summary
         assert swap_volume(SPEC, PLAN, hw)[DISK_IN] == apart.disk_read_bytes

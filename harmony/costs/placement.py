@@ -82,8 +82,8 @@ class Placement:
     #: packs whose gradients the reserve holds at once (0: every pack's, the whole step)
     gradient_slots: int = 0
     #: a pack's backward weight loads take its master weights from its update's read
-    #: (the update runs right after the pack's backward), so weights on disk are read
-    #: twice per step, not three times (see :mod:`harmony.policies.disk_tier`)
+    #: (the update runs right after the pack's backward, on one GPU), so weights on disk
+    #: are read twice per step, not three times (see :mod:`harmony.policies.disk_tier`)
     weights_with_update: bool = False
 
     @property

@@ -43,12 +43,16 @@ gets the graph it always had), on lanes and links ``host.disk_read`` and
   DISK_IN of the whole weights of every backward pack it touches whose
   weights are on disk (files hold whole packs; a parameter tied into the
   load counts its owner's pack), once the load's own dependencies are met;
-* but a pack's backward weight loads take its weights from its update's
-  DISK_IN where the policy says each pack's one update follows its backward
-  (``WEIGHTS_WITH_UPDATE``: Harmony's pipeline, HYDRA): that read comes
-  before the pack's first backward load, which depends on it, and its staged
-  weights serve the loads and then the update, so the weights on disk are
-  read twice a step (forward load, update) rather than three times.
+* but on one GPU a pack's backward weight loads take its weights from its
+  update's DISK_IN where the policy says each pack's one update follows its
+  backward (``WEIGHTS_WITH_UPDATE``: Harmony's pipeline, HYDRA): that read
+  comes before the pack's first backward load, which depends on it, and its
+  staged weights serve the loads and then the update, so the weights on disk
+  are read twice a step (forward load, update) rather than three times. Not
+  on several GPUs: there several packs are in backward at once, and reads
+  moved ahead of their loads, each waiting for the write three updates back,
+  hold the pipeline up (GPT-2 XL, harmony-pp on 4 GPUs over a 1 GB/s disk:
+  26% slower for 20% fewer bytes read).
 
 Where the disk's reads and writes share its time (``Hardware.disk_shared``:
 a read and a write at once take the sum of their times alone), every disk
@@ -110,7 +114,7 @@ def place(
     ``window``: the plan's packs' gradients arrive pack after pack, so they
     can be held in slots (the policy's ``GRADIENT_WINDOW``); ``ride``: each
     pack's backward weight loads take master weights on disk from its
-    update's read (the policy's ``WEIGHTS_WITH_UPDATE``)."""
+    update's read (the policy's ``WEIGHTS_WITH_UPDATE``; on one GPU)."""
     state = [host_state(spec, range(*p)) for p in plan.bwd_packs]
     stash = int(moved.get(STASH_OUT, 0.0) + moved.get(ACT_OUT, 0.0))
     if plan.option("gpu_optimizer"):
@@ -131,7 +135,11 @@ def place(
             placement = place_state(movable, hw.host_memory, reserve=stash + gradients)
         except HostMemoryError:
             continue
-        with_update = ride and any(k == "weights" for _, k in placement.on_disk)
+        # on one GPU only: where several GPUs run backward packs at once, reads moved
+        # ahead of their loads wait on the three staged packs and hold the pipeline up
+        with_update = (
+            ride and plan.n_gpus == 1 and any(k == "weights" for _, k in placement.on_disk)
+        )
         placement = replace(placement, gradient_slots=slots, weights_with_update=with_update)
         if not placement.on_disk:
             return placement

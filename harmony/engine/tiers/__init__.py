@@ -40,8 +40,8 @@ pack that many before it). The graph then has, on device ``host``:
   a ``W_IN`` whose layers need weights on disk: ``DiskState(packs, ("weights",),
   load=True)``, whole packs (shard ``(0, 1)``: every file of the pack); the W_IN
   depends on it and copies to the GPU from the staged weights, which it then
-  gives back. Where the placement says ``weights_with_update`` (the policy's
-  one update per pack follows the pack's backward), a backward ``W_IN`` takes
+  gives back. Where the placement says ``weights_with_update`` (one GPU, and the
+  policy's one update per pack follows the pack's backward), a backward ``W_IN`` takes
   its own pack's weights from (a) instead, read before the load and staged
   until the update has written them back: master weights on disk are read
   twice per step, not three times.
