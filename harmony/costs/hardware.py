@@ -139,10 +139,8 @@ class Hardware:
         (read, write, shared) tuple in bytes/s, or None for none."""
         if disk is None:
             return replace(self, disk_read=None, disk_write=None, disk_shared=False)
-        read, write, *shared = parse_disk(disk) if isinstance(disk, str) else disk
-        return replace(
-            self, disk_read=read, disk_write=write, disk_shared=bool(shared and shared[0])
-        )
+        read, write, shared = disk_rates(disk)
+        return replace(self, disk_read=read, disk_write=write, disk_shared=shared)
 
     def disk_seconds(self, read_bytes: float, write_bytes: float) -> float:
         """The least time the disk takes to read and write these bytes: the sum of the
@@ -270,6 +268,16 @@ def parse_disk(text: str, what: str = "disk") -> tuple[float, float, bool]:
         )
     read = parse_rate(parts[0], f"{what} read bandwidth")
     return read, parse_rate(parts[1], f"{what} write bandwidth"), shared
+
+
+def disk_rates(disk: str | tuple) -> tuple[float, float, bool]:
+    """(read bytes/s, write bytes/s, whether reads and writes share the disk's time)
+    of a disk given as :func:`parse_disk` reads it, or as a (read, write) or
+    (read, write, shared) tuple."""
+    if isinstance(disk, str):
+        return parse_disk(disk)
+    read, write, *shared = disk
+    return float(read), float(write), bool(shared and shared[0])
 
 
 def preset(name: str) -> Hardware:

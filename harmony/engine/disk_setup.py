@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from ..costs.hardware import Hardware, format_bytes, parse_disk
+from ..costs.hardware import Hardware, disk_rates, format_bytes
 from ..costs.placement import STAGED_PACKS, HostMemoryError, Placement
 from ..costs.spec import ModelSpec, state_slots
 from ..errors import HarmonyError
@@ -110,12 +110,7 @@ def host_settings(host_memory, disk_dir, disk, hardware: Hardware | None) -> Hos
     if disk is not None and directory is None:
         raise HarmonyError(f"disk={disk!r} is the disk tier's link: give its directory, disk_dir=")
     if disk is not None:
-        if isinstance(disk, str):
-            rates = parse_disk(disk)
-        else:
-            read, write, *shared = disk
-            rates = (float(read), float(write), bool(shared and shared[0]))
-        return HostSettings(budget, directory, rates, paced=True)
+        return HostSettings(budget, directory, disk_rates(disk), paced=True)
     given = hardware is not None and hardware.has_disk
     rates = (hardware.disk_read, hardware.disk_write, hardware.disk_shared) if given else None
     return HostSettings(budget, directory, rates, paced=False)

@@ -229,9 +229,9 @@ def disk_volume(
     weights from its update's read)."""
     weights = _disk_weights(spec, plan, placement)
     reads = sum(n * sum(weights[q] for q in weight_packs(spec, plan, p)) for p, n in loads)
+    ride = placement.weights_with_update
     for q, n in backward:
         packs = weight_packs(spec, plan, plan.bwd_packs[q])
-        ride = placement.weights_with_update
         reads += n * sum(weights[o] for o in packs if not (ride and o == q))
     return {
         DISK_IN: float(placement.read_bytes_per_step + reads),
@@ -294,7 +294,10 @@ def _add_transfers(b: GraphBase, placement: Placement) -> None:
         b.links[SHARED] = 1.0  # seconds of the disk's time per second
     weights = _disk_weights(b.spec, b.plan, placement)
     loads = [t for t in b.tasks if t.kind == W_IN]
-    riders = _riders(b, placement, loads, weights)
+    cpu_updates = sorted(
+        (t for t in b.tasks if t.kind == UPD and t.device == "cpu"), key=lambda t: t.seq
+    )
+    riders = _riders(b, placement, loads, cpu_updates, weights)
     for load in loads:
         packs = [
             q
@@ -306,8 +309,7 @@ def _add_transfers(b: GraphBase, placement: Placement) -> None:
             read = _disk(b, DISK_IN, load, -1, sum(weights[q] for q in packs), load.deps, data)
             load.deps = sorted(set(load.deps) | {read.id})
     written: list[Task] = []  # the DISK_OUTs so far: each frees a staging slot
-    cpu_updates = [t for t in b.tasks if t.kind == UPD and t.device == "cpu"]
-    for update in sorted(cpu_updates, key=lambda t: t.seq):
+    for update in cpu_updates:
         kinds = placement.kinds_on_disk(update.pack)
         shard = update.data.shard
         state = host_state(b.spec, layer_shard(b.plan.bwd_packs[update.pack], *shard))
@@ -332,15 +334,15 @@ def _add_transfers(b: GraphBase, placement: Placement) -> None:
 
 
 def _riders(
-    b: GraphBase, placement: Placement, loads: list[Task], weights: list[int]
+    b: GraphBase, placement: Placement, loads: list[Task], updates: list[Task], weights: list[int]
 ) -> dict[int, set[int]]:
     """Per backward pack whose master weights are on disk, the backward weight
     loads that take them from its update's read (``placement.weights_with_update``):
-    those of that pack's layers only. The policy declares its updates one per
-    pack, each after the pack's backward; a sharded update is refused here."""
+    those of that pack's layers only (``loads``: the graph's W_INs, ``updates``:
+    its CPU updates). The policy declares its updates one per pack, each after
+    the pack's backward; a sharded update is refused here."""
     if not placement.weights_with_update:
         return {}
-    updates = [t for t in b.tasks if t.kind == UPD and t.device == "cpu"]
     if any(u.data.shard != (0, 1) for u in updates):
         raise AssertionError(
             f"{b.plan.policy}: its updates are sharded, so a backward weight load cannot "
