@@ -329,31 +329,40 @@ def _cmd_simulate(args) -> int:
         )
     else:
         print(format_summary(plan, trace))
-        slots = _gradient_slots_line(spec, hw, plan)
-        if slots:
-            print(slots)
+        for line in _host_memory_lines(spec, hw, plan):
+            print(line)
         if trace.summary.disk_bytes:
             print(_disk_line(trace.summary, hw))
     return 0
 
 
-def _gradient_slots_line(spec, hw, plan) -> str:
-    """What holding the gradients in slots saves, where the placement does so."""
+def _host_memory_lines(spec, hw, plan) -> list[str]:
+    """What holding the gradients in slots and the stashes on disk save, where
+    the placement does so."""
     from .costs.hardware import format_bytes
+    from .costs.placement import STASH_SLOTS
     from .policies import disk_placement, spec_for
-    from .policies.disk_tier import windowed_gradients
+    from .policies.disk_tier import stash_piece_bytes, windowed_gradients
     from .policies.state import host_state
 
     placement = disk_placement(spec, hw, plan)
-    if not placement.gradient_slots:
-        return ""
     spec = spec_for(spec, plan)
-    whole = sum(host_state(spec, range(*p)).gradients for p in plan.bwd_packs)
-    return (
-        f"host memory: gradients held in {placement.gradient_slots} pack slots, "
-        f"{format_bytes(windowed_gradients(spec, plan))} (the whole model's: "
-        f"{format_bytes(whole)})"
-    )
+    lines = []
+    if placement.gradient_slots:
+        whole = sum(host_state(spec, range(*p)).gradients for p in plan.bwd_packs)
+        lines.append(
+            f"host memory: gradients held in {placement.gradient_slots} pack slots, "
+            f"{format_bytes(windowed_gradients(spec, plan))} (the whole model's: "
+            f"{format_bytes(whole)})"
+        )
+    if placement.stashes_on_disk:
+        held = 2 * STASH_SLOTS * plan.n_gpus * stash_piece_bytes(spec, plan)
+        lines.append(
+            f"host memory: stashes and offloaded activations on disk, "
+            f"{format_bytes(placement.stash_disk_bytes)} per iteration, {STASH_SLOTS} per GPU "
+            f"each way in host memory, {format_bytes(held)}"
+        )
+    return lines
 
 
 def _disk_line(summary, hw) -> str:

@@ -19,7 +19,7 @@ from harmony.costs.hardware import (
     Hardware,
     parse_disk,
 )
-from harmony.costs.placement import STAGED_PACKS, HostMemoryError
+from harmony.costs.placement import STAGED_PACKS, STASH_SLOTS, HostMemoryError
 from harmony.costs.spec import Tie
 from harmony.engine.tiers import NVME_PCIE4
 from harmony.errors import HarmonyError
@@ -31,7 +31,13 @@ from harmony.policies import (
     swap_volume,
     without_weights_with_update,
 )
-from harmony.policies.disk_tier import READ, SHARED, WRITE, windowed_gradients
+from harmony.policies.disk_tier import (
+    READ,
+    SHARED,
+    WRITE,
+    stash_piece_bytes,
+    windowed_gradients,
+)
 from harmony.policies.state import host_state
 
 MB = 1e6
@@ -261,8 +267,11 @@ def test_a_tied_parameter_is_read_from_its_owners_pack():
     hw = server(int(least))
     placement = disk_placement(tied, hw, plan)
     assert placement.where(0, "weights") == "disk" and placement.gradient_slots == 2
+    # a byte less: the stashes go to disk too, and host memory holds a few of them
+    assert disk_placement(tied, server(int(least) - 1), plan).stashes_on_disk
+    in_flight = 2 * STASH_SLOTS * stash_piece_bytes(tied, plan)
     with pytest.raises(HostMemoryError, match="needs at least"):
-        disk_placement(tied, server(int(least) - 1), plan)
+        disk_placement(tied, server(int(least - stash + in_flight) - 1), plan)
     graph = build_graph(tied, hw, plan)
     fused = next(t for t in graph.tasks if t.kind == W_IN and t.layers == (5, 6))
     reads = [graph.tasks[d] for d in fused.deps if graph.tasks[d].kind == DISK_IN]
@@ -305,8 +314,15 @@ def test_the_search_pays_for_a_slow_disk_and_skips_plans_that_cannot_fit():
     slow = harmony.search(SPEC, slow_disk, 4, policies=["harmony-pp"], workers=1)
     assert slow.iloc[0].iteration_s > fast.iloc[0].iteration_s
     assert slow.iloc[0].disk_gb > 0 and fast.iloc[0].disk_gb == 0
-    # plans of larger packs stage more than the host has: not returned
-    assert slow.attrs["rejected_host_memory"] > 0
+    # plans of larger packs stage more: they fit only with their stashes on disk too ...
+    assert slow.attrs["rejected_host_memory"] == 0
+    spilled = [disk_placement(SPEC, slow_disk, p).stashes_on_disk for p in slow.plan]
+    assert any(spilled) and not all(spilled)
+    # ... and with less host memory not even so: not returned
+    tighter = harmony.search(
+        SPEC, replace(slow_disk, host_memory=int(52 * MB)), 4, policies=["harmony-pp"], workers=1
+    )
+    assert tighter.attrs["rejected_host_memory"] > 0 and len(tighter)
     with pytest.raises(HostMemoryError, match="host memory"):
         harmony.search(SPEC, replace(roomy, host_memory=10), 4, policies=["harmony-pp"])
 
@@ -326,3 +342,103 @@ def test_the_search_cuts_packs_a_disk_tier_could_not_stage():
         for a, b in plan.bwd_packs:
             state = host_state(SPEC, range(a, b))
             assert state.weights + state.optimizer <= share or b - a == 1, plan.describe()
+
+
+# ---- stashes on disk ----------------------------------------------------------------
+# a minibatch of 16 one-sample microbatches: 4 layers x 16 MB of stashes, more than the
+# state of the packs whose optimizer state the disk takes
+STASHING = Plan.uniform("harmony-pp", 1, 16, 1, 6, 1)
+
+
+def test_stashes_go_to_disk_last_and_come_back_ahead_of_backward():
+    hw = server(int(80 * MB))
+    stash = swap_volume(SPEC, STASHING)["STASH_OUT"]
+    with_stashes = disk_placement(SPEC, server(int(120 * MB)), STASHING)
+    assert with_stashes.on_disk and not with_stashes.stashes_on_disk  # state first
+    placement = disk_placement(SPEC, hw, STASHING)
+    assert placement.stashes_on_disk and placement.stash_disk_bytes == stash == 64 * MB
+    piece = stash_piece_bytes(SPEC, STASHING)
+    assert piece == 1 * MB  # one layer's input for one sample
+    assert placement.reserve == windowed_gradients(SPEC, STASHING) + 2 * STASH_SLOTS * piece
+    graph = build_graph(SPEC, hw, STASHING)
+    graph.check()
+    tasks = graph.tasks
+    outs = sorted((t for t in tasks if t.kind == "STASH_OUT"), key=lambda t: t.seq)
+    writes = {}
+    for t in tasks:
+        if t.kind == DISK_OUT and not isinstance(t.data, DiskState):
+            (out,) = [tasks[d] for d in t.deps]
+            assert out.kind == "STASH_OUT" and out.data == t.data and out.nbytes == t.nbytes
+            writes[out.id] = t
+    assert len(writes) == len(outs) == 4 * 16
+    for j in range(STASH_SLOTS, len(outs)):  # a stash waits for the write two before it
+        assert writes[outs[j - STASH_SLOTS].id].id in outs[j].deps
+    backs = [t for t in tasks if t.kind == "STASH_IN" and t.data.layer > 0]
+    for back in backs:
+        (read,) = [tasks[d] for d in back.deps if tasks[d].kind == DISK_IN]
+        assert read.data == back.data and read.nbytes == back.nbytes
+        assert {d for d in read.deps if tasks[d].kind == DISK_OUT} == {
+            writes[o.id].id
+            for o in outs
+            if o.data.layer == back.data.layer and o.data.samples == back.data.samples
+        }
+    # layer 0's stash is the minibatch, in host memory: nothing to read
+    assert all(
+        tasks[d].kind != DISK_IN
+        for t in tasks
+        if t.kind == "STASH_IN" and t.data.layer == 0
+        for d in t.deps
+    )
+    trace = harmony.simulate(SPEC, hw, STASHING)
+    s = trace.summary
+    closed = swap_volume(SPEC, STASHING, hw)
+    assert s.disk_read_bytes == pytest.approx(closed[DISK_IN])
+    assert s.disk_write_bytes == pytest.approx(closed[DISK_OUT])
+    assert s.disk_write_bytes == pytest.approx(placement.write_bytes_per_step)
+    # played: never more than STASH_SLOTS stashes between their copy out and their write
+    tl = trace.timeline
+    held = [(tl.start_s[o.id], 1) for o in outs] + [(tl.end_s[w.id], -1) for w in writes.values()]
+    level = peak = 0
+    for _, step in sorted(held, key=lambda x: (x[0], x[1])):
+        level += step
+        peak = max(peak, level)
+    assert peak == STASH_SLOTS
+    # it costs time: the disk's reads and writes of the stashes
+    assert (
+        s.iteration_s > harmony.simulate(SPEC, server(int(120 * MB)), STASHING).summary.iteration_s
+    )
+
+
+def test_a_stash_read_back_in_smaller_microbatches_reads_its_samples():
+    plan = Plan.uniform("harmony-pp", 1, 16, 1, 6, 1, fwd_microbatch=2)
+    hw = server(int(80 * MB))
+    graph = build_graph(SPEC, hw, plan)
+    tasks = graph.tasks
+    reads = [t for t in tasks if t.kind == DISK_IN and not isinstance(t.data, DiskState)]
+    for read in reads:
+        a, b = read.data.samples
+        assert b - a == 1 and read.nbytes == 1 * MB
+        (write,) = [tasks[d] for d in read.deps if tasks[d].kind == DISK_OUT]
+        assert write.data.samples == (a - a % 2, a - a % 2 + 2)  # the forward's pair
+    s = harmony.simulate(SPEC, hw, plan).summary
+    assert s.disk_read_bytes == pytest.approx(swap_volume(SPEC, plan, hw)[DISK_IN])
+
+
+@pytest.mark.parametrize("policy", sorted(harmony.POLICIES))
+def test_every_policy_can_put_its_stashes_on_disk(policy):
+    n = 1 if policy == "hydra" else 2
+    plan = Plan.uniform(policy, n, 16, 1, 6, 1)
+    hw = server(int(80 * MB), n_gpus=n)
+    placement = disk_placement(SPEC, hw, plan)
+    graph = build_graph(SPEC, hw, plan)
+    graph.check()
+    s = harmony.simulate(SPEC, hw, plan).summary
+    closed = swap_volume(SPEC, plan, hw)
+    assert s.disk_read_bytes == pytest.approx(closed[DISK_IN])
+    assert s.disk_write_bytes == pytest.approx(closed[DISK_OUT])
+    moved = swap_volume(SPEC, plan)
+    stash = moved.get("STASH_OUT", 0) + moved.get("ACT_OUT", 0)
+    # model-parallel keeps its state on its GPUs: its stashes fit beside the rest
+    assert placement.stashes_on_disk == (policy != "model-parallel")
+    if placement.stashes_on_disk:
+        assert placement.stash_disk_bytes == stash

@@ -231,5 +231,12 @@ def test_what_the_explorers_host_shares_put_on_disk_for_gpt2_xl():
     shares = {"90%": (6, 0), "75%": (12, 0), "60%": (18, 0), "45%": (20, 10)}
     assert {s: on_disk(plan, s) for s in shares} == shares
     assert on_disk(ablation, "60%")[0] > 0
+
+    def stashes_on_disk(plan, share):
+        server = hw.with_host_memory(host_memory_bytes(share, spec)).with_disk("nvme")
+        return disk_placement(spec, server, plan).stashes_on_disk
+
+    assert not stashes_on_disk(plan, "45%") and stashes_on_disk(plan, "30%")
+    assert not stashes_on_disk(ablation, "60%") and stashes_on_disk(ablation, "50%")
     with pytest.raises(HostMemoryError, match="needs at least"):
-        on_disk(ablation, "50%")
+        on_disk(ablation, "30%")

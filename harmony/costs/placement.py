@@ -15,6 +15,11 @@ the tier's staging buffers hold three packs' worth of what is on disk (the
 pack being updated, the next one, read ahead, and the previous one, being
 written back: so the update overlaps both), and they count in the budget.
 
+Stashes (and offloaded activations) go to disk last, only where even the
+state on disk leaves too little host memory for all of them: they are
+written as they reach host memory and read back ahead of their copy to a GPU,
+through :data:`STASH_SLOTS` pieces per GPU each way.
+
 Gradients never go to disk: the host sums them as they arrive. A plan whose
 packs' gradients arrive pack after pack can hold them in
 :data:`GRADIENT_SLOTS` pack-sized slots instead of one buffer for the whole
@@ -34,6 +39,10 @@ KINDS = ("optimizer", "weights", "gradients")
 #: packs whose on-disk state is in host memory at once: one updated, one read ahead and
 #: one written back (with two, a read would wait for the previous write to end)
 STAGED_PACKS = 3
+#: per GPU, pieces of stashes (and offloaded activations) in host memory on each side of
+#: the disk when they are on disk: two written behind the forward pass (a stash waits for
+#: the write of the one two before it on its GPU's share) and two read ahead of backward
+STASH_SLOTS = 2
 #: packs whose gradients are in host memory at once when they are held in slots: one
 #: being updated while the next one's arrive (a pack's gradients then wait for the
 #: update of the pack two before it)
@@ -85,6 +94,18 @@ class Placement:
     #: (the update runs right after the pack's backward, on one GPU), so weights on disk
     #: are read twice per step, not three times (see :mod:`harmony.policies.disk_tier`)
     weights_with_update: bool = False
+    #: the minibatch's stashed pack inputs and offloaded activations are on disk too:
+    #: each written as it reaches host memory and read back before its copy to the GPU
+    #: (their bytes are in the reads and writes per step); the reserve then holds
+    #: :data:`STASH_SLOTS` pieces per GPU on each side, not all of them
+    stashes_on_disk: bool = False
+    #: bytes of stashes and offloaded activations on disk per step (scratch: one copy)
+    stash_disk_bytes: int = 0
+
+    @property
+    def uses_disk(self) -> bool:
+        """Whether anything lives on disk: training state, or stashes."""
+        return bool(self.on_disk) or self.stashes_on_disk
 
     @property
     def host_bytes(self) -> int:

@@ -102,7 +102,7 @@ def swap_volume(spec: ModelSpec, plan: Plan, hardware: Hardware | None = None) -
     if hardware is None:
         return out
     placement = place(spec, plan, hardware, out, *_disk_traits(plan))
-    return policy.swap_volume(spec, plan, disk=placement) if placement.on_disk else out
+    return policy.swap_volume(spec, plan, disk=placement) if placement.uses_disk else out
 
 
 def disk_placement(spec: ModelSpec, hardware: Hardware, plan: Plan) -> Placement:

@@ -286,7 +286,7 @@ def volume(
         ACT_IN: via_host,
         REDUCE: reduce,
     }
-    if disk is not None and disk.on_disk:
+    if disk is not None and disk.uses_disk:
         loads = [(p, weight_passes) for p in plan.fwd_packs]
         backward = [(q, weight_passes) for q in range(len(plan.bwd_packs))]
         out.update(disk_volume(spec, plan, disk, loads, backward))

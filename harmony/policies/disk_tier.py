@@ -72,6 +72,7 @@ from ..costs.hardware import Hardware, format_bytes
 from ..costs.placement import (
     GRADIENT_SLOTS,
     STAGED_PACKS,
+    STASH_SLOTS,
     HostMemoryError,
     PackBytes,
     Placement,
@@ -79,14 +80,17 @@ from ..costs.placement import (
 )
 from ..costs.spec import ModelSpec, Tie, dtype_bytes
 from ..graph import (
+    ACT_IN,
     ACT_OUT,
     DISK_IN,
     DISK_OUT,
     G_OUT,
     OPT_IN,
+    STASH_IN,
     STASH_OUT,
     UPD,
     W_IN,
+    Activation,
     DiskState,
     Gradients,
     Task,
@@ -129,23 +133,26 @@ def place(
             choices.append((GRADIENT_SLOTS, slots))
     # the whole model's gradients if all then fits host memory; else gradient slots
     # where the plan allows them (they put less on disk), and the disk for the rest
-    placed = []
-    for slots, gradients in choices:
-        try:
-            placement = place_state(movable, hw.host_memory, reserve=stash + gradients)
-        except HostMemoryError:
-            continue
-        # on one GPU only: where several GPUs run backward packs at once, reads moved
-        # ahead of their loads wait on the three staged packs and hold the pipeline up
-        with_update = (
-            ride and plan.n_gpus == 1 and any(k == "weights" for _, k in placement.on_disk)
-        )
-        placement = replace(placement, gradient_slots=slots, weights_with_update=with_update)
-        if not placement.on_disk:
-            return placement
-        placed.append(placement)
-    if placed and hw.has_disk:
+    # on one GPU only: where several GPUs run backward packs at once, reads moved
+    # ahead of their loads wait on the three staged packs and hold the pipeline up
+    ride = ride and plan.n_gpus == 1
+    placed = _fits(movable, hw, choices, stash, ride)
+    if placed and (hw.has_disk or not placed[-1].on_disk):
         return placed[-1]
+    # then the stashes too, where even that leaves too little for them all
+    in_flight = 2 * STASH_SLOTS * plan.n_gpus * stash_piece_bytes(spec, plan)
+    if hw.has_disk and in_flight < stash:
+        placed = _fits(movable, hw, choices, in_flight, ride)
+        if placed:
+            reads = int(moved.get(STASH_OUT, 0.0) + moved.get(ACT_IN, 0.0))
+            return replace(
+                placed[-1],
+                stashes_on_disk=True,
+                stash_disk_bytes=stash,
+                read_bytes_per_step=placed[-1].read_bytes_per_step + reads,
+                write_bytes_per_step=placed[-1].write_bytes_per_step + stash,
+            )
+        stash = in_flight  # for the error: the least they take in host memory
     slots, gradients = choices[-1]
     held = (
         f"gradient slots for {slots} packs {format_bytes(gradients)}"
@@ -156,8 +163,8 @@ def place(
         least = stash + gradients + STAGED_PACKS * max(p.total for p in movable)
         raise HostMemoryError(
             f"host memory: {plan.policy} on {hw.name!r} needs at least "
-            f"{format_bytes(least)} of host memory even with its optimizer state and "
-            f"master weights on disk ({held}, stashes and offloaded activations "
+            f"{format_bytes(least)} of host memory even with its optimizer state, "
+            f"master weights and stashes on disk ({held}, stashes and offloaded activations "
             f"{format_bytes(stash)}, staging for {STAGED_PACKS} packs) but host_memory is "
             f"{format_bytes(hw.host_memory)}: give more host memory (--host-memory, "
             "Hardware.with_host_memory), or smaller backward packs (less to stage) or fewer "
@@ -176,6 +183,46 @@ def place(
         f"{format_bytes(hw.host_memory)}: {fix}more host memory (--host-memory)",
         available=hw.host_memory,
     )
+
+
+def _fits(
+    movable: list[PackBytes],
+    hw: Hardware,
+    choices: list[tuple[int, int]],
+    stash: int,
+    ride: bool,
+) -> list[Placement]:
+    """The placements of ``movable`` that fit ``hw``'s host memory beside ``stash``
+    bytes of stashes and each choice of (gradient slots, gradient bytes), up to the
+    first that puts nothing on disk; ``ride``: as for :func:`place`, on one GPU."""
+    placed = []
+    for slots, gradients in choices:
+        try:
+            placement = place_state(movable, hw.host_memory, reserve=stash + gradients)
+        except HostMemoryError:
+            continue
+        with_update = ride and any(k == "weights" for _, k in placement.on_disk)
+        placed.append(
+            replace(placement, gradient_slots=slots, weights_with_update=with_update)
+        )
+        if not placement.on_disk:
+            break
+    return placed
+
+
+def stash_piece_bytes(spec: ModelSpec, plan: Plan) -> int:
+    """The most bytes one stash (or offloaded activation) transfer of ``plan``
+    moves: one layer's input (or its gradient) for a microbatch."""
+    u = max(plan.fwd_microbatch, plan.bwd_microbatch)
+    sizes = [spec.input_bytes(layer, u) for layer in plan.stash_layers() if layer > 0]
+    if plan.option("offload_activations"):
+        bounds = {b for _, b in plan.fwd_packs} | {a for a, _ in plan.bwd_packs}
+        sizes += [
+            max(spec.input_bytes(layer, u), spec.input_grad_bytes(layer, u))
+            for layer in bounds
+            if 0 < layer < len(spec)
+        ]
+    return int(max(sizes, default=0))
 
 
 def tied_across_packs(spec: ModelSpec, plan: Plan) -> list[Tie]:
@@ -249,12 +296,15 @@ def add_disk_tasks(b: GraphBase, window: bool = False, ride: bool = False) -> di
         if t.is_transfer:
             moved[t.kind] += t.nbytes
     placement = place(b.spec, b.plan, b.hw, moved, window, ride)
-    if not placement.on_disk and not placement.gradient_slots:
+    if not placement.uses_disk and not placement.gradient_slots:
         return None
     if placement.gradient_slots:
         hold_gradients_in_slots(b, placement.gradient_slots)
-    if placement.on_disk:
+    if placement.uses_disk:
+        _add_links(b)
         _add_transfers(b, placement)
+    if placement.stashes_on_disk:
+        _add_stash_transfers(b, STASH_SLOTS * b.plan.n_gpus)
     return asdict(placement)
 
 
@@ -288,10 +338,8 @@ def hold_gradients_in_slots(b: GraphBase, slots: int) -> None:
 
 
 def _add_transfers(b: GraphBase, placement: Placement) -> None:
-    """The DISK_IN and DISK_OUT tasks of ``placement`` (the module docstring's)."""
-    b.links[READ], b.links[WRITE] = b.hw.disk_read, b.hw.disk_write
-    if b.hw.disk_shared:
-        b.links[SHARED] = 1.0  # seconds of the disk's time per second
+    """The DISK_IN and DISK_OUT tasks of the state ``placement`` puts on disk
+    (the module docstring's)."""
     weights = _disk_weights(b.spec, b.plan, placement)
     loads = [t for t in b.tasks if t.kind == W_IN]
     cpu_updates = sorted(
@@ -331,6 +379,54 @@ def _add_transfers(b: GraphBase, placement: Placement) -> None:
         for t in [update, *served]:
             t.deps = sorted(set(t.deps) | {read.id})
         written.append(_disk(b, DISK_OUT, update, +1, nbytes, [update.id], data))
+
+
+def _add_links(b: GraphBase) -> None:
+    b.links[READ], b.links[WRITE] = b.hw.disk_read, b.hw.disk_write
+    if b.hw.disk_shared:
+        b.links[SHARED] = 1.0  # seconds of the disk's time per second
+
+
+def _add_stash_transfers(b: GraphBase, slots: int) -> None:
+    """Stashes and offloaded activations through the disk (``stashes_on_disk``):
+    a DISK_OUT after each transfer to host memory (STASH_OUT, ACT_OUT) writes
+    what it brought, and the transfer ``slots`` before it in priority order
+    must have been written first; a DISK_IN before each transfer back (STASH_IN,
+    ACT_IN) of such a value reads its samples once the writes of the pieces it
+    covers are done and the transfer back ``slots`` before it has copied its own."""
+    piece = stash_piece_bytes(b.spec, b.plan)
+    outs = sorted((t for t in b.tasks if t.kind in (STASH_OUT, ACT_OUT)), key=lambda t: t.seq)
+    writes: dict[tuple[str, int], list[Task]] = defaultdict(list)
+    written: list[Task] = []
+    for out in outs:
+        if out.nbytes > piece:
+            raise AssertionError(
+                f"{b.plan.policy}: {out.what} moves {format_bytes(out.nbytes)}, more than "
+                f"the {format_bytes(piece)} stash_piece_bytes reserves host memory for"
+            )
+        if len(written) >= slots:
+            out.deps = sorted(set(out.deps) | {written[-slots].id})
+        data = out.data
+        written.append(_disk(b, DISK_OUT, out, +1, out.nbytes, [out.id], data))
+        writes[(data.what, data.layer)].append(written[-1])
+    ins = sorted(
+        (
+            t
+            for t in b.tasks
+            if t.kind in (STASH_IN, ACT_IN) and (t.data.what, t.data.layer) in writes
+        ),
+        key=lambda t: t.seq,
+    )
+    for j, back in enumerate(ins):
+        (a, e), data = back.data.samples, back.data
+        pieces = [
+            w.id
+            for w in writes[(data.what, data.layer)]
+            if w.data.samples[0] < e and a < w.data.samples[1]
+        ]
+        ahead = [ins[j - slots].id] if j >= slots else []
+        read = _disk(b, DISK_IN, back, -1, back.nbytes, pieces + ahead, data)
+        back.deps = sorted(set(back.deps) | {read.id})
 
 
 def _riders(
@@ -375,7 +471,7 @@ def _disk(
     side: int,
     nbytes: int,
     deps: list[int],
-    data: DiskState,
+    data: DiskState | Activation,
     label: str = "",
 ) -> Task:
     """A disk transfer for task ``of``, just before (``side`` -1) or after (+1) it in
@@ -393,8 +489,12 @@ def _disk(
         route,
         nbytes,
         deps,
-        f"{verb} {'+'.join(data.kinds)} of packs {list(data.packs)} for "
-        + (label or f"{of.kind} {of.layers}"),
+        (
+            f"{verb} {'+'.join(data.kinds)} of packs {list(data.packs)} for "
+            + (label or f"{of.kind} {of.layers}")
+            if isinstance(data, DiskState)
+            else f"{verb} {data.what} layer {data.layer} {data.samples}"
+        ),
         seq=(of.seq[0], of.seq[1], of.seq[2] + side),
         data=data,
         pack=of.pack,

@@ -361,6 +361,6 @@ def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> d
         DATA_IN: data_bytes(spec, B),
         P2P: moved,
     }
-    if disk is not None and disk.on_disk:  # each pack's weights load once
+    if disk is not None and disk.uses_disk:  # each pack's weights load once
         out.update(disk_volume(spec, plan, disk, [(p, loaded) for p in packs]))
     return out

@@ -17,7 +17,7 @@ from ..trace import Trace
 AS_PRESET = "as the preset"
 #: the host memory control's other choices: shares of the model's training state (master
 #: weights, gradients and optimizer state of every layer, :func:`training_state`)
-HOST_SHARES = ("90%", "75%", "60%", "45%")
+HOST_SHARES = ("90%", "75%", "60%", "45%", "30%")
 #: the disk control's default: no disk tier under host memory
 NO_DISK = "none"
 _NVME = DISKS["nvme"]
@@ -98,7 +98,7 @@ def where_state_lives(
         if placement.gradient_slots
         else ""
     )
-    if not placement.on_disk:
+    if not placement.uses_disk:
         where = (
             ": nothing on disk, the training state fits"
             if hw.has_disk
@@ -107,8 +107,12 @@ def where_state_lives(
         return f"{text}{where} in host memory{slots}"
     counts = {k: sum(1 for _, kind in placement.on_disk if kind == k) for k in KINDS}
     parts = [f"the {_STATE_WORDS[k]} of {n}" for k, n in counts.items() if n]
-    parts[0] += f" of the {len(plan.bwd_packs)} backward packs"
+    if parts:
+        parts[0] += f" of the {len(plan.bwd_packs)} backward packs"
+        parts[-1] += f" ({format_bytes(placement.disk_bytes)})"
+    if placement.stashes_on_disk:
+        parts.append(f"the stashes ({format_bytes(placement.stash_disk_bytes)})")
     return (
-        f"{text}: on disk {' and '.join(parts)} ({format_bytes(placement.disk_bytes)}), "
+        f"{text}: on disk {' and '.join(parts)}, "
         f"{format_bytes(trace.summary.disk_bytes)} read and written per iteration{slots}"
     )

@@ -188,10 +188,10 @@ class PackExplorer(PlanExplorer):
     policies then hold only two packs' gradients (slots), the ablations every
     pack's: on GPT-2 XL at minibatch 32, the planner's harmony-pp plan (with an
     NVMe disk) sends the optimizer state of 6 of its 20 packs to disk at 90%,
-    12 at 75%, 18 at 60%, all and 10 packs' master weights at 45%, where
-    harmony-no-grouping's gradients, stashes and staging no longer fit (at
-    50%). How low a plan goes depends on its stashes and packs (50% is too
-    little for BERT-Large's): below, the planner says so.
+    12 at 75%, 18 at 60%, all and 10 packs' master weights at 45%, and its
+    stashes too at 30%; harmony-no-grouping's gradients, stashes and staging
+    fit at 50% only with its stashes on disk, and not at all at 30%. How low a
+    plan goes depends on its stashes and packs: below, the planner says so.
     ``disk``: None (:data:`NO_DISK`: no disk tier, so the state must fit host
     memory; the planner's message says what to set otherwise), a name of
     :data:`~harmony.costs.hardware.DISKS` (``"nvme"``) or ``"<read>,<write>"``
