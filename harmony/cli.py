@@ -342,7 +342,7 @@ def _host_memory_lines(spec, hw, plan) -> list[str]:
     from .costs.hardware import format_bytes
     from .costs.placement import STASH_SLOTS
     from .policies import disk_placement, spec_for
-    from .policies.disk_tier import stash_piece_bytes, windowed_gradients
+    from .policies.disk_tier import stashes_in_flight, windowed_gradients
     from .policies.state import host_state
 
     placement = disk_placement(spec, hw, plan)
@@ -356,7 +356,7 @@ def _host_memory_lines(spec, hw, plan) -> list[str]:
             f"{format_bytes(whole)})"
         )
     if placement.stashes_on_disk:
-        held = 2 * STASH_SLOTS * plan.n_gpus * stash_piece_bytes(spec, plan)
+        held = stashes_in_flight(spec, plan)
         lines.append(
             f"host memory: stashes and offloaded activations on disk, "
             f"{format_bytes(placement.stash_disk_bytes)} per iteration, {STASH_SLOTS} per GPU "

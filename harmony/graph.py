@@ -141,6 +141,12 @@ class DiskState:
     load: bool = False
 
 
+def is_load_read(task: "Task") -> bool:
+    """A DISK_IN of master weights for weight loads only (``DiskState.load``); not
+    an update's, nor a stash's (payload :class:`Activation`)."""
+    return task.kind == DISK_IN and isinstance(task.data, DiskState) and task.data.load
+
+
 Payload = Weights | Batch | Activation | Gradients | TiedGradients | Update | DiskState | None
 
 

@@ -29,7 +29,7 @@ from ..costs.hardware import Hardware, disk_rates, format_bytes
 from ..costs.placement import STAGED_PACKS, HostMemoryError, Placement
 from ..costs.spec import ModelSpec, state_slots
 from ..errors import HarmonyError
-from ..graph import DISK_IN, TaskGraph
+from ..graph import TaskGraph, is_load_read
 from ..plan import Plan
 from ..policies import build_graph, disk_placement
 from .disk_state import StateOnDisk, Unit
@@ -181,7 +181,7 @@ def build_for_host(
     except HostMemoryError as err:
         raise explained(err, some_disk) from None
     copies = whole.host_state_bytes * journal
-    if not placed.on_disk and placed.host_bytes + copies <= server.host_memory:
+    if not placed.uses_disk and placed.host_bytes + copies <= server.host_memory:
         aside[journal_name] = copies
         return build(some_disk)
     settings.measure_disk()
@@ -228,7 +228,7 @@ def build_for_host(
 
 def load_reads(graph: TaskGraph) -> list[float]:
     """Bytes of each DISK_IN that reads master weights for weight loads (W_IN) only."""
-    return [t.nbytes for t in graph.tasks if t.kind == DISK_IN and t.data.load]
+    return [t.nbytes for t in graph.tasks if is_load_read(t)]
 
 
 def attach(
@@ -246,14 +246,17 @@ def attach(
             f"this engine's placement keeps {on_disk}: resume with the same plan, host_memory "
             "and hardware as the run"
         )
-    if placement is None or not placement.on_disk:  # at most gradient slots: no tier
+    if placement is None or not placement.uses_disk:  # at most gradient slots: no tier
         return None
     units = make_units(engine, placement)
     budget = settings.budget
     charges = {
         **settings.outside,
         "training state kept in host memory": placement.host_state_bytes,
-        "gradients, stashes and offloaded activations": placement.reserve,
+        "gradients, stashes and offloaded activations"
+        + (" (those written to disk and read back)" if placement.stashes_on_disk else ""): (
+            placement.reserve
+        ),
         "the update journal's copies (safe_updates)": placement.host_state_bytes * journal,
     }
     options = dict(budget=budget, threads=IO_THREADS, chunk=settings.chunk)
@@ -272,7 +275,7 @@ def attach(
             tier = DiskTier.create(settings.directory, state_bytes=placement.disk_bytes, **options)
         else:
             tier = DiskTier.open(settings.directory, expect_step=resume["step"], **options)
-        loads = [t.data.packs for t in graph.tasks if t.kind == DISK_IN and t.data.load]
+        loads = [t.data.packs for t in graph.tasks if is_load_read(t)]
         slots = state_slots(engine.spec.optimizer)
         state = StateOnDisk(tier, placement, units, budget, loads, slots)
         if resume is None:

@@ -31,6 +31,7 @@ from torch import nn
 from ..errors import HarmonyError
 from .tiers import DiskTier, HostBudget, Placement, adopt_state, drop_state, export_state
 from .tiers.files import ALIGN, round_up
+from .tiers.stashes import StashFile
 from .updates import optimizer_params
 
 
@@ -136,6 +137,12 @@ class StateOnDisk:
         self.update_slots = Slots(budget, "disk tier staging for updates", size)
         load_size = max((self._load_bytes(packs) for packs in loads), default=0)
         self.load_slots = Slots(budget, "disk tier staging for weight loads", load_size)
+        #: the step's stashes, where the placement puts them on disk too
+        self.stashes = (
+            StashFile(tier.io, tier.directory, placement.stash_disk_bytes)
+            if placement.stashes_on_disk
+            else None
+        )
 
     # ---- sizes ----------------------------------------------------------------------
     def payload(self, unit: Unit, kinds: tuple[str, ...] | None = None) -> int:
@@ -280,6 +287,8 @@ class StateOnDisk:
     def close(self) -> None:
         self.update_slots.close()
         self.load_slots.close()
+        if self.stashes is not None:
+            self.stashes.close()
         self.tier.close()
 
 

@@ -26,17 +26,17 @@ from ..costs.placement import Placement
 from ..costs.spec import state_slots
 from ..errors import HarmonyError
 from ..graph import (
-    ACT_IN,
     ACT_OUT,
     DATA_IN,
     G_IN,
     OPT_IN,
     P2P,
-    STASH_IN,
     STASH_OUT,
     W_IN,
     TaskGraph,
 )
+from ..policies import spec_for
+from ..policies.disk_tier import stashes_in_flight
 from ..simulate import simulate_graph
 from .updates import optimizer_params
 
@@ -124,9 +124,10 @@ def device_memory_in_host(backends, graph: TaskGraph) -> int:
 
 def emulated_pool_bytes(graph: TaskGraph) -> float:
     """What the emulated GPUs' buffer pools keep: one buffer per copy a step
-    makes to a device."""
+    makes to a device (but stashes and activations brought back, copied into
+    memory of their own: :meth:`~.transfers.Transfers.host_in`)."""
     moved = graph.bytes_by_kind()
-    into = (W_IN, DATA_IN, STASH_IN, ACT_IN, P2P, G_IN, OPT_IN)
+    into = (W_IN, DATA_IN, P2P, G_IN, OPT_IN)
     return sum(moved.get(kind, 0.0) for kind in into)
 
 
@@ -172,8 +173,10 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
         optimizer += 0 if "optimizer" in on_disk else _state_slots(opt, engine.spec) * size
         freed += size - new if "weights" in on_disk else 0
     moved = graph.bytes_by_kind()
-    # the whole minibatch's, at once
+    # the whole minibatch's, at once; or, written to disk, a few pieces
     stash, offloaded = moved.get(STASH_OUT, 0.0), moved.get(ACT_OUT, 0.0)
+    if placement is not None and placement.stashes_on_disk:
+        stash, offloaded = stashes_in_flight(spec_for(engine.spec, engine.plan), engine.plan), 0.0
     emulated = 0.0
     if any(b.kind == "emulated" for b in engine.backends):
         emulated = emulated_pool_bytes(graph)

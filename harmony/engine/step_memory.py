@@ -207,17 +207,29 @@ class StepMemory:
         return out
 
     def to_host(
-        self, backend: Backend, tensors: list[torch.Tensor], non_blocking: bool = True
+        self,
+        backend: Backend,
+        tensors: list[torch.Tensor],
+        non_blocking: bool = True,
+        pooled: bool = True,
     ) -> list[torch.Tensor]:
         """``tensors`` in host buffers from the host pool (page-locked for a GPU), in
         their wire dtype; on a GPU, ready when the lane's stream has drained
-        unless ``non_blocking`` is False."""
+        unless ``non_blocking`` is False; ``pooled`` False: in new memory, freed
+        when the last reference goes (a piece the disk tier takes before the step
+        ends)."""
         if not backend.copies and all(self.wire_dtype(t) == t.dtype for t in tensors):
             return [t.detach() for t in tensors]
         out = []
         for t in tensors:
-            out.append(self.take(self.ctx.host.pool, t.numel(), self.wire_dtype(t)).view(t.shape))
-            out[-1].copy_(t, non_blocking=non_blocking)
+            dtype = self.wire_dtype(t)
+            flat = (
+                self.take(self.ctx.host.pool, t.numel(), dtype)
+                if pooled
+                else torch.empty(t.numel(), dtype=dtype)
+            )
+            out.append(flat.view(t.shape))
+            out[-1].copy_(t, non_blocking=non_blocking and pooled)
         return out
 
     def autocast(self, task: Task):
@@ -236,17 +248,18 @@ class StepMemory:
             self.moved[task.kind] += n
             self.moved_task[task.id] = self.moved_task.get(task.id, 0.0) + n
 
-    def _copy(self, task: Task, value, to_device: bool):
+    def _copy(self, task: Task, value, to_device: bool, pooled: bool = True):
         """``value`` copied to the task's device (or to host) in the wire dtype; a
-        copy to the device charges its destination buffer before it starts."""
+        copy to the device charges its destination buffer before it starts;
+        ``pooled``: as for :meth:`to_device` and :meth:`to_host`."""
         started = time.perf_counter()
         backend = self.backends[task.device]
         present = [v for v in value if v is not None]
         if to_device:
             self.reserve(task.io["dst"], sum(self.wire_bytes(v) for v in present))
-            copies = iter(self.to_device(backend, present))
+            copies = iter(self.to_device(backend, present, pooled=pooled))
         else:
-            copies = iter(self.to_host(backend, present))
+            copies = iter(self.to_host(backend, present, pooled=pooled))
         out = tuple(None if v is None else next(copies) for v in value)
         self._moved(task, nbytes(out), started)
         return out

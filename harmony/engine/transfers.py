@@ -22,7 +22,8 @@ class Transfers:
     """Reads what :class:`~harmony.engine.step.StepRun` sets up (``ctx``, ``graph``,
     ``inputs``, ``target``, ``store``, ``on_host``, ``lock``, ``grads_lock``,
     ``splits_ties``, ``ties``, ``accumulators``, ``buffer_version``,
-    ``loaded_version``) and uses :class:`~.step_memory.StepMemory`."""
+    ``loaded_version``) and uses :class:`~.step_memory.StepMemory` and
+    :class:`~.disk_steps.DiskSteps` (``spilled``, ``stash_read``)."""
 
     def weights_in(self, task: Task) -> None:
         s, e = task.layers
@@ -123,18 +124,26 @@ class Transfers:
 
     def host_in(self, task: Task) -> None:
         kind, layer, (a, b) = task.data.what, task.data.layer, task.data.samples
-        if kind == "stash" and layer == 0:
+        value = self.stash_read(task)  # read back from the disk tier, or in host memory
+        if value is not None:
+            pass
+        elif kind == "stash" and layer == 0:
             value = tuple(t[a:b] for t in self.inputs)
         else:
             with self.lock:
                 pieces = [p for p in self.on_host[(kind, layer)] if p[0][0] < b and a < p[0][1]]
             value = assemble(pieces, a, b)
-        self.put(task.io["dst"], self._copy(task, value, to_device=True))
+        # into memory freed with the graph's buffer, not an emulated GPU's pool (which
+        # keeps a buffer per copy until the step ends): stashes come back through the
+        # whole backward pass, and with stashes on disk host memory holds a few at once
+        self.put(task.io["dst"], self._copy(task, value, to_device=True, pooled=False))
 
     def host_out(self, task: Task) -> None:
         kind, layer, (a, b) = task.data.what, task.data.layer, task.data.samples
         value = assemble(self.pieces(task.io["src"]), a, b)
-        out = self._copy(task, value, to_device=False)
+        # a piece the disk tier writes and lets go: memory of its own, not the pool's
+        # (whose buffers go back when the step ends)
+        out = self._copy(task, value, to_device=False, pooled=task.id not in self.spilled)
         with self.lock:
             self.on_host[(kind, layer)].append(((a, b), out))
 

@@ -140,7 +140,7 @@ def place(
     if placed and (hw.has_disk or not placed[-1].on_disk):
         return placed[-1]
     # then the stashes too, where even that leaves too little for them all
-    in_flight = 2 * STASH_SLOTS * plan.n_gpus * stash_piece_bytes(spec, plan)
+    in_flight = stashes_in_flight(spec, plan)
     if hw.has_disk and in_flight < stash:
         placed = _fits(movable, hw, choices, in_flight, ride)
         if placed:
@@ -202,9 +202,7 @@ def _fits(
         except HostMemoryError:
             continue
         with_update = ride and any(k == "weights" for _, k in placement.on_disk)
-        placed.append(
-            replace(placement, gradient_slots=slots, weights_with_update=with_update)
-        )
+        placed.append(replace(placement, gradient_slots=slots, weights_with_update=with_update))
         if not placement.on_disk:
             break
     return placed
@@ -223,6 +221,13 @@ def stash_piece_bytes(spec: ModelSpec, plan: Plan) -> int:
             if 0 < layer < len(spec)
         ]
     return int(max(sizes, default=0))
+
+
+def stashes_in_flight(spec: ModelSpec, plan: Plan) -> int:
+    """Host bytes of stashes (and offloaded activations) held at once when they
+    are on disk: :data:`STASH_SLOTS` pieces per GPU written behind its forward
+    and as many read ahead of its backward."""
+    return 2 * STASH_SLOTS * plan.n_gpus * stash_piece_bytes(spec, plan)
 
 
 def tied_across_packs(spec: ModelSpec, plan: Plan) -> list[Tie]:
