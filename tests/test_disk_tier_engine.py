@@ -74,9 +74,12 @@ def make_model() -> nn.Sequential:
     return nn.Sequential(*[m for a in acts for m in (nn.Linear(D, D), a)])
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, seq: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s minibatch: ``B`` samples of ``D`` features, or of ``seq``
+    tokens of ``D`` features each."""
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
+    shape = (B, D) if seq is None else (B, seq, D)
+    return torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
 
 
 def plan_for(policy: str, gpus: int) -> Plan:
@@ -116,9 +119,9 @@ def engine(plan: Plan, host: str = ROOMY, tier: Path | None = None, opt=adamw, *
     )
 
 
-def train(e: Engine, steps: int) -> Engine:
+def train(e: Engine, steps: int, seq: int | None = None) -> Engine:
     while e.step_count < steps:
-        e.step(*batch(e.step_count))
+        e.step(*batch(e.step_count, seq))
     return e
 
 
@@ -133,11 +136,11 @@ def same(a: dict, b: dict) -> bool:
 _REFERENCE: dict = {}
 
 
-def reference(policy: str, gpus: int, steps: int) -> dict:
+def reference(policy: str, gpus: int, steps: int, seq: int | None = None) -> dict:
     """The weights of the run with everything in host memory."""
-    key = (policy, gpus, steps)
+    key = (policy, gpus, steps, seq)
     if key not in _REFERENCE:
-        _REFERENCE[key] = weights(train(engine(plan_for(policy, gpus)), steps))
+        _REFERENCE[key] = weights(train(engine(plan_for(policy, gpus)), steps, seq))
     return _REFERENCE[key]
 
 
@@ -335,18 +338,115 @@ def test_bad_disk_directories_are_refused_before_anything_changes(tmp_path, monk
         engine(plan, "700KB", tmp_path / "tiny").step(*batch(0))
 
 
+# ---- stashes on disk --------------------------------------------------------------------
+# samples of SEQ tokens: each layer's input is 128 KB a sample, so the stashes of the 7
+# packs that stash are 7.3 MB a minibatch, more than the 2.1 MB of state
+SEQ = 256
+STASHES = "8MB"  # the state stays in host memory, the stashes go to disk
+STASHES_AND_STATE = "3MB"  # state goes too
+
+
+@pytest.mark.parametrize(
+    "policy, gpus, host",
+    [
+        ("harmony-pp", 1, STASHES),
+        ("harmony-pp", 1, STASHES_AND_STATE),
+        ("harmony-pp", 2, STASHES),
+        ("harmony-no-grouping", 1, STASHES_AND_STATE),
+        ("hydra", 1, STASHES_AND_STATE),
+    ],
+)
+def test_stashes_on_disk_train_bitwise_like_in_memory(tmp_path, policy, gpus, host):
+    plan = plan_for(policy, gpus)
+    e = engine(plan, host, tmp_path / "tier")
+    try:
+        train(e, 1, SEQ)
+        placement = e.disk.placement
+        assert placement.stashes_on_disk and bool(placement.on_disk) == (host != STASHES)
+        # a scratch file in the tier's directory while the run goes on, gone after it
+        scratch = e.disk.stashes.path
+        assert scratch.parent == tmp_path / "tier" and scratch.exists()
+        train(e, 3, SEQ)
+        assert same(weights(e), reference(policy, gpus, 3, SEQ))
+        measured = e.trace.summary.bytes_by_kind
+        simulated = e.simulate().summary.bytes_by_kind
+        closed = swap_volume(e.spec, plan, e.hardware())
+        for kind in (DISK_IN, DISK_OUT):
+            assert measured[kind] == simulated[kind] == closed[kind] >= placement.stash_disk_bytes
+        budget = e.host_settings.budget
+        assert budget.peak <= budget.capacity
+    finally:
+        e.close()
+    assert not scratch.exists()
+
+
+def test_the_cpu_backend_reads_stashes_back_where_it_computes(tmp_path):
+    """On the cpu backend a stash read back is the device's memory as it is (no copy)."""
+    plan = plan_for("harmony-pp", 1)
+    e = Engine(
+        make_model(),
+        adamw,
+        nn.functional.mse_loss,
+        device="cpu",
+        minibatch_size=B,
+        plan=plan,
+        hardware=hardware(1),
+        host_memory=STASHES_AND_STATE,
+        disk_dir=tmp_path / "tier",
+        disk=FAST_DISK,
+    )
+    try:
+        train(e, 3, SEQ)
+        assert e.disk.placement.stashes_on_disk
+        assert same(weights(e), reference("harmony-pp", 1, 3, SEQ))
+        assert (
+            e.trace.summary.bytes_by_kind[DISK_IN] == e.simulate().summary.bytes_by_kind[DISK_IN]
+        )
+    finally:
+        e.close()
+
+
+def test_too_little_disk_for_the_stashes_is_refused_before_the_first_step(tmp_path, monkeypatch):
+    e = engine(plan_for("harmony-pp", 1), STASHES, tmp_path / "tier")
+    start = weights(e)
+    real = __import__("shutil").disk_usage
+    with monkeypatch.context() as full:
+        full.setattr(
+            "harmony.engine.tiers.directory.shutil.disk_usage",
+            lambda p: real(p)._replace(free=5_000_000),
+        )
+        with pytest.raises(
+            DiskTierError, match=r"tier: a step's stashes \(6.\d+ MB\) needs .* 5 MB free"
+        ):
+            e.step(*batch(0, SEQ))
+    try:
+        assert e.step_count == 0 and e.disk is None and same(weights(e), start)
+        assert e.host_settings.budget.in_use == 0
+        assert same(weights(train(e, 3, SEQ)), reference("harmony-pp", 1, 3, SEQ))
+    finally:
+        e.close()
+
+
 # ---- kill -9 ----------------------------------------------------------------------------
 CHILD = """
 import sys
 sys.path.insert(0, {tests!r})
 import test_disk_tier_engine as t
-t.child({tier!r}, {ckpt!r}, {steps}, {stall!r})
+t.child({tier!r}, {ckpt!r}, {steps}, {stall!r}, {seq!r}, {host!r})
 """
 
 
-def child(tier: str, ckpt: str, steps: int, stall: tuple[str, int] | None) -> None:
-    """Train to ``steps`` (resuming from ``ckpt`` if there), saving after every
-    step; ``stall`` (where, step): say so, then sleep there, to be killed."""
+def child(
+    tier: str,
+    ckpt: str,
+    steps: int,
+    stall: tuple[str, int] | None,
+    seq: int | None = None,
+    host: str = WEIGHTS_ON_DISK[1],
+) -> None:
+    """Train to ``steps`` on ``batch(step, seq)`` with a ``host`` budget (resuming
+    from ``ckpt`` if there), saving after every step; ``stall`` (where, step): say
+    so, then sleep there, to be killed."""
     import time
 
     import harmony.engine.engine as engine_module
@@ -363,11 +463,11 @@ def child(tier: str, ckpt: str, steps: int, stall: tuple[str, int] | None) -> No
             nn.functional.mse_loss,
             device=device(1),
             hardware=hardware(1),
-            host_memory=WEIGHTS_ON_DISK[1],
+            host_memory=host,
             disk=FAST_DISK,
         )
     else:
-        e = engine(plan_for("harmony-pp", 1), WEIGHTS_ON_DISK[1], Path(tier))
+        e = engine(plan_for("harmony-pp", 1), host, Path(tier))
 
     moved = {"read": 0, "write": 0}  # chunks in the step to stall in
 
@@ -389,7 +489,7 @@ def child(tier: str, ckpt: str, steps: int, stall: tuple[str, int] | None) -> No
     write = engine_module.write_checkpoint  # called after the tier's commit
     engine_module.write_checkpoint = lambda *a: (hang("save"), write(*a))[1]
     while e.step_count < steps:
-        e.step(*batch(e.step_count))
+        e.step(*batch(e.step_count, seq))
         e.save(ckpt)
     e.close()
 
@@ -402,8 +502,7 @@ def test_kill_9_anywhere_in_a_step_resumes_bitwise(tmp_path):
     tier, ckpt = tmp_path / "tier", tmp_path / "run.ckpt"
 
     def run(stall):
-        code = CHILD.format(tests=str(TESTS), tier=str(tier), ckpt=str(ckpt), steps=5, stall=stall)
-        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        return child_process(tier, ckpt, 5, stall)
 
     for stall in [("write", 2), ("save", 3)]:
         proc = run(stall)
@@ -427,5 +526,51 @@ def test_kill_9_anywhere_in_a_step_resumes_bitwise(tmp_path):
         with pytest.raises(HarmonyError, match="step first, or save"):
             e.state_dict()
         assert same(weights(train(e, 6)), reference("harmony-pp", 1, 6))
+    finally:
+        e.close()
+
+
+def child_process(tier, ckpt, steps, stall, seq=None, host=WEIGHTS_ON_DISK[1]):
+    """:func:`child` in a process of its own, its output piped."""
+    code = CHILD.format(
+        tests=str(TESTS),
+        tier=str(tier),
+        ckpt=str(ckpt),
+        steps=steps,
+        stall=stall,
+        seq=seq,
+        host=host,
+    )
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_kill_9_while_stashes_are_on_disk_resumes_bitwise(tmp_path):
+    """Killed in step 2 amid the writes of its stashes and state: the scratch file
+    holds nothing the resumed run needs (it starts it again), and the run ends
+    bitwise the in-memory one."""
+    tier, ckpt = tmp_path / "tier", tmp_path / "run.ckpt"
+    proc = child_process(tier, ckpt, 4, ("write", 2), SEQ, STASHES_AND_STATE)
+    try:
+        assert proc.stdout.readline().strip() == "stalled"
+    finally:
+        proc.kill()  # SIGKILL
+        proc.wait()
+    assert (tier / "stashes.scratch").exists()  # left by the killed run
+    assert child_process(tier, ckpt, 4, None, SEQ, STASHES_AND_STATE).wait(timeout=120) == 0
+    e = Engine.load(
+        ckpt,
+        make_model(),
+        adamw,
+        nn.functional.mse_loss,
+        device=device(1),
+        hardware=hardware(1),
+        host_memory=STASHES_AND_STATE,
+        disk=FAST_DISK,
+    )
+    try:
+        assert e.step_count == 4
+        train(e, 5, SEQ)
+        assert e.disk.placement.stashes_on_disk
+        assert same(weights(e), reference("harmony-pp", 1, 5, SEQ))
     finally:
         e.close()

@@ -29,7 +29,7 @@ from ..costs.hardware import Hardware, disk_rates, format_bytes
 from ..costs.placement import STAGED_PACKS, HostMemoryError, Placement
 from ..costs.spec import ModelSpec, state_slots
 from ..errors import HarmonyError
-from ..graph import TaskGraph, is_load_read
+from ..graph import DISK_OUT, Activation, TaskGraph, is_load_read
 from ..plan import Plan
 from ..policies import build_graph, disk_placement
 from .disk_state import StateOnDisk, Unit
@@ -38,6 +38,7 @@ from .tiers import DiskTier, HostBudget, machine_host_bytes, measure_disk_bandwi
 from .tiers.budget import return_freed_memory
 from .tiers.directory import check_directory
 from .tiers.files import ALIGN, CHUNK, DIRECTIONS, PAGE
+from .tiers.stashes import scratch_bytes
 from .updates import optimizer_params
 
 if TYPE_CHECKING:
@@ -271,8 +272,14 @@ def attach(
         for name, nbytes in charges.items():
             budget.charge(name, nbytes)
             held.append(name)
+        pieces = sum(
+            1 for t in graph.tasks if t.kind == DISK_OUT and isinstance(t.data, Activation)
+        )
+        room = dict(state_bytes=placement.disk_bytes)
+        if placement.stashes_on_disk:
+            room["scratch_bytes"] = scratch_bytes(placement.stash_disk_bytes, pieces)
         if resume is None:
-            tier = DiskTier.create(settings.directory, state_bytes=placement.disk_bytes, **options)
+            tier = DiskTier.create(settings.directory, **room, **options)
         else:
             tier = DiskTier.open(settings.directory, expect_step=resume["step"], **options)
         loads = [t.data.packs for t in graph.tasks if is_load_read(t)]

@@ -138,11 +138,7 @@ class StateOnDisk:
         load_size = max((self._load_bytes(packs) for packs in loads), default=0)
         self.load_slots = Slots(budget, "disk tier staging for weight loads", load_size)
         #: the step's stashes, where the placement puts them on disk too
-        self.stashes = (
-            StashFile(tier.io, tier.directory, placement.stash_disk_bytes)
-            if placement.stashes_on_disk
-            else None
-        )
+        self.stashes = StashFile(tier.io, tier.directory) if placement.stashes_on_disk else None
 
     # ---- sizes ----------------------------------------------------------------------
     def payload(self, unit: Unit, kinds: tuple[str, ...] | None = None) -> int:

@@ -89,13 +89,21 @@ def check_room(directory: Path, need: int, what: str) -> None:
         )
 
 
-def check_state_room(directory: Path, state_bytes: int, slots: int, slot_file: re.Pattern) -> None:
-    """Room for ``slots`` copies of ``state_bytes``, less what the tier's files there
-    (named as ``slot_file`` matches) already take."""
-    if state_bytes < 0:
-        raise DiskTierError(f"disk tier: state_bytes must be >= 0, got {state_bytes}")
+def check_state_room(
+    directory: Path, state_bytes: int, slots: int, slot_file: re.Pattern, scratch: int = 0
+) -> None:
+    """Room for ``slots`` copies of ``state_bytes`` and ``scratch`` bytes of a step's
+    stashes, less what the tier's files there (named as ``slot_file`` matches)
+    already take."""
+    if state_bytes < 0 or scratch < 0:
+        raise DiskTierError(
+            f"disk tier: state_bytes and scratch must be >= 0, got {state_bytes}, {scratch}"
+        )
     have = sum(p.stat().st_size for p in directory.iterdir() if slot_file.match(p.name))
     what = f"the state ({format_bytes(state_bytes)} x {slots} slots, double buffered" + (
         f", less the {format_bytes(have)} its files there take)" if have else ")"
     )
-    check_room(directory, slots * state_bytes - have, what)
+    stashes = f"a step's stashes ({format_bytes(scratch)})"
+    if scratch:
+        what = f"{what} and {stashes}" if state_bytes or have else stashes
+    check_room(directory, slots * state_bytes + scratch - have, what)

@@ -137,10 +137,13 @@ class DiskTier:
 
     # ---- making one ---------------------------------------------------------------
     @classmethod
-    def create(cls, directory: str | Path, *, state_bytes: int = 0, **options) -> "DiskTier":
+    def create(
+        cls, directory: str | Path, *, state_bytes: int = 0, scratch_bytes: int = 0, **options
+    ) -> "DiskTier":
         """A tier for a new run in ``directory`` (made if its parent exists),
         checked to be writable and to have room for ``state_bytes`` of state
-        (twice: each (pack, kind) keeps two slots). It holds nothing until the
+        (twice: each (pack, kind) keeps two slots) and ``scratch_bytes`` of a
+        step's stashes (:class:`~.stashes.StashFile`). It holds nothing until the
         first commit."""
         directory = usable_directory(directory, create=True)
         if (directory / MANIFEST).exists():
@@ -149,7 +152,7 @@ class DiskTier:
                 "DiskTier.open resumes it; give an empty directory to start a "
                 "new one"
             )
-        check_state_room(directory, state_bytes, SLOTS, _SLOT_FILE)
+        check_state_room(directory, state_bytes, SLOTS, _SLOT_FILE, scratch_bytes)
         return cls(directory, {"step": None, "entries": {}}, **options)
 
     @classmethod
@@ -159,17 +162,18 @@ class DiskTier:
         *,
         expect_step: int | None = None,
         state_bytes: int = 0,
+        scratch_bytes: int = 0,
         **options,
     ) -> "DiskTier":
         """The state committed in ``directory``, as of ``expect_step`` (default:
         the last committed step; give the step of the engine checkpoint being
         resumed, so both agree). The chosen slots are checked against their
-        checksums; ``state_bytes`` as in :meth:`create`."""
+        checksums; ``state_bytes`` and ``scratch_bytes`` as in :meth:`create`."""
         directory = usable_directory(directory, create=False)
         manifest = _read_manifest(directory)
         for stale in directory.glob(f".{MANIFEST}.tmp-*"):  # left by a commit that was killed
             stale.unlink(missing_ok=True)
-        check_state_room(directory, state_bytes, SLOTS, _SLOT_FILE)
+        check_state_room(directory, state_bytes, SLOTS, _SLOT_FILE, scratch_bytes)
         tier = cls(directory, manifest, **options)
         try:
             tier._go_to(manifest["step"] if expect_step is None else expect_step)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from .directory import check_room
 from .files import PAGE, ChunkIO, byte_view, round_up
 
 #: the scratch file's name in the tier's directory
@@ -44,15 +43,20 @@ class Piece:
         return n
 
 
-class StashFile:
-    """The scratch file of ``directory`` (room for ``nbytes`` of stashes checked
-    first), moved through ``io``. Pieces are written where the file ends; the
-    file starts again from its beginning at each step (:meth:`new_step`)."""
+def scratch_bytes(stash_bytes: int, pieces: int) -> int:
+    """Room the scratch file takes for ``stash_bytes`` of a step's stashes in
+    ``pieces`` pieces (each tensor padded to a page; one tensor a piece)."""
+    return stash_bytes + pieces * PAGE
 
-    def __init__(self, io: ChunkIO, directory: Path, nbytes: int):
+
+class StashFile:
+    """The scratch file of ``directory`` (the tier checks the room it needs:
+    :func:`scratch_bytes`), moved through ``io``. Pieces are written where the
+    file ends; the file starts again from its beginning at each step
+    (:meth:`new_step`)."""
+
+    def __init__(self, io: ChunkIO, directory: Path):
         self.path = directory / STASH_FILE
-        have = self.path.stat().st_size if self.path.exists() else 0
-        check_room(directory, nbytes - have, "stashes and offloaded activations of one step")
         self.io = io
         self.fd = io.open(self.path, write=True)
         os.ftruncate(self.fd, 0)
