@@ -10,6 +10,8 @@ times. Printed: the placement, measured s/step (median over the steps after
 the first, which reads no optimizer state yet) against the simulated
 iteration and the lower bound (disk bytes over bandwidth against compute),
 and per disk kind measured / simulated / closed-form bytes.
+``--stashes``: a budget that sends the stashes to disk too (with ``--minibatch``
+and ``--seq`` large enough for them to matter).
 ``--weights-apart``: every weight load reads the master weights on disk for
 itself (``harmony.policies.without_weights_with_update``), where by default a
 pack's backward load takes them from its update's read (Harmony's pipeline).
@@ -30,7 +32,7 @@ s/step against the simulator (with the measured disk bandwidth) and the
 lower bound. The tier's files are deleted at the end.
 
     python bench/disk_tier_train.py [--steps 4] [--disk 200MB/s,200MB/s] [--weights] [--auto]
-        [--gradients slots|whole|both] [--weights-apart]
+        [--gradients slots|whole|both] [--weights-apart] [--stashes --minibatch 16 --seq 512]
     python bench/disk_tier_train.py --real --dir /var/tmp [--hidden 2560] [--steps 2]
 """
 
@@ -74,7 +76,7 @@ from harmony.policies import (
     without_gradient_slots,
     without_weights_with_update,
 )
-from harmony.policies.disk_tier import windowed_gradients
+from harmony.policies.disk_tier import stashes_in_flight, windowed_gradients
 from harmony.policies.state import host_state
 from harmony.workbench.training import build_model, lm_loss
 
@@ -94,14 +96,17 @@ def one_pack_per_layer(n_layers: int, minibatch: int, microbatch: int) -> Plan:
     return Plan("harmony-pp", 1, minibatch, microbatch, microbatch, packs[:-1], packs)
 
 
-def budget_for(spec, plan: Plan, weights_too: bool) -> int:
+def budget_for(spec, plan: Plan, weights_too: bool, stashes_too: bool = False) -> int:
     """Host memory that sends every pack's optimizer state to disk (and, with
     ``weights_too``, half of the master weights): gradients (in two pack slots),
-    the master weights left and the update journal's copy of them, stashes,
-    three packs of staging and room for the tier's buffers."""
+    the master weights left and the update journal's copy of them, stashes (with
+    ``stashes_too``, only those in flight to and from disk), three packs of
+    staging and room for the tier's buffers."""
     state = [host_state(spec, range(*p)) for p in plan.bwd_packs]
     moved = swap_volume(spec, plan)
     stash = moved.get("STASH_OUT", 0.0) + moved.get("ACT_OUT", 0.0)
+    if stashes_too:
+        stash = stashes_in_flight(spec, plan)
     weights = sum(s.weights for s in state) // (2 if weights_too else 1)
     staging = 3 * max(s.optimizer + (s.weights if weights_too else 0) for s in state)
     need = windowed_gradients(spec, plan) + 2 * weights + stash + staging
@@ -127,9 +132,14 @@ def report(engine: Engine, times: list[float], lower: float) -> None:
     placement = engine.disk.placement
     kinds = sorted({k for _, k in placement.on_disk})
     held = engine.gradient_slots
+    stashes = (
+        f"; the stashes too, {format_bytes(placement.stash_disk_bytes)} per step"
+        if placement.stashes_on_disk
+        else ""
+    )
     print(
         f"placement: {', '.join(kinds)} of {len({q for q, _ in placement.on_disk})} packs on "
-        f"disk, {format_bytes(placement.disk_bytes)} (x2 slots on disk); host state "
+        f"disk, {format_bytes(placement.disk_bytes)} (x2 slots on disk){stashes}; host state "
         f"{format_bytes(placement.host_state_bytes)}, staging "
         f"{format_bytes(placement.staging_bytes)}; gradients "
         + (f"in {placement.gradient_slots} pack slots" if held else "of the whole model")
@@ -177,7 +187,7 @@ def lower_bound(engine: Engine) -> float:
 
 def emulated(args) -> None:
     torch.set_num_threads(1)
-    cfg, x, y = gpt2(args.hidden, args.blocks, 64, 512, args.minibatch)
+    cfg, x, y = gpt2(args.hidden, args.blocks, args.seq or 64, 512, args.minibatch)
     layers = list(build_model("gpt2-tiny", 0, dropout=0.0, **cfg))
     spec = profile(layers, (x,), y, lm_loss, OPT, name="gpt2-disk-bench")
     params = sum(p.numel() for m in layers for p in m.parameters())
@@ -189,7 +199,7 @@ def emulated(args) -> None:
     if args.host_memory:
         host = parse_bytes(args.host_memory, "--host-memory")
     else:
-        host = budget_for(spec, plan, args.weights) + outside(spec, plan, device)
+        host = budget_for(spec, plan, args.weights, args.stashes) + outside(spec, plan, device)
     print(
         f"GPT-2-style, {args.blocks} blocks of width {args.hidden}: "
         f"{params / 1e6:.1f} M parameters; "
@@ -255,7 +265,7 @@ def real(args) -> None:
     directory = Path(args.dir)
     bw = measure_disk_bandwidth(directory, "1GB")
     print(f"machine: RAM {format_bytes(total)} ({format_bytes(ram)} available); disk {bw}")
-    cfg, x, y = gpt2(args.hidden, args.blocks, args.seq, args.vocab, 1)
+    cfg, x, y = gpt2(args.hidden, args.blocks, args.seq or 128, args.vocab, 1)
     base = peak_resident_bytes()
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         started = time.perf_counter()
@@ -360,7 +370,8 @@ def main() -> None:
         help="host gradients in two pack slots, the whole model's, or both side by side",
     )
     ap.add_argument("--real", action="store_true", help="a model larger than RAM, real disk")
-    ap.add_argument("--seq", type=int, default=128, help="--real: tokens per sample")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sample (64; --real: 128)")
+    ap.add_argument("--stashes", action="store_true", help="the stashes on disk too")
     ap.add_argument("--vocab", type=int, default=50257, help="--real: GPT-2's")
     ap.add_argument("--pace", action="store_true", help="--real: pace to the measured disk")
     ap.add_argument("--profile", action="store_true", help="--real: measure compute times")

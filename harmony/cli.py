@@ -448,11 +448,14 @@ def _train_and_report(args, device, plan, checkpoints, host) -> int:
         where = "all training state in host memory"
         if disk is not None:
             on_disk = disk.placement.on_disk
-            where = (
-                f"disk tier {disk.tier.directory}: "
+            where = f"disk tier {disk.tier.directory}: " + (
                 f"{', '.join(sorted({k for _, k in on_disk}))} of "
                 f"{len({q for q, _ in on_disk})} packs"
+                if on_disk
+                else "no training state"
             )
+            if disk.placement.stashes_on_disk:
+                where += "; the stashes"
         slots = result.engine.gradient_slots
         if slots is not None:
             where += f"; gradients in {len(slots)} pack slots ({format_bytes(slots.nbytes)})"

@@ -157,6 +157,17 @@ def test_simulate_with_a_host_budget_and_a_disk_tier(capsys, tmp_path):
     assert code == 2 and "give the server a disk tier (--disk nvme" in err
     code, out, _ = run(capsys, *argv[:-1], "16GiB", "--disk", "nvme")
     assert code == 0 and "disk tier: read" in out and "gradients held in 2 pack slots" in out
+    assert "stashes and offloaded activations on disk" not in out
+    # with all its state on disk, 8 GiB is too little for its 2.31 GB of stashes: they go too
+    code, out, _ = run(capsys, *argv, "--disk", "nvme")
+    assert (
+        code == 0
+        and (
+            "stashes and offloaded activations on disk, 2.31 GB per iteration, 2 per GPU each way "
+            "in host memory, 210 MB"
+        )
+        in out
+    )
     # the whole model's gradients would not fit beside its state: in slots, it all does
     code, out, _ = run(capsys, *argv[:-1], "24GiB", "--disk", "nvme")
     assert code == 0 and "gradients held in 2 pack slots" in out and "disk tier" not in out

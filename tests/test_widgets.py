@@ -482,3 +482,19 @@ def test_notebook_runs_in_batch(tmp_path):
     for name in ("explorer", "run_for_real"):
         for suffix in ("svg", "png"):
             assert (out / f"{name}.{suffix}").stat().st_size > 1000
+
+
+def test_a_host_too_small_for_the_stashes_puts_them_on_disk_too():
+    """GPT-2 XL at 30% of its training state over NVMe: with all its optimizer state
+    on disk, the stashes go too, and the headline says so with their bytes."""
+    ex = PackExplorer(model="gpt2-xl", host_memory="30%", disk="nvme")
+    r = ex.compute()
+    assert r.problem is None and r.trace.summary.fits
+    spec = harmony.model_spec("gpt2-xl")
+    hw = harmony.preset("paper-4x1080ti")
+    hw = hw.with_host_memory(int(0.30 * training_state(spec))).with_disk("nvme")
+    placement = disk_placement(spec, hw, r.plan)
+    assert placement.stashes_on_disk
+    said = f"and the stashes ({format_bytes(placement.stash_disk_bytes)})"
+    assert said in r.tiers and said in r.headline
+    assert r.trace.summary.disk_write_bytes == placement.write_bytes_per_step

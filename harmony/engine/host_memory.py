@@ -35,8 +35,7 @@ from ..graph import (
     W_IN,
     TaskGraph,
 )
-from ..policies import spec_for
-from ..policies.disk_tier import stashes_in_flight
+from ..policies import spec_for, stashes_in_flight
 from ..simulate import simulate_graph
 from .updates import optimizer_params
 

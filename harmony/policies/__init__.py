@@ -30,7 +30,7 @@ from . import (
     zero_offload,
 )
 from .common import replica_shares
-from .disk_tier import place
+from .disk_tier import place, stashes_in_flight  # noqa: F401  (the engine reads it here)
 from .swapping import OPTIONS as STATE_OPTIONS
 
 POLICIES: dict[str, ModuleType] = {

@@ -24,9 +24,15 @@ state; :func:`~.state.host_state`) the run keeps in host memory a *reserve*:
   on its GPUs (``model-parallel``) keeps none on the host.
 
 What does not fit goes to disk by :func:`harmony.costs.placement.place_state`'s
-rule: optimizer state, then master weights, last pack first. A server
-without a disk tier (``Hardware.disk_read`` None) must fit it all:
-:class:`~harmony.costs.placement.HostMemoryError` otherwise, saying what to set.
+rule: optimizer state, then master weights, last pack first. Where even all of
+that on disk leaves too little for the stashes and offloaded activations,
+they go to disk too (``Placement.stashes_on_disk``), and the reserve holds
+only :func:`stashes_in_flight` of them: :data:`~harmony.costs.placement.STASH_SLOTS`
+pieces per GPU on their way to disk and as many on their way back, each at
+most :func:`stash_piece_bytes`; the state then comes back to host memory as
+far as it fits. A server without a disk tier (``Hardware.disk_read`` None)
+must fit it all: :class:`~harmony.costs.placement.HostMemoryError` otherwise,
+saying what to set.
 
 **Tasks** (only where something is on disk, so a plan that fits host memory
 gets the graph it always had), on lanes and links ``host.disk_read`` and
@@ -53,6 +59,17 @@ gets the graph it always had), on lanes and links ``host.disk_read`` and
   moved ahead of their loads, each waiting for the write three updates back,
   hold the pipeline up (GPT-2 XL, harmony-pp on 4 GPUs over a 1 GB/s disk:
   26% slower for 20% fewer bytes read).
+
+* with the stashes on disk: a DISK_OUT after each STASH_OUT and ACT_OUT
+  writes the piece it brought (payload :class:`~harmony.graph.Activation`),
+  and the j-th such transfer (in priority order) waits for the write of the
+  (j - STASH_SLOTS x GPUs)-th; a DISK_IN before each STASH_IN and ACT_IN of a
+  value written there reads the samples it needs once the writes of the
+  pieces it covers are done and the transfer back that many before it has
+  copied its own (layer 0's stash is the minibatch, in host memory: no read).
+  Each stash is written once and read once a step, so the closed form adds
+  the plan's STASH_OUT + ACT_OUT bytes to the writes and STASH_OUT + ACT_IN
+  bytes to the reads.
 
 Where the disk's reads and writes share its time (``Hardware.disk_shared``:
 a read and a write at once take the sum of their times alone), every disk

@@ -14,6 +14,9 @@ weights; gradients stay in host memory, in pack-sized slots where it is short).
 * :func:`place_state` (``placement.py``): what lives where, and the disk
   bytes of a step; the arithmetic is :mod:`harmony.costs.placement`'s, which
   the task-graph builder uses too.
+* :class:`~.stashes.StashFile` (``stashes.py``): a step's stashes, where they
+  go to disk too: one scratch file, written piece by piece and read back by
+  sample range, never committed (a step's stashes die with it).
 * :func:`export_state` / :func:`adopt_state` / :func:`drop_state`
   (``optimizer_state.py``): a torch optimizer's state in and out of a tier.
 
@@ -55,6 +58,13 @@ pack that many before it). The graph then has, on device ``host``:
   ``1/disk_write`` (``Task.costs``): a read and a write at once split the
   disk's time, as they do on such a disk (the tier then paces its reads and
   writes as one queue of disk time).
+
+* where the stashes are on disk too (``Placement.stashes_on_disk``): a
+  ``DISK_OUT`` after each ``STASH_OUT`` / ``ACT_OUT`` and a ``DISK_IN`` before
+  each ``STASH_IN`` / ``ACT_IN`` of a value written, payload
+  :class:`~harmony.graph.Activation` (the transfer's own), ``task.nbytes`` its
+  bytes; windows of :data:`~harmony.costs.placement.STASH_SLOTS` per GPU each
+  way bound the pieces in host memory (see :mod:`harmony.policies.disk_tier`).
 
 Neither allocates or frees graph buffers (host memory is not a ledger of the
 graph; the placement's ``host_bytes`` is what the host holds).
