@@ -23,8 +23,13 @@ of a commodity machine (``--host-memory``, 24 GiB) over a PCIe 4.0 NVMe drive
    (``harmony.policies.without_weights_with_update``): disk bytes per
    iteration (simulated and closed form) and seconds per iteration.
 
+5. The plan of 1 on a host too short for its stashes even with all its state on
+   disk (``--stashes-host-memory``): the stashes go to disk too; what is on
+   disk, disk bytes (simulated and closed form) and seconds per iteration
+   against the same plan on the short server and with memory to spare.
+
     python bench/disk_tier_sim.py [--minibatch 64] [--host-memory 24GiB] [--disk nvme]
-        [--weights-host-memory 12GiB]
+        [--weights-host-memory 12GiB] [--stashes-host-memory 8GiB]
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ def main() -> None:
     ap.add_argument(
         "--weights-host-memory", default="12GiB", help="section 4's host memory (weights on disk)"
     )
+    ap.add_argument(
+        "--stashes-host-memory", default="8GiB", help="section 5's host memory (stashes on disk)"
+    )
     args = ap.parse_args()
 
     spec = model_spec(args.model, "zoo")
@@ -79,7 +87,7 @@ def main() -> None:
 
     started = time.perf_counter()
     best = harmony.search(spec, roomy, args.minibatch, workers=args.workers)
-    plan = best.iloc[0]["plan"]
+    plan = first = best.iloc[0]["plan"]
     print(
         f"\n1. best plan with memory to spare ({time.perf_counter() - started:.0f} s of search):"
     )
@@ -106,6 +114,10 @@ def main() -> None:
     shorter = one.with_host_memory(args.weights_host_memory).with_disk(args.disk)
     print(f"\n4. {plan.describe()} on {format_bytes(shorter.host_memory)} over the disk:")
     shared_read(spec, shorter, plan)
+
+    shortest = roomy.with_host_memory(args.stashes_host_memory).with_disk(args.disk)
+    print(f"\n5. the plan of 1 on {format_bytes(shortest.host_memory)} over the disk:")
+    stashes_too(spec, roomy, short, shortest, first)
 
 
 def searched(chosen, best, started: float) -> None:
@@ -201,6 +213,39 @@ def shared_read(spec, short, plan) -> None:
         f"   disk read shared / apart: {shared.disk_read_bytes / apart.disk_read_bytes:.4f}; "
         f"s/iter shared / apart: {shared.iteration_s / apart.iteration_s:.4f}"
     )
+
+
+def stashes_too(spec, roomy, short, shortest, plan) -> None:
+    """``plan`` on ``shortest``, where its stashes go to disk too, against the
+    short server and the roomy one."""
+    try:
+        placement = disk_placement(spec, shortest, plan)
+    except HostMemoryError as e:
+        print(f"   does not fit: {e}")
+        return
+    summary, closed = simulate(spec, shortest, plan), swap_volume(spec, plan, shortest)
+    kinds = sorted({k for _, k in placement.on_disk})
+    print(
+        f"   on disk: {', '.join(kinds) or 'no state'} of "
+        f"{len({q for q, _ in placement.on_disk})} packs"
+        + (
+            f" and the stashes, {format_bytes(placement.stash_disk_bytes)} per iteration"
+            if placement.stashes_on_disk
+            else " (the stashes stay in host memory)"
+        )
+    )
+    print(
+        f"   disk read {summary.disk_read_bytes / 1e9:.2f} GB/iter (closed form "
+        f"{closed.get(DISK_IN, 0.0) / 1e9:.2f}), written {summary.disk_write_bytes / 1e9:.2f} "
+        f"(closed form {closed.get(DISK_OUT, 0.0) / 1e9:.2f}); {summary.iteration_s:.3f} s/iter "
+        f"({summary.lower_bound_by})"
+    )
+    for name, hw in (("short server", short), ("memory to spare", roomy)):
+        try:
+            other = simulate(spec, hw, plan).iteration_s
+        except HostMemoryError:
+            continue
+        print(f"   s/iter here / on the {name}: {summary.iteration_s / other:.4f}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ bitwise, and a bad directory is refused before anything changes."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -309,6 +310,15 @@ def test_a_failed_step_leaves_the_state_of_the_last_good_step(tmp_path, host):
         e.close()
 
 
+def leave_free(setattr, free: int) -> None:
+    """Make the tier's room checks see a filesystem with ``free`` bytes free."""
+    real = shutil.disk_usage
+    setattr(
+        "harmony.engine.tiers.directory.shutil.disk_usage",
+        lambda p: real(p)._replace(free=free),
+    )
+
+
 def test_bad_disk_directories_are_refused_before_anything_changes(tmp_path, monkeypatch):
     plan = plan_for("harmony-pp", 1)
     with pytest.raises(DiskTierError, match="does not exist, nor does its parent"):
@@ -319,12 +329,8 @@ def test_bad_disk_directories_are_refused_before_anything_changes(tmp_path, monk
     # too small: found at the first step, once the state's size is known
     e = engine(plan, OPTIMIZER_ON_DISK, tmp_path / "tier")
     start = weights(e)
-    real = __import__("shutil").disk_usage
     with monkeypatch.context() as full:
-        full.setattr(
-            "harmony.engine.tiers.directory.shutil.disk_usage",
-            lambda p: real(p)._replace(free=100_000),
-        )
+        leave_free(full.setattr, 100_000)
         with pytest.raises(DiskTierError, match=r"x 2 slots.* but the filesystem has 100 KB"):
             e.step(*batch(0))
     assert e.step_count == 0 and e.disk is None and same(weights(e), start)
@@ -347,18 +353,23 @@ STASHES_AND_STATE = "3MB"  # state goes too
 
 
 @pytest.mark.parametrize(
-    "policy, gpus, host",
+    "policy, gpus, host, options",
     [
-        ("harmony-pp", 1, STASHES),
-        ("harmony-pp", 1, STASHES_AND_STATE),
-        ("harmony-pp", 2, STASHES),
-        ("harmony-no-grouping", 1, STASHES_AND_STATE),
-        ("hydra", 1, STASHES_AND_STATE),
+        ("harmony-pp", 1, STASHES, {}),
+        ("harmony-pp", 1, STASHES_AND_STATE, {}),
+        ("harmony-pp", 2, STASHES, {}),
+        ("harmony-no-grouping", 1, STASHES_AND_STATE, {}),
+        ("hydra", 1, STASHES_AND_STATE, {}),
+        ("harmony-pp", 1, STASHES, {"offload_activations": True}),
+        ("harmony-pp", 1, STASHES_AND_STATE, {"precision": "bf16"}),
     ],
 )
-def test_stashes_on_disk_train_bitwise_like_in_memory(tmp_path, policy, gpus, host):
-    plan = plan_for(policy, gpus)
-    e = engine(plan, host, tmp_path / "tier")
+def test_stashes_on_disk_train_bitwise_like_in_memory(tmp_path, policy, gpus, host, options):
+    """Offloaded activations (ACT_OUT / ACT_IN) go with the stashes; under mixed
+    precision the pieces are bfloat16, as they cross the links."""
+    plan = plan_for(policy, gpus).with_options(**options)
+    kw = {"precision": options["precision"]} if "precision" in options else {}
+    e = engine(plan, host, tmp_path / "tier", **kw)
     try:
         train(e, 1, SEQ)
         placement = e.disk.placement
@@ -367,8 +378,14 @@ def test_stashes_on_disk_train_bitwise_like_in_memory(tmp_path, policy, gpus, ho
         scratch = e.disk.stashes.path
         assert scratch.parent == tmp_path / "tier" and scratch.exists()
         train(e, 3, SEQ)
-        assert same(weights(e), reference(policy, gpus, 3, SEQ))
+        expected = (
+            weights(train(engine(plan, **kw), 3, SEQ))
+            if options
+            else reference(policy, gpus, 3, SEQ)
+        )
+        assert same(weights(e), expected)
         measured = e.trace.summary.bytes_by_kind
+        assert measured.get("ACT_OUT") or "offload_activations" not in options
         simulated = e.simulate().summary.bytes_by_kind
         closed = swap_volume(e.spec, plan, e.hardware())
         for kind in (DISK_IN, DISK_OUT):
@@ -409,12 +426,8 @@ def test_the_cpu_backend_reads_stashes_back_where_it_computes(tmp_path):
 def test_too_little_disk_for_the_stashes_is_refused_before_the_first_step(tmp_path, monkeypatch):
     e = engine(plan_for("harmony-pp", 1), STASHES, tmp_path / "tier")
     start = weights(e)
-    real = __import__("shutil").disk_usage
     with monkeypatch.context() as full:
-        full.setattr(
-            "harmony.engine.tiers.directory.shutil.disk_usage",
-            lambda p: real(p)._replace(free=5_000_000),
-        )
+        leave_free(full.setattr, 5_000_000)
         with pytest.raises(
             DiskTierError, match=r"tier: a step's stashes \(6.\d+ MB\) needs .* 5 MB free"
         ):
@@ -455,17 +468,7 @@ def child(
     state_alone(setattr)  # as budgets_for_the_state_alone does in the tests
 
     if Path(ckpt).exists():
-        opt = lambda ps: FlatAdamW(ps, lr=1e-2)  # noqa: E731
-        e = Engine.load(
-            ckpt,
-            make_model(),
-            opt,
-            nn.functional.mse_loss,
-            device=device(1),
-            hardware=hardware(1),
-            host_memory=host,
-            disk=FAST_DISK,
-        )
+        e = resume(ckpt, host)
     else:
         e = engine(plan_for("harmony-pp", 1), host, Path(tier))
 
@@ -512,15 +515,7 @@ def test_kill_9_anywhere_in_a_step_resumes_bitwise(tmp_path):
             proc.kill()  # SIGKILL
             proc.wait()
     assert run(None).wait(timeout=120) == 0
-    e = Engine.load(
-        ckpt,
-        make_model(),
-        lambda ps: FlatAdamW(ps, lr=1e-2),
-        nn.functional.mse_loss,
-        device=device(1),
-        hardware=hardware(1),
-        host_memory=WEIGHTS_ON_DISK[1],
-    )
+    e = resume(ckpt, WEIGHTS_ON_DISK[1])
     try:
         assert e.step_count == 5
         with pytest.raises(HarmonyError, match="step first, or save"):
@@ -528,6 +523,20 @@ def test_kill_9_anywhere_in_a_step_resumes_bitwise(tmp_path):
         assert same(weights(train(e, 6)), reference("harmony-pp", 1, 6))
     finally:
         e.close()
+
+
+def resume(ckpt: Path, host: str) -> Engine:
+    """The run checkpointed in ``ckpt`` (by :func:`child`), with a ``host`` budget."""
+    return Engine.load(
+        ckpt,
+        make_model(),
+        adamw,
+        nn.functional.mse_loss,
+        device=device(1),
+        hardware=hardware(1),
+        host_memory=host,
+        disk=FAST_DISK,
+    )
 
 
 def child_process(tier, ckpt, steps, stall, seq=None, host=WEIGHTS_ON_DISK[1]):
@@ -557,16 +566,7 @@ def test_kill_9_while_stashes_are_on_disk_resumes_bitwise(tmp_path):
         proc.wait()
     assert (tier / "stashes.scratch").exists()  # left by the killed run
     assert child_process(tier, ckpt, 4, None, SEQ, STASHES_AND_STATE).wait(timeout=120) == 0
-    e = Engine.load(
-        ckpt,
-        make_model(),
-        adamw,
-        nn.functional.mse_loss,
-        device=device(1),
-        hardware=hardware(1),
-        host_memory=STASHES_AND_STATE,
-        disk=FAST_DISK,
-    )
+    e = resume(ckpt, STASHES_AND_STATE)
     try:
         assert e.step_count == 4
         train(e, 5, SEQ)

@@ -87,3 +87,17 @@ def test_a_budget_under_what_the_process_holds_is_refused_in_words(capsys, monke
     assert main([*argv, "--plan", "auto", "--host-memory", "1GB"]) == 2
     err = capsys.readouterr().err
     assert "budget of 1 GB is not more than this process holds besides the model (2 GB" in err
+
+
+def test_a_run_whose_stashes_go_to_disk_too_ends_as_the_run_in_memory(tmp_path, plan_file, capsys):
+    """Samples of 256 tokens: the stashes outweigh the state, and a budget of 3.5x the
+    weights sends them to disk beside every block's optimizer state."""
+    seq = ["--set", "seq_len=256", "--set", "max_position=256", "--memory", "64MB"]
+    run(plan_file, 2, *seq, "--save", str(tmp_path / "memory.pt"))
+    tier = ["--host-memory", str(int(3.5 * weights_bytes())), "--disk", "2GB/s,2GB/s"]
+    tier += ["--disk-dir", str(tmp_path / "tier"), "--save", str(tmp_path / "tier.pt")]
+    run(plan_file, 2, *seq, *tier)
+    out = capsys.readouterr().out
+    assert "optimizer of 11 packs; the stashes; gradients in 2 pack slots" in out
+    a, b = torch.load(tmp_path / "memory.pt"), torch.load(tmp_path / "tier.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

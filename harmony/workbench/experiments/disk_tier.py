@@ -66,6 +66,9 @@ def _row(disk: str, summary, roomy, hw: Hardware, spec, plan: Plan) -> dict:
         "iteration_s": summary.iteration_s,
         "slowdown": summary.iteration_s / roomy.iteration_s,
         "on_disk_gb": placement.disk_bytes / 1e9 if placement else 0.0,
+        # stashes written and read back per iteration, where even the state on disk left
+        # too little host memory for them
+        "stashes_on_disk_gb": placement.stash_disk_bytes / 1e9 if placement else 0.0,
         "disk_read_gb": summary.disk_read_bytes / 1e9,
         "disk_write_gb": summary.disk_write_bytes / 1e9,
         "closed_form_gb": closed_bytes / 1e9,
