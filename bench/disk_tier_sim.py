@@ -29,7 +29,7 @@ of a commodity machine (``--host-memory``, 24 GiB) over a PCIe 4.0 NVMe drive
    against the same plan on the short server and with memory to spare.
 
     python bench/disk_tier_sim.py [--minibatch 64] [--host-memory 24GiB] [--disk nvme]
-        [--weights-host-memory 12GiB] [--stashes-host-memory 8GiB]
+        [--weights-host-memory 12GiB] [--stashes-host-memory 11GiB]
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main() -> None:
         "--weights-host-memory", default="12GiB", help="section 4's host memory (weights on disk)"
     )
     ap.add_argument(
-        "--stashes-host-memory", default="8GiB", help="section 5's host memory (stashes on disk)"
+        "--stashes-host-memory", default="11GiB", help="section 5's host memory (stashes on disk)"
     )
     args = ap.parse_args()
 

@@ -290,11 +290,10 @@ def test_an_emulated_gpu_counts_its_buffer_pools_as_host_memory():
     engine.step(*batches(1)[0])
     moved = engine.trace.summary.bytes_by_kind
     need = host_memory.host_bytes_needed(engine, engine._graph_cache)["emulated GPU buffers"]
-    assert (
-        need
-        == sum(moved.get(k, 0.0) for k in ("W_IN", "DATA_IN", "STASH_IN", "ACT_IN", "P2P"))
-        > 0
-    )
+    # stashes and activations brought back are copied into memory of their own, freed
+    # with the graph's buffer (the device's peak counts them), not into the pools
+    assert moved["STASH_IN"] > 0
+    assert need == sum(moved.get(k, 0.0) for k in ("W_IN", "DATA_IN", "P2P")) > 0
     # what the pools then held (plus host stashes)
     assert engine.trace.summary.new_buffer_bytes >= need
     with pytest.raises(HarmonyError, match="emulated GPU buffers"):
