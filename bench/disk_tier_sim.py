@@ -117,7 +117,12 @@ def main() -> None:
 
     shortest = roomy.with_host_memory(args.stashes_host_memory).with_disk(args.disk)
     print(f"\n5. the plan of 1 on {format_bytes(shortest.host_memory)} over the disk:")
-    stashes_too(spec, roomy, short, shortest, first)
+    others = {
+        f"{format_bytes(short.host_memory)} server": short,
+        f"{format_bytes(shorter.host_memory)} server": shorter.with_gpus(roomy.n_gpus),
+        "server with memory to spare": roomy,
+    }
+    stashes_too(spec, shortest, first, others)
 
 
 def searched(chosen, best, started: float) -> None:
@@ -215,9 +220,9 @@ def shared_read(spec, short, plan) -> None:
     )
 
 
-def stashes_too(spec, roomy, short, shortest, plan) -> None:
-    """``plan`` on ``shortest``, where its stashes go to disk too, against the
-    short server and the roomy one."""
+def stashes_too(spec, shortest, plan, others: dict) -> None:
+    """``plan`` on ``shortest``, where its stashes go to disk too, against it on
+    the ``others`` servers (by name)."""
     try:
         placement = disk_placement(spec, shortest, plan)
     except HostMemoryError as e:
@@ -240,12 +245,17 @@ def stashes_too(spec, roomy, short, shortest, plan) -> None:
         f"(closed form {closed.get(DISK_OUT, 0.0) / 1e9:.2f}); {summary.iteration_s:.3f} s/iter "
         f"({summary.lower_bound_by})"
     )
-    for name, hw in (("short server", short), ("memory to spare", roomy)):
+    for name, hw in others.items():
         try:
-            other = simulate(spec, hw, plan).iteration_s
+            placed, other = disk_placement(spec, hw, plan), simulate(spec, hw, plan)
         except HostMemoryError:
             continue
-        print(f"   s/iter here / on the {name}: {summary.iteration_s / other:.4f}")
+        where = "on disk" if placed.stashes_on_disk else "in host memory"
+        print(
+            f"   on the {name} (stashes {where}, {len(placed.on_disk)} (pack, kind) on disk): "
+            f"{other.iteration_s:.3f} s/iter; "
+            f"here / there {summary.iteration_s / other.iteration_s:.4f}"
+        )
 
 
 if __name__ == "__main__":
