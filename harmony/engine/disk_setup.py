@@ -272,12 +272,12 @@ def attach(
         for name, nbytes in charges.items():
             budget.charge(name, nbytes)
             held.append(name)
-        pieces = sum(
-            1 for t in graph.tasks if t.kind == DISK_OUT and isinstance(t.data, Activation)
-        )
         room = dict(state_bytes=placement.disk_bytes)
         if placement.stashes_on_disk:
-            room["scratch_bytes"] = scratch_bytes(placement.stash_disk_bytes, pieces)
+            writes = [
+                t for t in graph.tasks if t.kind == DISK_OUT and isinstance(t.data, Activation)
+            ]
+            room["scratch_bytes"] = scratch_bytes(placement.stash_disk_bytes, len(writes))
         if resume is None:
             tier = DiskTier.create(settings.directory, **room, **options)
         else:

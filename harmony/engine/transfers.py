@@ -125,11 +125,9 @@ class Transfers:
     def host_in(self, task: Task) -> None:
         kind, layer, (a, b) = task.data.what, task.data.layer, task.data.samples
         value = self.stash_read(task)  # read back from the disk tier, or in host memory
-        if value is not None:
-            pass
-        elif kind == "stash" and layer == 0:
+        if value is None and kind == "stash" and layer == 0:
             value = tuple(t[a:b] for t in self.inputs)
-        else:
+        elif value is None:
             with self.lock:
                 pieces = [p for p in self.on_host[(kind, layer)] if p[0][0] < b and a < p[0][1]]
             value = assemble(pieces, a, b)
