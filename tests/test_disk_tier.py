@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -417,32 +418,50 @@ def test_placement_moves_optimizer_state_out_first():
         place_state(packs, 500, reserve=100)
 
 
-def test_paced_mode_takes_bytes_over_bandwidth(tmp_path):
+def _record_pacing(monkeypatch, io) -> list[dict]:
+    """Each paced payload of ``io`` as its pacer planned it (route, start, planned
+    end) and when the caller got control back."""
+    planned, real = [], io.pacer.wait
+
+    def wait(route, nbytes, max_rate, started):
+        end = real(route, nbytes, max_rate, started)
+        planned.append(
+            {"route": route, "started": started, "end": end, "returned": time.perf_counter()}
+        )
+        return end
+
+    monkeypatch.setattr(io.pacer, "wait", wait)
+    return planned
+
+
+def test_paced_mode_takes_bytes_over_bandwidth(tmp_path, monkeypatch):
+    """A paced write and read each queue bytes / bandwidth on their own link, and the
+    caller gets control back no sooner than that (the pacer's plan, not a stopwatch:
+    a busy machine only makes it later)."""
     state = {"x": torch.zeros(8 << 20, dtype=torch.uint8)}  # 8.4 MB
-    with DiskTier.create(tmp_path, read_rate="40MB/s", write_rate="30MB/s", chunk=1 << 20) as tier:
-        started = time.perf_counter()
-        tier.write(0, "optimizer", state)
-        written = time.perf_counter() - started
-        started = time.perf_counter()
-        tier.read(0, "optimizer").release()
-        read = time.perf_counter() - started
     nbytes = state["x"].numel()
-    assert abs(written / (nbytes / 30e6) - 1) < 0.15, written
-    assert abs(read / (nbytes / 40e6) - 1) < 0.15, read
+    with DiskTier.create(tmp_path, read_rate="40MB/s", write_rate="30MB/s", chunk=1 << 20) as tier:
+        paced = _record_pacing(monkeypatch, tier.io)
+        tier.write(0, "optimizer", state)
+        tier.read(0, "optimizer").release()
+    (write,), (read,) = [[p for p in paced if p["route"] == (how,)] for how in ("write", "read")]
+    assert write["end"] - write["started"] == pytest.approx(nbytes / 30e6, rel=1e-6)
+    assert read["end"] - read["started"] == pytest.approx(nbytes / 40e6, rel=1e-6)
+    assert all(p["returned"] >= p["end"] for p in paced)
 
 
-def test_a_paced_shared_disk_takes_the_sum_of_a_read_and_a_write_at_once(tmp_path):
+def test_a_paced_shared_disk_takes_the_sum_of_a_read_and_a_write_at_once(tmp_path, monkeypatch):
     """Paced per direction, a read and a write at once each get their bandwidth;
     paced as a disk whose reads and writes share its time, they take the sum."""
     state = {"x": torch.zeros(4 << 20, dtype=torch.uint8)}  # 4.2 MB: 0.1 s at 42 MB/s
     alone = state["x"].numel() / 42e6
 
-    def both_at_once(shared: bool) -> float:
+    def both_at_once(shared: bool) -> list[dict]:
         with DiskTier.create(
             tmp_path / str(shared), read_rate=42e6, write_rate=42e6, shared=shared, chunk=1 << 20
         ) as tier:
             tier.write(0, "optimizer", state)
-            started = time.perf_counter()
+            paced = _record_pacing(monkeypatch, tier.io)
             with ThreadPoolExecutor(2) as pool:
                 jobs = [
                     pool.submit(lambda: tier.read(0, "optimizer").release()),
@@ -450,41 +469,51 @@ def test_a_paced_shared_disk_takes_the_sum_of_a_read_and_a_write_at_once(tmp_pat
                 ]
                 for job in jobs:
                     job.result()
-            return time.perf_counter() - started
+        assert len(paced) == 2 and all(p["returned"] >= p["end"] for p in paced)
+        return paced
 
-    assert both_at_once(shared=True) >= 2 * alone * 0.97
-    assert both_at_once(shared=False) < 1.6 * alone
+    # one queue of disk time: whichever came second ends a payload's time after the first
+    shared = both_at_once(shared=True)
+    assert {p["route"] for p in shared} == {(files.SHARED_DISK,)}
+    first = min(p["started"] for p in shared)
+    assert max(p["end"] for p in shared) >= first + 2 * alone * (1 - 1e-9)
+    # a queue per direction: each payload ends its own time after it started
+    apart = both_at_once(shared=False)
+    assert {p["route"] for p in apart} == {("read",), ("write",)}
+    for p in apart:
+        assert p["end"] - p["started"] == pytest.approx(alone, rel=1e-6)
     with pytest.raises(DiskTierError, match="give read_rate and write_rate"):
         DiskTier.create(tmp_path / "one", read_rate=42e6, shared=True)
 
 
 def test_reads_do_not_queue_behind_writes(tmp_path, monkeypatch):
-    """Reads and writes have I/O threads of their own: on a disk that can do both
-    at once (here each request takes 50 ms whatever else runs), a read and a
-    write at once take as long as one alone, not their sum."""
+    """Reads and writes have I/O threads of their own: each request here waits (up
+    to a minute) until one of the other direction is in flight, so requests queued
+    behind the other direction's would never start, and the step would fail."""
     real = files._transfer
+    in_flight = {True: threading.Event(), False: threading.Event()}
+    met = []
 
-    def slow(fd, buffer, offset, write):
-        time.sleep(0.05)
+    def transfer(fd, buffer, offset, write):
+        in_flight[write].set()
+        met.append(in_flight[not write].wait(timeout=60))
         real(fd, buffer, offset, write)
 
-    monkeypatch.setattr(files, "_transfer", slow)
     io = files.ChunkIO(threads=2, chunk=1 << 20)
     data = torch.zeros(4 << 20, dtype=torch.uint8)  # 4 chunks: two rounds of two threads
     view = files.byte_view(data)
     try:
         fd = io.open(tmp_path / "f", write=True)
         io.write(fd, 0, [(0, view)], len(view), checksum=False)
-        started = time.perf_counter()
+        monkeypatch.setattr(files, "_transfer", transfer)
         with ThreadPoolExecutor(2) as pool:
             read = pool.submit(io.read, fd, 0, [(0, view)], len(view), False)
             write = pool.submit(io.write, fd, len(view), [(0, view)], len(view), False)
             read.result(), write.result()
-        both = time.perf_counter() - started
         os.close(fd)
     finally:
         io.close()
-    assert both < 0.16, both  # alone: 2 x 50 ms; one after the other: 4 x 50 ms
+    assert len(met) == 8 and all(met)  # every request found the other direction under way
     assert io.buffer_bytes == 2 * 2 * (1 << 20)  # a buffer per thread, per direction
 
 

@@ -1,7 +1,6 @@
 """The model zoo: architectures against the authors' reference profiles, the
 analytic cost model, and real training steps of the tiny models on CPU."""
 
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -168,16 +167,13 @@ def test_gpt2_40b_on_meta_is_free_and_fast():
         return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
 
     before = rss()
-    start = time.perf_counter()
     layers = zoo.build("gpt2-40b")
-    built = time.perf_counter() - start
     assert all(t.is_meta for layer in layers for t in [*layer.parameters(), *layer.buffers()])
-    zoo.cost_model._MEASURED.clear()  # time a cold measurement, not the cache of earlier tests
-    start = time.perf_counter()
+    zoo.cost_model._MEASURED.clear()  # a cold measurement, not the cache of earlier tests
     s = zoo.spec("gpt2-40b")
-    measured = time.perf_counter() - start
     assert s.num_params == 40_691_875_840
-    assert built < 5 and measured < 5
+    # fast because each structure is measured once: the 200 blocks share one measurement
+    assert len(s.layers) == 204 and len(zoo.cost_model._MEASURED) <= 5
     assert rss() - before < 1 << 30  # the real weights alone would be 163 GB
 
 

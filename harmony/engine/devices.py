@@ -145,9 +145,11 @@ class LinkPacer:
         self.free_at = {link: 0.0 for link in links}
         self._lock = threading.Lock()
 
-    def wait(self, route: tuple[str, ...], nbytes: float, max_rate: float, started: float) -> None:
+    def wait(self, route: tuple[str, ...], nbytes: float, max_rate: float, started: float) -> float:
+        """Sleep until a copy of ``nbytes`` that ``started`` (``time.perf_counter()``)
+        on ``route`` is done; returns that time (``started`` when nothing is paced)."""
         if not route or nbytes <= 0:
-            return
+            return started
         with self._lock:
             end = started + nbytes / max_rate
             for link in route:
@@ -157,6 +159,7 @@ class LinkPacer:
         left = end - time.perf_counter()
         if left > 0:
             time.sleep(left)
+        return end
 
 
 class Ledger:
