@@ -1,8 +1,8 @@
 """What a step's compute tasks do: FWD, REC, BWD and FWDBWD with real tensors.
 
 :class:`Compute` is the part of :class:`~harmony.engine.step.StepRun` that runs
-a pack's layers on the weights a W_IN brought (``functional_call`` on the host
-module or its weightless replica), stashes inputs, recomputes with autograd,
+a pack's layers on the weights a W_IN brought (:meth:`~.host_model.HostModel.run`:
+the host module or its weightless replica), stashes inputs, recomputes with autograd,
 runs backward and the loss, and keeps BatchNorm-like buffers exactly as the
 plain loop updates them: once per microbatch.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.func import functional_call
 
 from ..errors import NonFiniteError
 from ..graph import FWD, FWDBWD, Task
@@ -59,18 +58,17 @@ class Compute:
             for i in range(s, e):
                 if stash and i in stash:
                     self.put(stash[i], self.wire(h))
-                module = self.ctx.host.replica(gpu, i)
                 seed = (self.ctx.seed, self.ctx.step, task.samples[0], i, backend.torch_device)
                 if not self.parallel_compute:
                     seed_layer(*seed)
-                    h = as_args(functional_call(module, weights[i], h))
+                    h = as_args(self.ctx.host.run(gpu, i, weights[i], h))
                 elif i in self.ctx.host.random_layers:
                     # several GPUs share the CPU generator: seed and draw without interleaving
                     with self.ctx.rng_lock:
                         seed_layer(*seed)
-                        h = as_args(functional_call(module, weights[i], h))
+                        h = as_args(self.ctx.host.run(gpu, i, weights[i], h))
                 else:  # draws nothing, so must not reseed under another GPU's dropout
-                    h = as_args(functional_call(module, weights[i], h))
+                    h = as_args(self.ctx.host.run(gpu, i, weights[i], h))
                 if meter is not None and i < e - 1:
                     n = nbytes(h)
                     meter.charge(n)

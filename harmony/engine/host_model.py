@@ -2,9 +2,9 @@
 
 The layers stay the user's modules: they hold the master weights. Their
 parameters and buffers are looked up once here, because while a compute
-thread runs a layer through ``torch.func.functional_call`` the layer's
-attributes point at device tensors, and other threads must never read them
-from the module. With them: the parameters several layers share (tied
+thread runs a layer on device tensors (:meth:`HostModel.run`) the layer's
+attributes point at them, and other threads must never read them from the
+module. With them: the parameters several layers share (tied
 weights), the layers that draw random numbers, a weightless copy of each
 layer for every GPU but the first, the flat host layout of the weights and
 their gradients, and the pool of host buffers a step sends values to
@@ -22,6 +22,7 @@ from torch import nn
 from ..errors import HarmonyError
 from ..plan import Plan, layer_shard
 from .buffers import BufferPool, HostLayout
+from .weight_swap import WeightSlots
 
 
 class HostModel:
@@ -58,6 +59,7 @@ class HostModel:
             )
         }
         self._replicas: dict[tuple[int, int], nn.Module] = {}
+        self._slots: dict[tuple[int, int], WeightSlots] = {}
         self._replica_lock = threading.Lock()
 
     def split_ties(self, start: int, stop: int) -> list[tuple[int, str, nn.Parameter]]:
@@ -74,10 +76,20 @@ class HostModel:
             self._split_ties[(start, stop)] = found
         return found
 
+    def run(self, gpu: int, index: int, weights: dict[str, torch.Tensor], args: tuple):
+        """Layer ``index`` on GPU ``gpu``'s ``weights`` (name -> tensor): its
+        :meth:`replica` with them swapped in for the call."""
+        slots = self._slots.get((gpu, index))
+        if slots is None:
+            module = self.replica(gpu, index)
+            with self._replica_lock:
+                slots = self._slots.setdefault((gpu, index), WeightSlots(module))
+        return slots(weights, args)
+
     def replica(self, gpu: int, index: int) -> nn.Module:
         """Layer ``index`` to run on GPU ``gpu``: the host module on the first GPU, a
-        weightless copy on the others (``functional_call`` swaps the weights of the
-        module it runs, so two GPUs must not run the same module object)."""
+        weightless copy on the others (a run swaps device weights into the module,
+        so two GPUs must not run the same module object)."""
         if gpu == 0:
             return self.layers[index]
         with self._replica_lock:
@@ -147,7 +159,7 @@ def weightless_copy(layer: nn.Module) -> nn.Module:
     """``layer`` with every parameter and buffer replaced by a tensor on the meta
     device, shared where the layer shares it: a parameter that two submodules
     hold (tied weights inside one layer) stays one parameter, so
-    ``functional_call`` ties both names to the one device tensor it is given.
+    a run ties both names to the one device tensor it is given.
     Nothing is copied (``deepcopy`` then ``.to("meta")`` would copy every weight
     and untie shared ones)."""
     memo: dict[int, object] = {}

@@ -32,11 +32,12 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         self.seen: set = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
         self.total = 0
 
-        def pack(t: torch.Tensor):
-            if not (t.is_leaf and t.requires_grad):
-                key = storage_key(t)
+        def pack(t: torch.Tensor):  # called for every tensor autograd saves: kept lean
+            if not (t.requires_grad and t.is_leaf):
+                storage = t.untyped_storage()
+                key = (storage.data_ptr(), t.dtype)
                 if key not in self.seen:
-                    n = t.untyped_storage().nbytes()
+                    n = storage.nbytes()
                     if charge is not None:
                         charge(n)
                     self.seen.add(key)
