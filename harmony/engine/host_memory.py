@@ -100,7 +100,7 @@ def besides_the_model(module: nn.Module) -> int:
 
 #: what an emulated GPU's tensors may hold beyond its peak, as a share of it: a
 #: copy that a view keeps after the graph freed its buffer, the allocator's pages
-EMULATED_SLACK = 0.10
+EMULATED_SLACK = 0.05
 
 
 def device_memory_in_host(backends, graph: TaskGraph) -> int:
