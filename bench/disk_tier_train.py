@@ -66,9 +66,9 @@ from harmony.engine.host_memory import (
     reset_peak_resident,
     resident_bytes,
 )
+from harmony.engine.host_pages import return_freed_memory
 from harmony.engine.profiler import profile
 from harmony.engine.tiers import measure_disk_bandwidth
-from harmony.engine.tiers.budget import return_freed_memory
 from harmony.graph import DISK_IN, DISK_OUT
 from harmony.policies import (
     build_graph,

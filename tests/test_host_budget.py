@@ -15,7 +15,13 @@ from torch import nn
 
 from harmony import EmulatedDevice, Engine, FlatAdamW, Plan
 from harmony.costs.placement import HostMemoryError
-from harmony.engine.host_memory import besides_the_model, resident_bytes
+from harmony.engine.host_memory import (
+    EMULATED_SLACK,
+    besides_the_model,
+    device_memory_in_host,
+    host_bytes_needed,
+    resident_bytes,
+)
 
 D, LAYERS, B = 256, 6, 8
 BESIDES = "the process besides the model (interpreter, torch, data)"
@@ -76,6 +82,31 @@ def test_a_flattened_model_counts_once():
     assert before - size <= besides <= after - size
 
 
+def test_an_emulated_gpu_takes_at_most_its_capacity_and_a_tenth_of_host_memory():
+    """What the host-memory accounting charges for an emulated GPU whose plan copies
+    several times its capacity in a step (each pack's weights in, forward and
+    backward): its peak, not one buffer per copy (it charged 3.6 GB for a 700 MB
+    GPU training GPT-2 medium)."""
+    layers, width = 12, 512
+    torch.manual_seed(0)
+    device = EmulatedDevice("8MB", "4GB/s", "4GB/s")
+    e = Engine(
+        nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]),
+        lambda ps: FlatAdamW(ps, lr=1e-3),
+        nn.functional.mse_loss,
+        device=device,
+        minibatch_size=B,
+        plan=one_pack_per_layer(layers, B),
+    )
+    e.step(torch.randn(B, width), torch.randn(B, width))
+    graph, capacity = e._graph_cache, device.capacity
+    moved = graph.bytes_by_kind()
+    assert moved["W_IN"] > 2 * capacity  # what a pool per copy would have kept
+    charged = device_memory_in_host(e.backends, graph)
+    assert e.trace.summary.peak_memory["gpu0"] <= charged <= 1.1 * capacity
+    assert host_bytes_needed(e, graph)["emulated GPU memory"] == charged
+
+
 def test_what_the_process_holds_comes_out_of_the_budget(tmp_path):
     x, y = torch.randn(B, D), torch.randn(B, D)
     state = 16 * LAYERS * (D * D + D)  # weights, gradients, AdamW's two moments
@@ -87,13 +118,9 @@ def test_what_the_process_holds_comes_out_of_the_budget(tmp_path):
         assert e.disk is None
         outside = e.host_settings.outside
         assert outside[BESIDES] > 50e6  # the interpreter and torch, at least
-        # an emulated GPU: its pools' buffers (one per copy to it, but stashes brought
-        # back, which have memory of their own, in its peak) and its peak
-        graph = e._graph_cache
-        moved = graph.bytes_by_kind()
-        into = sum(moved.get(k, 0.0) for k in ("W_IN", "DATA_IN"))
+        # an emulated GPU: its copies and computations, as much as its peak and a slack
         peak = e.simulate().summary.peak_memory["gpu0"]
-        assert outside[DEVICE] == pytest.approx(into + peak, rel=1e-6)
+        assert outside[DEVICE] == pytest.approx(peak * (1 + EMULATED_SLACK), rel=1e-6)
     finally:
         e.close()
     # a budget the process alone overflows: said before the first step, in words
@@ -155,7 +182,7 @@ def test_peak_resident_memory_stays_under_the_budget(tmp_path):
 
 def test_auto_plan_fits_what_the_budget_leaves(tmp_path, monkeypatch):
     """plan="auto" under 60 MB for a 33.6 MB state (weights, gradients, AdamW) beside
-    an emulated GPU whose buffers take ~22 MB of host memory: the search cuts packs
+    an emulated GPU whose memory takes host memory: the search cuts packs
     its disk tier can stage and searches again with what the devices leave (it
     planned for the whole budget before, and the engine then refused its plan).
     The run equals the same plan with everything in memory. (What the process holds
@@ -189,14 +216,14 @@ def test_auto_plan_fits_what_the_budget_leaves(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(engine_module, "besides_the_model", lambda module: 0)
         m.setattr(planning, "besides_the_model", lambda module: 0)
-        # too little once the GPU's buffers are out: said with what took the budget
-        with pytest.raises(HostMemoryError, match="For the engine: its budget is 30 MB, less dev"):
-            run("30MB", "auto", tmp_path / "small")
+        # too little once the GPU's memory is out: said with what took the budget
+        with pytest.raises(HostMemoryError, match="For the engine: its budget is 15 MB, less dev"):
+            run("15MB", "auto", tmp_path / "small")
         auto = run("60MB", "auto", tmp_path / "tier")
     try:
         assert auto.disk is not None
         assert any(kind == "optimizer" for _, kind in auto.disk.placement.on_disk)
-        assert auto.host_settings.outside[DEVICE] > 15e6
+        assert auto.host_settings.outside[DEVICE] > 5e6
         budget = auto.host_settings.budget
         assert budget.peak <= budget.capacity
         weights = auto.model_state_dict()
@@ -235,7 +262,7 @@ def test_auto_plan_with_tied_weights_on_disk_is_exact(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(engine_module, "besides_the_model", lambda module: 0)
         m.setattr(planning, "besides_the_model", lambda module: 0)
-        auto = run("32MB", "auto", tmp_path / "tier")
+        auto = run("20MB", "auto", tmp_path / "tier")
     try:
         assert {kind for _, kind in auto.disk.placement.on_disk} == {"optimizer", "weights"}
         weights, plan = auto.model_state_dict(), auto.plan

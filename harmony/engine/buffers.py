@@ -9,19 +9,19 @@
   On CUDA the flat buffers are page-locked, so copies from and to them are
   asynchronous.
 * :class:`BufferPool`: tensors kept for reuse by dtype and size. A step takes
-  one buffer per copy it makes (to an emulated GPU, or to the host: stashes,
-  offloaded activations) and gives them all back when it ends, so what a
-  step takes is fixed by the plan: from the second step of a plan on,
-  nothing new is allocated (``allocations`` counts what a pool had to make).
-  On the emulated GPU these buffers are host memory, as much as the step
-  copies to the device (the host-memory check counts it before the first
-  step); the device's memory is its ledger, charged and released as the
-  graph says. Giving buffers back when the graph frees them would hold less,
-  but how many of each size are live at once then depends on how the lanes
-  interleave, and a view of a buffer may still be held by another graph
-  buffer (a stash, an output that is its input). A real GPU needs no
-  pool of ours: PyTorch's caching allocator already reuses device memory, and
-  splits blocks where exact sizes cannot.
+  one buffer per copy it makes to the host (stashes, offloaded activations)
+  and gives them all back when it ends, so what a step takes is fixed by the
+  plan: from the second step of a plan on, nothing new is allocated
+  (``allocations`` counts what a pool had to make). Giving buffers back when
+  the graph frees them would hold less, but how many of each size are live at
+  once would then depend on how the lanes interleave, and a view of a buffer
+  may still be held by another graph buffer (a stash, an output that is its
+  input). A GPU needs no pool of ours: on a real one PyTorch's caching
+  allocator already reuses device memory, and splits blocks where exact sizes
+  cannot; an emulated one's memory is host memory, which a pool would hold at
+  one buffer per copy of a step (several times the device), so each of its
+  copies has memory of its own, freed when its last view goes (see
+  :mod:`harmony.engine.devices`).
 * :func:`copy_runs`: a list of copies merged where both sides are adjacent in
   memory, so a pack's weights go in one copy instead of one per tensor.
 """

@@ -8,10 +8,15 @@ Three backends behind one small interface (:class:`Backend`):
   Compute is real PyTorch on the CPU. Device memory is a **ledger with a hard
   capacity**: every tensor the engine places on the device is charged, and
   going over raises :class:`~harmony.errors.OutOfMemoryError` with what was
-  asked, what was free and which task asked. Each copy is a real copy (into a
-  buffer from the backend's pool) made on the lane's own thread and paced to
-  the link's bandwidth (the thread sleeps for the rest of bytes / bandwidth),
-  so transfers really overlap compute.
+  asked, what was free and which task asked. Each copy is a real copy made on
+  the lane's own thread and paced to the link's bandwidth (the thread sleeps
+  for the rest of bytes / bandwidth), so transfers really overlap compute. Its
+  memory is host memory: each copy goes into a buffer of its own
+  (:func:`~harmony.engine.host_pages.fresh_buffer`), freed, like what the
+  device computes, when the last view of it goes, and freed memory goes back
+  to the operating system; so the device takes about as much host memory as
+  its ledger holds, at most its capacity (buffers kept for reuse would hold
+  one per copy of a step, several times the capacity).
 * ``cuda``: a real GPU; the ledger then only counts (the CUDA allocator
   enforces the capacity) and copies are real host<->device copies, from and
   to page-locked host memory.
@@ -29,6 +34,7 @@ import torch
 from ..costs.hardware import GB, Hardware, format_bytes, parse_bytes, parse_rate
 from ..errors import HarmonyError, OutOfMemoryError
 from .buffers import BufferPool
+from .host_pages import fresh_buffer, return_freed_memory
 
 
 @dataclass(frozen=True)
@@ -236,8 +242,13 @@ class Backend:
         self.name = name
         self.torch_device = torch.device("cpu")
         self.ledger = Ledger(name, None)
-        # device buffers reused from step to step (None: the CUDA caching allocator's)
+        # device buffers reused from step to step (None: each copy makes its own, buffer())
         self.pool: BufferPool | None = BufferPool(self.torch_device)
+
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new 1-D tensor of ``numel`` elements on the device, freed when its last
+        view goes (contents undefined)."""
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
 
     def lane(self, lane: str):
         """Context for running one task of ``lane`` (its CUDA stream on a GPU)."""
@@ -253,6 +264,11 @@ class EmulatedBackend(Backend):
         super().__init__(name)
         self.spec = spec
         self.ledger = Ledger(name, spec.capacity)
+        self.pool = None  # see the module docstring
+        return_freed_memory()
+
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return fresh_buffer(numel, dtype)
 
 
 class CudaBackend(Backend):

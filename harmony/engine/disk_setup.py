@@ -34,8 +34,8 @@ from ..plan import Plan
 from ..policies import build_graph, disk_placement
 from .disk_state import StateOnDisk, Unit
 from .host_memory import device_memory_in_host, placement_of, resident_bytes
+from .host_pages import return_freed_memory
 from .tiers import DiskTier, HostBudget, machine_host_bytes, measure_disk_bandwidth
-from .tiers.budget import return_freed_memory
 from .tiers.directory import check_directory
 from .tiers.files import ALIGN, CHUNK, DIRECTIONS, PAGE
 from .tiers.stashes import scratch_bytes

@@ -8,8 +8,9 @@ packs' in slots: :mod:`.gradient_slots`), the optimizer state (allocated by
 the first update) and,
 during a step, the stashed pack inputs and offloaded activations of the
 whole minibatch. On CUDA the weights are also page-locked. An emulated GPU's
-memory is host memory too: its buffer pools keep one buffer per copy a step
-makes to it (see :mod:`harmony.engine.buffers`).
+memory is host memory too, as much as its ledger holds at its peak (its copies
+and computations are freed as the graph frees them: see
+:mod:`harmony.engine.devices`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,7 @@ from ..costs.spec import state_slots
 from ..errors import HarmonyError
 from ..graph import (
     ACT_OUT,
-    DATA_IN,
-    G_IN,
-    OPT_IN,
-    P2P,
     STASH_OUT,
-    W_IN,
     TaskGraph,
 )
 from ..policies import spec_for, stashes_in_flight
@@ -102,12 +98,17 @@ def besides_the_model(module: nn.Module) -> int:
     return max(0, resident - model)
 
 
+#: what an emulated GPU's tensors may hold beyond its peak, as a share of it: a
+#: copy that a view keeps after the graph freed its buffer, the allocator's pages
+EMULATED_SLACK = 0.05
+
+
 def device_memory_in_host(backends, graph: TaskGraph) -> int:
     """Host memory the devices of ``backends`` take when they run ``graph``: the
     cpu backend computes in host memory, as much as the graph's device peak (which
     counts weights the cpu backend uses in place: an upper bound); an emulated
-    GPU's buffer pools keep one buffer per copy to it, and its computations take
-    host memory up to its peak besides; a CUDA device's memory is its own."""
+    GPU's copies and computations, as much as its peak, at most its capacity, and
+    :data:`EMULATED_SLACK` more; a CUDA device's memory is its own."""
     peaks = None
     total = 0.0
     for backend in backends:
@@ -115,19 +116,11 @@ def device_memory_in_host(backends, graph: TaskGraph) -> int:
             continue
         if peaks is None:
             peaks = simulate_graph(graph).summary.peak_memory
-        total += peaks.get(backend.name, 0.0)
-    if any(b.kind == "emulated" for b in backends):
-        total += emulated_pool_bytes(graph)
+        peak = peaks.get(backend.name, 0.0)
+        if backend.kind == "emulated":
+            peak = min(peak, backend.ledger.capacity) * (1 + EMULATED_SLACK)
+        total += peak
     return int(total)
-
-
-def emulated_pool_bytes(graph: TaskGraph) -> float:
-    """What the emulated GPUs' buffer pools keep: one buffer per copy a step
-    makes to a device (but stashes and activations brought back, copied into
-    memory of their own: :meth:`~.transfers.Transfers.host_in`)."""
-    moved = graph.bytes_by_kind()
-    into = (W_IN, DATA_IN, P2P, G_IN, OPT_IN)
-    return sum(moved.get(kind, 0.0) for kind in into)
 
 
 def _state_slots(opt: torch.optim.Optimizer, spec) -> int:
@@ -147,7 +140,7 @@ def placement_of(graph: TaskGraph) -> Placement | None:
 
 def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
     """Bytes the engine will add to host memory for its plan (``graph``: its
-    task graph, needed to count an emulated GPU's buffers and what its disk
+    task graph, needed to count an emulated GPU's memory and what its disk
     tier takes and gives back), by what."""
     from .gradient_slots import gradient_slots_for
 
@@ -176,9 +169,7 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
     stash, offloaded = moved.get(STASH_OUT, 0.0), moved.get(ACT_OUT, 0.0)
     if placement is not None and placement.stashes_on_disk:
         stash, offloaded = stashes_in_flight(spec_for(engine.spec, engine.plan), engine.plan), 0.0
-    emulated = 0.0
-    if any(b.kind == "emulated" for b in engine.backends):
-        emulated = emulated_pool_bytes(graph)
+    emulated = device_memory_in_host([b for b in engine.backends if b.kind == "emulated"], graph)
     if slots is not None:
         grads = slots.nbytes
     return {
@@ -186,7 +177,7 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
         "optimizer state": optimizer,
         "stashed inputs": stash,
         "offloaded activations": offloaded,
-        "emulated GPU buffers": emulated,
+        "emulated GPU memory": emulated,
         "disk tier staging": placement.staging_bytes if placement is not None else 0,
         "master weights made (the model's were on the meta device)": made,
         "master weights moved to the disk tier": -freed,
@@ -204,6 +195,6 @@ def check_host_memory(engine: "Engine", graph: TaskGraph, available: int | None 
         raise HarmonyError(
             f"host memory: this plan needs {format_bytes(total)} more host memory ({parts}) but "
             f"only {format_bytes(available)} are available. Free host memory, use an optimizer "
-            "with less state (e.g. SGD), or a plan that stashes less (fewer backward packs) or, "
-            "on an emulated GPU, moves less."
+            "with less state (e.g. SGD), a plan that stashes less (fewer backward packs) or "
+            "a smaller emulated GPU."
         )

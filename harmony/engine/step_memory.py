@@ -180,8 +180,9 @@ class StepMemory:
         dtype): views of one flat buffer per dtype, filled by as few copies as
         the host layout allows. ``fresh``: copies even where the device computes
         on host memory (what the device writes must not reach the host tensors);
-        ``non_blocking`` False: the copies are complete on return; ``pooled`` False:
-        into new memory, not the backend's pool (freed with the graph's buffer)."""
+        ``non_blocking`` False: the copies are complete on return; ``pooled`` False,
+        or a backend without a pool: into new memory (``backend.buffer``), freed with
+        the graph's buffer."""
         dtypes = [self.wire_dtype(t) for t in tensors] if dtypes is None else dtypes
         same = all(d == t.dtype for d, t in zip(dtypes, tensors))
         if not backend.copies and same and not fresh:
@@ -191,7 +192,7 @@ class StepMemory:
             chosen = [k for k, d in enumerate(dtypes) if d == dtype]
             numel = sum(tensors[k].numel() for k in chosen)
             flat = (
-                torch.empty(numel, dtype=dtype, device=backend.torch_device)
+                backend.buffer(numel, dtype)
                 if backend.pool is None or not pooled
                 else self.take(backend.pool, numel, dtype)
             )

@@ -131,9 +131,9 @@ class Transfers:
             with self.lock:
                 pieces = [p for p in self.on_host[(kind, layer)] if p[0][0] < b and a < p[0][1]]
             value = assemble(pieces, a, b)
-        # into memory freed with the graph's buffer, not an emulated GPU's pool (which
-        # keeps a buffer per copy until the step ends): stashes come back through the
-        # whole backward pass, and with stashes on disk host memory holds a few at once
+        # into memory freed with the graph's buffer, not a pool (which keeps a buffer
+        # per copy until the step ends): stashes come back through the whole backward
+        # pass, and with stashes on disk host memory holds a few at once
         self.put(task.io["dst"], self._copy(task, value, to_device=True, pooled=False))
 
     def host_out(self, task: Task) -> None:

@@ -10,7 +10,6 @@ killed by the operating system halfway through a step.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import threading
 
@@ -35,32 +34,6 @@ def machine_host_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-#: glibc's mallopt parameter for its mmap threshold
-_M_MMAP_THRESHOLD = -3
-#: allocations of this size or more get their own mapping (see below)
-MMAP_THRESHOLD = 1 << 20
-
-
-def return_freed_memory() -> bool:
-    """Make freed host tensors of a MB or more go back to the operating system,
-    so the process's resident memory follows what a :class:`HostBudget` charges.
-
-    glibc's malloc serves an allocation below its mmap threshold from its heaps,
-    and raises the threshold (up to 32 MB) each time a larger mapped block is
-    freed: from then on, tensors of a few MB freed in the middle of a heap stay
-    resident, and a run of staging reads and weight copies drifts past its
-    budget (by 8% on an 8-layer model of width 2048). Setting the threshold
-    fixes it; and what is free in the heaps now goes back (``malloc_trim``), so
-    the resident memory measured next is what is in use. Returns False where
-    there is no glibc (nothing changes)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    except (OSError, AttributeError):
-        return False
 
 
 class HostBudget:
