@@ -4,7 +4,8 @@ MLPs, residual CNNs with BatchNorm, transformers, tied-head language models)
 on random emulated servers (1-2 GPUs, 40 KB - 2 MB each), planned with
 ``plan="auto"``, two steps each. Prints how many were tried, how many found a
 plan, and for those: runs out of memory (must be 0), measured peak / simulated
-peak (must be 1), bytes held beyond what the spec declared (must be 0).
+peak (must be 1), bytes held beyond what the spec declared (must be 0), declared
+working memory a task never held (must be 0).
 
     .venv/bin/python bench/memory_fuzz.py [--models 60] [--seed 0]
 """
@@ -31,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     tried = planned = out_of_memory = 0
-    ratios, undeclared, kinds = [], [], {}
+    ratios, undeclared, unheld, kinds = [], [], [], {}
     t0 = time.perf_counter()
     with torch_threads(1):
         for _ in range(args.models):
@@ -74,6 +75,7 @@ def main() -> None:
                 for g in simulated
             ]  # a GPU the plan leaves idle holds nothing
             undeclared += list(s.undeclared_bytes.values())
+            unheld += list(s.unheld_work_bytes.values())
     print(
         f"{tried} models tried in {time.perf_counter() - t0:.0f} s; {planned} got a plan from "
         f"plan='auto' ({tried - planned} had none that fits: refused before any task ran)"
@@ -85,6 +87,7 @@ def main() -> None:
             f"{len(ratios)}"
         )
         print(f"bytes held beyond the spec's declaration: max {max(undeclared):.0f}")
+        print(f"declared working memory a task never held: max {max(unheld):.0f}")
 
 
 if __name__ == "__main__":

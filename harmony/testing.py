@@ -1,6 +1,7 @@
 """Random models, to fuzz the engine and the planner with architectures nobody
 wrote a test for: stacks of blocks of several kinds (MLPs with dropout and
-normalisation, residual CNNs with BatchNorm, pre-norm transformers, language
+normalisation, residual CNNs with BatchNorm (blocks that are one layer, or a
+layer per step with the skip passed along the chain), pre-norm transformers, language
 models whose head is tied to the embedding), with a minibatch and a loss.
 The same seed gives the same model, weights and data."""
 
@@ -19,6 +20,60 @@ class _Residual(nn.Module):
 
     def forward(self, x):
         return x + self.body(x)
+
+
+class _Fork(nn.Module):
+    """Opens a residual block whose layers are layers of the chain: the tensor goes
+    on twice, as the main path and the skip, ``(h, skip)``."""
+
+    def forward(self, x):
+        return x, x
+
+
+class _ConvBN(nn.Module):
+    """One conv-BatchNorm(-ReLU) of a block's main path; the skip passes by unchanged."""
+
+    def __init__(self, c: int, relu: bool):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu = relu
+
+    def forward(self, h, skip):
+        h = self.norm(self.conv(h))
+        return (torch.relu(h) if self.relu else h), skip
+
+
+class _Join(nn.Module):
+    """Closes the block: ReLU of the main path plus the skip, the skip through a
+    1x1 conv-BatchNorm where ``project`` (a ResNet's projection shortcut)."""
+
+    def __init__(self, c: int, project: bool):
+        super().__init__()
+        self.project = (
+            nn.Sequential(nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c)) if project else None
+        )
+
+    def forward(self, h, skip):
+        return torch.relu(h + (skip if self.project is None else self.project(skip)))
+
+
+def _cnn_block(rng: random.Random, c: int) -> list[nn.Module]:
+    """A residual block: one layer (conv-BN-ReLU-conv and the identity), or a
+    layer per step, the skip passed along the chain beside the main path, so
+    that it crosses the packs' boundaries."""
+    if rng.random() < 0.5:
+        return [
+            _Residual(
+                nn.Sequential(
+                    nn.Conv2d(c, c, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(c),
+                    nn.ReLU(),
+                    nn.Conv2d(c, c, 3, padding=1, bias=False),
+                )
+            )
+        ]
+    steps = [_ConvBN(c, relu=rng.random() < 0.5) for _ in range(rng.randint(1, 3))]
+    return [_Fork(), *steps, _Join(c, project=rng.random() < 0.5)]
 
 
 class _Attention(nn.Module):
@@ -84,16 +139,7 @@ def random_model(seed: int, minibatch: int):
         c = rng.choice([4, 8, 12])
         layers = [nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU()]
         for i in range(depth):
-            layers.append(
-                _Residual(
-                    nn.Sequential(
-                        nn.Conv2d(c, c, 3, padding=1, bias=False),
-                        nn.BatchNorm2d(c),
-                        nn.ReLU(),
-                        nn.Conv2d(c, c, 3, padding=1, bias=False),
-                    )
-                )
-            )
+            layers += _cnn_block(rng, c)
             if i == depth // 2:
                 layers.append(nn.MaxPool2d(2))
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(p), nn.Linear(c, 10)]

@@ -70,9 +70,12 @@ class Summary:
     hardware: str = ""
     executor: str = "simulator"  # or "engine"
     #: the engine's: bytes a device held beyond what the graph declared (0 when the
-    #: spec counts right), the peak of its tensors themselves, and the buffers its
-    #: pools had to allocate this step (none once a plan has run a step)
+    #: spec counts right), the most working memory a compute task was declared but
+    #: never held (0 when the spec does not overcount), the peak of its tensors
+    #: themselves, and the buffers its pools had to allocate this step (none once a
+    #: plan has run a step)
     undeclared_bytes: dict[str, float] | None = None
+    unheld_work_bytes: dict[str, float] | None = None
     held_peak_memory: dict[str, float] | None = None
     new_buffers: int | None = None
     new_buffer_bytes: int | None = None

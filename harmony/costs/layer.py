@@ -1,4 +1,5 @@
-"""One layer's costs (:class:`LayerCost`) and a parameter several layers share (:class:`Tie`)."""
+"""One layer's costs (:class:`LayerCost`), a tensor of the chain it keeps for
+backward (:class:`Kept`) and a parameter several layers share (:class:`Tie`)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,21 @@ _CURVES = ("fwd_time", "bwd_time", "fwd_extra", "bwd_extra", "saved_input", "sav
 
 
 @dataclass(frozen=True)
+class Kept:
+    """A tensor that passes between layers of the chain and that a layer's
+    autograd keeps for backward: made by the layer ``back`` layers before this
+    one (0: this layer; the chain's inputs are made ``i + 1`` layers before
+    layer ``i``), as element ``element`` of that layer's output, ``nbytes(u)``
+    at the spec's activation dtype. A tensor handed along a tuple unchanged
+    (a skip connection) is the same tensor in every layer that keeps it, however
+    far apart, and a pack holds it once (:meth:`~harmony.costs.spec.ModelSpec.bwd_work_bytes`)."""
+
+    back: int
+    element: int
+    nbytes: Curve
+
+
+@dataclass(frozen=True)
 class LayerCost:
     """The cost of one layer of a chain.
 
@@ -38,7 +54,9 @@ class LayerCost:
     and ``saved_output(u)`` its own output when autograd keeps
     them: at the first layer of a pack the input is a buffer of its own, and
     between two layers of a pack it is one tensor however many keep it (see
-    :meth:`~harmony.costs.spec.ModelSpec.bwd_work_bytes`). Times: ``fwd_time(u)``
+    :meth:`~harmony.costs.spec.ModelSpec.bwd_work_bytes`). ``kept``, where
+    known (a described chain), says which tensors of the chain those are, so
+    that one a skip connection hands past several layers counts once too. Times: ``fwd_time(u)``
     is forward without autograd; ``bwd_time(u)`` *includes the recompute
     forward* (as the reference profiler measured it). When a time curve is
     ``None`` it is derived from FLOPs and the hardware's FLOP rate.
@@ -70,6 +88,8 @@ class LayerCost:
     saved_input: Curve = field(default_factory=Curve)
     #: part of bwd_extra: the output, kept by autograd
     saved_output: Curve = field(default_factory=Curve)
+    #: the tensors of the chain in bwd_extra (empty: unknown, saved_input and saved_output tell)
+    kept: tuple[Kept, ...] = ()
     #: measured CPU optimizer step for this layer (s); None: derive from bytes
     update_time_s: float | None = None
 
@@ -98,6 +118,8 @@ class LayerCost:
                 raise HarmonyError(
                     f"{where}: {name} must be a harmony.Curve, got {type(v).__name__}"
                 )
+        if not all(isinstance(k, Kept) for k in self.kept):
+            raise HarmonyError(f"{where}: kept must be a tuple of harmony.costs.layer.Kept")
 
 
 @dataclass(frozen=True)

@@ -277,12 +277,30 @@ class ModelSpec:
         layer's saved activations until backward reaches it, so they add up
         (the reference packer's conservative estimate). The pack's input is a
         buffer of its own (a layer keeping it adds nothing), and a tensor passed
-        from one layer to the next is counted once when both keep it."""
+        from one layer to the next is counted once when both keep it; where the
+        layers say which tensors they keep (``LayerCost.kept``), any tensor is
+        counted once, however many layers apart keep it (a skip connection)."""
         layers = self.layers
-        total = sum(c.bwd_extra(u) for c in layers[start:stop]) - layers[start].saved_input(u)
+        total = sum(c.bwd_extra(u) for c in layers[start:stop])
+        if any(c.kept for c in layers[start:stop]):
+            return max(0.0, total - self._kept_twice(start, stop, u))
+        total -= layers[start].saved_input(u)
         for i in range(start + 1, stop):
             total -= min(layers[i - 1].saved_output(u), layers[i].saved_input(u))
         return max(0.0, total)
+
+    def _kept_twice(self, start: int, stop: int, u: float) -> float:
+        """Bytes the layers [start, stop) count in ``bwd_extra`` beyond what the pack
+        holds: tensors of the pack's input (a buffer of its own), and a second
+        count of a tensor that an earlier layer of the pack keeps too."""
+        counted, twice = set(), 0.0
+        for i in range(start, stop):
+            for k in self.layers[i].kept:
+                tensor = (i - k.back, k.element)
+                if tensor[0] < start or tensor in counted:
+                    twice += k.nbytes(u)
+                counted.add(tensor)
+        return twice
 
     # ---- derived specs -----------------------------------------------------
     def with_dtypes(
@@ -300,6 +318,7 @@ class ModelSpec:
                 bwd_extra=c.bwd_extra.scaled(r),
                 saved_input=c.saved_input.scaled(r),
                 saved_output=c.saved_output.scaled(r),
+                kept=tuple(replace(k, nbytes=k.nbytes.scaled(r)) for k in c.kept),
             )
             for c in self.layers
         )

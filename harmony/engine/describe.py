@@ -11,7 +11,7 @@ simulated peak of a plan is the peak the engine reaches. The profiler
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..costs.layer import Kept
 from ..costs.spec import Curve, LayerCost, ModelSpec, Tie
 from ..errors import HarmonyError
 from .meters import SavedBytes, storage_key
@@ -165,6 +166,7 @@ def describe(
         acts = layer_inputs(layers, inputs)  # the whole minibatch: every size is a slice of it
     norms = [norm_tensor_names(layer) for layer in layers]
     costs = []
+    made = [(-1, k) for k in range(len(acts[0]))]  # which layer made each input element, as which
     for i, layer in enumerate(layers):
         floats, fixed = split_bytes(tuple(t[:1] for t in acts[i]))
         last = i == len(layers) - 1
@@ -216,8 +218,10 @@ def describe(
                 bwd_extra=Curve.table(sizes, [h.saved for h in held]),
                 saved_input=Curve.table(sizes, [h.saved_input for h in held]),
                 saved_output=Curve.table(sizes, [h.saved_output for h in held]),
+                kept=kept_tensors(i, held, sizes, made),
             )
         )
+        made = [tensor_of(i, ref, made) for ref in held[-1].handed_on]
     per_sample = target[:1]
     master = act_dtype(layers)
     spec = ModelSpec(
@@ -245,10 +249,29 @@ def describe(
                 bwd_extra=m.bwd_extra,
                 saved_input=m.saved_input,
                 saved_output=m.saved_output,
+                kept=m.kept,
             )
             for c, m in zip(low.layers, spec.layers)
         ),
     )
+
+
+def tensor_of(i: int, ref: tuple, made: list) -> tuple[int, int]:
+    """(the layer that made it, its element there) of layer ``i``'s input or output
+    element ``ref`` (:func:`handed_on`); ``made``: the same for layer ``i``'s inputs."""
+    role, k = ref
+    return made[k] if role == "in" else (i, k)
+
+
+def kept_tensors(i: int, held: list[Held], sizes: list[int], made: list) -> tuple[Kept, ...]:
+    """The tensors of the chain that layer ``i`` keeps for backward, at each size."""
+    refs = sorted({ref for h in held for ref in h.kept})
+    kept = []
+    for ref in refs:
+        layer, element = tensor_of(i, ref, made)
+        nbytes = Curve.table(sizes, [h.kept.get(ref, 0.0) for h in held])
+        kept.append(Kept(i - layer, element, nbytes))
+    return tuple(kept)
 
 
 def min_microbatch(
@@ -287,6 +310,11 @@ class Held:
     saved_input: float
     saved_output: float
     flops: float
+    #: bytes kept of each input and output element, by ("in" | "out", index); an
+    #: output that is an input handed on is counted as the input
+    kept: dict = field(default_factory=dict)
+    #: per output element, what it is (:func:`handed_on`)
+    handed_on: tuple = ()
 
 
 def working_memory(
@@ -351,7 +379,37 @@ def working_memory(
         kept(leaves),
         0.0 if loss_fn is not None else kept(out),
         float(flops.get_total_flops()),
+        kept_parts(leaves, out, meter.seen),
+        handed_on(leaves, out),
     )
+
+
+def kept_parts(leaves: tuple, out: tuple, seen: set) -> dict:
+    """The bytes autograd keeps of each input and output element, once per storage
+    (an output that shares an input's storage is that input)."""
+    parts, keys = {}, set()
+    for role, tensors in (("in", leaves), ("out", out)):
+        for k, t in enumerate(tensors):
+            if isinstance(t, torch.Tensor) and storage_key(t) in seen - keys:
+                keys.add(storage_key(t))
+                parts[role, k] = float(t.untyped_storage().nbytes())
+    return parts
+
+
+def handed_on(leaves: tuple, out: tuple) -> tuple:
+    """What each output element is: ("in", k) when it shares input element ``k``'s
+    storage (handed on unchanged, or a view), else ("out", e) with ``e`` the first
+    output element of its storage (an output returned twice is one tensor)."""
+    first = {
+        storage_key(t): ("in", k) for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)
+    }
+    refs = []
+    for e, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            refs.append(("out", e))
+            continue
+        refs.append(first.setdefault(storage_key(t), ("out", e)))
+    return tuple(refs)
 
 
 def check_loss(loss_fn: Callable, output: tuple, target: torch.Tensor) -> None:

@@ -185,6 +185,7 @@ class Ledger:
         self.undeclared_peak = 0.0
         self.held = 0.0
         self.held_peak = 0.0
+        self.unheld_work = 0.0
         self.history: list[tuple[float, float]] = []  # (seconds since reset, bytes in use)
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
@@ -220,12 +221,18 @@ class Ledger:
                 self.held += delta
                 self.held_peak = max(self.held_peak, self.held)
 
+    def note_unheld_work(self, nbytes: float) -> None:
+        """A task ended that held ``nbytes`` less than its declared working memory."""
+        with self._lock:
+            self.unheld_work = max(self.unheld_work, nbytes)
+
     def reset(self, t0: float) -> None:
         """Start a new step: peaks from what is in use now, history from ``t0``."""
         with self._lock:
             self.peak = self.in_use
             self.undeclared_peak = self.undeclared
             self.held_peak = self.held
+            self.unheld_work = 0.0
             self._t0 = t0
             self.history = [(0.0, self.in_use)]
 

@@ -57,7 +57,8 @@ class WorkMeter:
     """What a compute task holds beyond its graph buffers, against what the graph
     declared for it (its working-memory buffer): ``charge``/``release`` follow
     the real bytes; the ledger is charged only for the part above ``declared``,
-    given back at :meth:`close`. ``peak`` is the most the task held."""
+    given back at :meth:`close`, which also tells the ledger how much of the
+    declared bytes the task never held. ``peak`` is the most the task held."""
 
     def __init__(self, ledger, declared: float, what: str):
         self.ledger, self.declared, self.what = ledger, declared, what
@@ -84,6 +85,7 @@ class WorkMeter:
         self.ledger.note_held(-nbytes)
 
     def close(self) -> None:
+        self.ledger.note_unheld_work(self.declared - self.peak)
         self.ledger.note_held(-self.held)
         self.held = 0.0
         if self.excess:

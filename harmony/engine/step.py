@@ -61,10 +61,12 @@ from .transfers import Transfers
 
 def memory_checks(backends) -> dict:
     """What the devices' ledgers say beyond the peak: the most that tasks held
-    beyond what the graph declared for them (0 when the spec counts right) and
-    the peak of the tensors themselves (at most the peak)."""
+    beyond what the graph declared for them (0 when the spec counts right), the
+    most working memory a task was declared and never held (0 when the spec does
+    not overcount) and the peak of the tensors themselves (at most the peak)."""
     return {
         "undeclared_bytes": {b.name: b.ledger.undeclared_peak for b in backends},
+        "unheld_work_bytes": {b.name: b.ledger.unheld_work for b in backends},
         "held_peak_memory": {b.name: b.ledger.held_peak for b in backends},
     }
 
