@@ -68,8 +68,9 @@ def warn_if_unsplit(layers: list[nn.Module], names: list[str], model) -> None:
         f"nothing was split in {kind}: layer {names[big]} holds "
         f"{100 * sizes[big] // total}% of the parameters, with {count} blocks in "
         f"{where or 'it'} that the chain runs as one layer, which the engine trains as one "
-        "pack that must fit a GPU whole. Pass the transformers model itself (not a module "
-        f"around it), or a list of its blocks wrapped to follow the calling convention: {GUIDE}",
+        "pack that must fit a GPU whole. Pass the model those blocks belong to (a "
+        "transformers model itself, not a module around it), or a list of its blocks "
+        f"wrapped to follow the calling convention: {GUIDE}",
         stacklevel=3,
     )
 
