@@ -345,7 +345,7 @@ def test_unsupported_class_names_itself_and_the_way_out():
         n_layer=1, n_embd=D, n_head=4, vocab_size=V, bos_token_id=0, eos_token_id=0
     )
     message = (
-        r"GPT2ForSequenceClassification .*recipe \(.*OPTForCausalLM.*Llama's layout"
+        r"GPT2ForSequenceClassification .*recipe \(GPT-2, OPT.*Llama's layout"
         r".*README.md, section 'Your own blocks: the calling convention'"
     )
     with pytest.raises(HarmonyError, match=message):

@@ -1,14 +1,16 @@
 """Hugging Face transformers models as chains (see :mod:`harmony.engine.decompose`).
 
-Each supported model becomes: its embeddings (layer 0), one layer per block, and
-a last layer with the final norm and the head. Every layer is a small wrapper
+Each model becomes: its embeddings (layer 0), one layer per block, and a last
+layer with the final norm and the head, by its family's recipe
+(:mod:`.hf.recipes`) or, for a decoder laid out as Llama, by its layout
+(:mod:`.hf.layout`). Every layer is a small wrapper
 that calls the model's own submodules (the same ``Parameter`` objects) exactly
 as the model's ``forward`` (transformers 5) calls them, so the chain computes
 what the model computes, with the same operations in the same order.
 
 Calling convention: layer 0 takes the model's main inputs positionally,
 ``(input_ids[, attention_mask[, token_type_ids]])`` for text models and
-``(pixel_values,)`` for ViT. An ``attention_mask`` ([batch, seq], 1 for tokens
+``(pixel_values,)`` for ViT and DeiT. An ``attention_mask`` ([batch, seq], 1 for tokens
 and 0 for padding) travels along the chain with the hidden states, as
 ``(hidden_states, attention_mask)``; without one, layers pass the hidden states
 alone. Each block rebuilds from them what the model's forward computes once and
@@ -38,7 +40,7 @@ from ..errors import HarmonyError
 from .decompose_checks import GUIDE, _evaluating, check_chain
 from .hf.layers import FOLLOWED
 from .hf.layout import decoder_layout
-from .hf.recipes import RECIPES, Split
+from .hf.recipes import FAMILIES, RECIPES, Split
 
 __all__ = ["split", "reference_forward"]
 
@@ -67,7 +69,7 @@ def split(
     if chain is None:
         raise HarmonyError(
             f"{kind} from transformers cannot be split automatically: it is of none of the "
-            f"families with a recipe ({', '.join(RECIPES)}) and is not a decoder-only model "
+            f"families with a recipe ({FAMILIES}) and is not a decoder-only model "
             "with Llama's layout (a token embedding, a list of blocks its forward loops over, "
             "a final norm, an LM head). Pass a list of its blocks wrapped to follow the chain's "
             f"calling convention: {GUIDE}; decompose(blocks, reference=model, "

@@ -53,13 +53,15 @@ class _Roles:
         if not self.ok:
             return
         self.blocks, self.before, self.after = loop.group(1), [], []
-        self.embed, self.rotary = None, None
+        self.embed, self.rotary, self.missing = None, None, None
         embedding = body.get_input_embeddings()
         for match in _CALL.finditer(source):
             name = match.group(1)
             module = children.get(name)
-            if module is None:  # a method of the model's own: another layout
+            if module is None:  # a method of the model's own (another layout), or a lost part
                 self.ok = False
+                if not hasattr(body, name):
+                    self.missing = self.missing or name
             elif module is embedding:
                 self.embed = self.embed or name
             elif _is_rotary(module):
@@ -108,10 +110,12 @@ def decoder_layout(model: nn.Module) -> Split | None:
         return None
     source = _source(type(body).forward)
     roles = _Roles(body, source)
-    if not roles.ok:
-        return None
     prefix = "" if body is model else model.base_model_prefix
     m = _Parts(model, prefix)
+    if roles.missing:  # raises, naming it
+        m.get(roles.missing, "a module its forward calls")
+    if not roles.ok:
+        return None
     head = _head(model, m)
     count = min(len(getattr(body, roles.blocks)), m.config.num_hidden_layers)
     masks = _masks(m.config, source, count)

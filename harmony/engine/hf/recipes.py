@@ -279,6 +279,9 @@ def _family(recipe, families: tuple[str, ...], suffixes: tuple[str, ...]) -> dic
     return {f"{family}{suffix}": recipe for family in families for suffix in suffixes}
 
 
+#: the families with a recipe, as people name them
+FAMILIES = "GPT-2, OPT, Bloom, Falcon, BERT, RoBERTa, ELECTRA, DistilBERT, ViT, DeiT"
+
 #: the families whose forward the Llama layout does not describe, by class name
 #: (the rest of the decoders: :func:`.layout.decoder_layout`)
 RECIPES: dict[str, Callable[[nn.Module, str], Split]] = {
