@@ -344,7 +344,10 @@ def test_unsupported_class_names_itself_and_the_way_out():
     config = transformers.GPT2Config(
         n_layer=1, n_embd=D, n_head=4, vocab_size=V, bos_token_id=0, eos_token_id=0
     )
-    message = r"GPT2ForSequenceClassification .*supported: .*LlamaForCausalLM.*list of modules"
+    message = (
+        r"GPT2ForSequenceClassification .*recipe \(GPT-2, OPT.*Llama's layout"
+        r".*README.md, section 'Your own blocks: the calling convention'"
+    )
     with pytest.raises(HarmonyError, match=message):
         harmony.decompose(transformers.GPT2ForSequenceClassification(config))
 

@@ -13,31 +13,17 @@ a parameter that two layers share (tied weights) is reported in
   ``nn.Sequential`` is replaced by its children (one level);
 * a list or tuple of modules, or an ``nn.ModuleList``: the chain as given
   (the zoo's lists, ``harmony.zoo.build(name)[:-1]``, without the loss);
-* a Hugging Face transformers model of a common family (transformers 5; see
+* a Hugging Face transformers model (transformers 5; see
   :mod:`harmony.engine.decompose_hf`): embeddings (layer 0, called with
-  ``input_ids[, attention_mask]``, or ``pixel_values`` for ViT), one layer per
-  block, then the final norm with the head. An attention mask travels along the
-  chain with the hidden states, so padding works; an LM head tied to the token
-  embedding is reported in ``tied``. Per family:
-
-  - GPT-2 (``GPT2LMHeadModel``, ``GPT2Model``): token + learned positions, causal mask;
-  - Llama, Mistral, Qwen2 (``*ForCausalLM``, ``*Model``): each block recomputes the
-    rotary cos/sin with the model's own rotary module and its causal mask (Mistral's
-    sliding window, Qwen2's per-layer sliding window) as the model's forward does;
-  - OPT (``OPTForCausalLM``, ``OPTModel``): learned positions counted over the
-    non-padding tokens, projections in and out (``word_embed_proj_dim``);
-    ``layerdrop > 0`` is refused;
-  - GPT-NeoX (``GPTNeoXForCausalLM``, ``GPTNeoXModel``): partial rotary, parallel residual;
-  - BERT, RoBERTa (``*Model``, ``*ForMaskedLM``, ``*ForSequenceClassification``,
-    ``BertLMHeadModel``): bidirectional padding mask, ``token_type_ids`` as an
-    optional third input; a bare model with a pooler ends with
-    ``(last_hidden_state, pooler_output)``;
-  - ViT (``ViTModel``, ``ViTForImageClassification``): patch embeddings, encoder
-    blocks, final LayerNorm (+ the classifier on the first token, or the pooler).
-
-  Other transformers classes are an error that names them and the way out
-  (a list of blocks). With ``example_inputs`` the chain is also run beside the
-  model's own forward, and a failing layer or a differing output is reported;
+  ``input_ids[, attention_mask]``, or ``pixel_values``), one layer per block,
+  then the final norm with the head, by its family's recipe (GPT-2, OPT, Bloom,
+  Falcon, BERT, RoBERTa, ELECTRA, DistilBERT, ViT, DeiT) or by its layout (any
+  decoder-only model laid out as Llama: Llama, Mistral, Mixtral, Qwen2, Qwen3,
+  Phi, Gemma, Gemma 2, StableLM, GPT-NeoX, GPT-J, ...). An attention mask travels
+  along the chain with the hidden states; a tied LM head is reported in ``tied``.
+  The chain is checked against the model's own forward on a small example (or
+  ``example_inputs``) before it is returned; a model it cannot split is an error
+  that points to the calling convention (the README, "Your own blocks");
 * any other module: a :mod:`torch.fx` split of its ``forward``. The top-level
   children are the units (the children of a top-level ``nn.Sequential``,
   ``nn.ModuleList`` or ``nn.ModuleDict`` are units themselves, so a wrapper
@@ -68,12 +54,19 @@ import torch
 from torch import fx, nn
 
 from ..errors import HarmonyError
+from .decompose_checks import (
+    GUIDE,
+    _evaluating,
+    check_reference,
+    refuse_raw_blocks,
+    warn_if_unsplit,
+)
 
 __all__ = ["Chain", "decompose"]
 
 _HOW_TO = (
     "pass an nn.Sequential or a list of modules (blocks) "
-    "that follow the chain's calling convention"
+    f"that follow the chain's calling convention ({GUIDE})"
 )
 
 
@@ -109,7 +102,7 @@ class Chain:
         return x
 
 
-def decompose(model, *, example_inputs=None) -> Chain:
+def decompose(model, *, example_inputs=None, reference=None) -> Chain:
     """Split ``model`` into a :class:`Chain` (see the module documentation).
 
     ``example_inputs`` (a tensor or a tuple of tensors, what ``model`` is called
@@ -119,10 +112,16 @@ def decompose(model, *, example_inputs=None) -> Chain:
     tuple gets wrapped to take it whole, and a torch.fx layer gets one argument
     per element. Without it, values passed between layers are taken to be
     single tensors (the torch.fx layers then take ``*args`` and repack tuples
-    of two or more elements)."""
+    of two or more elements).
+
+    ``reference`` (with ``example_inputs``, what the chain takes) is the model a
+    hand-written chain stands for: both run on the example, and a chain that
+    computes something else is an error naming the first layer whose output
+    differs from that of the model's module it calls last."""
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     if isinstance(model, (list, tuple)):
+        refuse_raw_blocks(list(model), "the list")
         layers, names = _from_list(
             list(model), [f"{i}:{type(m).__name__}" for i, m in enumerate(model)], what="the list"
         )
@@ -131,13 +130,23 @@ def decompose(model, *, example_inputs=None) -> Chain:
             for i, m in reversed(list(enumerate(layers)))
             for n, p in reversed(list(m.named_parameters()))
         }
-        return _finish(layers, names, canonical, None)
+        chain = _finish(layers, names, canonical, None)
+    else:
+        chain = _from_module(model, example_inputs)
+    if reference is not None:
+        check_reference(chain.layers, chain.names, reference, example_inputs)
+    warn_if_unsplit(chain.layers, chain.names, model if isinstance(model, nn.Module) else None)
+    return chain
+
+
+def _from_module(model, example_inputs) -> Chain:
     if not isinstance(model, nn.Module):
         raise HarmonyError(
             f"cannot split a {type(model).__name__} into layers: {_HOW_TO}, "
             "or an nn.Module whose forward torch.fx can trace"
         )
     if isinstance(model, nn.ModuleList):
+        refuse_raw_blocks(list(model), "the nn.ModuleList")
         layers, names = _from_list(
             list(model), [n for n, _ in model.named_children()], what="the nn.ModuleList"
         )
@@ -454,22 +463,6 @@ def _segment_module(gm, segment, source, result, kinds, class_name, training) ->
 
 
 # ---- common -------------------------------------------------------------------
-class _evaluating:
-    """Eval mode for the duration of a block, restoring every module's own flag."""
-
-    def __init__(self, modules):
-        self.modules = [m for root in modules for m in root.modules()]
-
-    def __enter__(self):
-        self.flags = [m.training for m in self.modules]
-        for m in self.modules:
-            m.training = False
-
-    def __exit__(self, *exc):
-        for m, flag in zip(self.modules, self.flags):
-            m.training = flag
-
-
 def _finish(layers: list[nn.Module], names: list[str], canonical: dict[int, str], model) -> Chain:
     """Report the parameters layers share, and check every parameter of the model has a layer."""
     owner: dict[int, int] = {}

@@ -1,14 +1,16 @@
 """Hugging Face transformers models as chains (see :mod:`harmony.engine.decompose`).
 
-Each supported model becomes: its embeddings (layer 0), one layer per block, and
-a last layer with the final norm and the head. Every layer is a small wrapper
+Each model becomes: its embeddings (layer 0), one layer per block, and a last
+layer with the final norm and the head, by its family's recipe
+(:mod:`.hf.recipes`) or, for a decoder laid out as Llama, by its layout
+(:mod:`.hf.layout`). Every layer is a small wrapper
 that calls the model's own submodules (the same ``Parameter`` objects) exactly
 as the model's ``forward`` (transformers 5) calls them, so the chain computes
 what the model computes, with the same operations in the same order.
 
 Calling convention: layer 0 takes the model's main inputs positionally,
 ``(input_ids[, attention_mask[, token_type_ids]])`` for text models and
-``(pixel_values,)`` for ViT. An ``attention_mask`` ([batch, seq], 1 for tokens
+``(pixel_values,)`` for ViT and DeiT. An ``attention_mask`` ([batch, seq], 1 for tokens
 and 0 for padding) travels along the chain with the hidden states, as
 ``(hidden_states, attention_mask)``; without one, layers pass the hidden states
 alone. Each block rebuilds from them what the model's forward computes once and
@@ -28,71 +30,102 @@ engine could find) says so with ``draws_random = True``.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import transformers
 from torch import nn
 
 from ..errors import HarmonyError
-from .decompose import _HOW_TO, _evaluating
+from .decompose_checks import GUIDE, _evaluating, check_chain
 from .hf.layers import FOLLOWED
-from .hf.recipes import RECIPES, WAY_OUT, Split
+from .hf.layout import decoder_layout
+from .hf.recipes import FAMILIES, RECIPES, Split
 
-__all__ = ["split"]
+__all__ = ["split", "reference_forward"]
+
+#: tokens per sample of the example the chain is checked on when none is given
+EXAMPLE_TOKENS = 8
 
 
 def split(
     model: nn.Module, example_inputs: tuple | None = None
 ) -> tuple[list[nn.Module], list[str]]:
-    """The layers of a supported transformers ``model`` and their names. With
-    ``example_inputs`` (what the chain takes: see the module documentation), the
-    chain runs once beside the model's own forward, in eval mode without autograd,
-    and a layer that fails or an output that differs is reported."""
+    """The layers of a transformers ``model`` and their names: by its family's recipe,
+    or by its layout (:mod:`.hf.layout`). Unless the model is on the meta device, the
+    chain then runs once beside the model's own forward, in eval mode without
+    autograd, on ``example_inputs`` (what the chain takes: see the module
+    documentation) or on a small example of padded token ids or images; a layer
+    that fails or an output that differs is an error."""
     kind = type(model).__name__
-    recipe = RECIPES.get(kind)
-    if recipe is None:
-        raise HarmonyError(
-            f"{kind} from transformers cannot be split automatically (supported: "
-            f"{', '.join(RECIPES)}); {_HOW_TO}, {WAY_OUT}"
-        )
     if not FOLLOWED:
         raise HarmonyError(
             f"cannot split {kind}: the split follows the calling conventions "
             "of transformers 5, not those of the installed "
             f"{transformers.__version__}; upgrade it, or pass a list of blocks"
         )
-    chain = recipe(model, kind)
-    if example_inputs is not None and not any(p.is_meta for p in model.parameters()):
-        _check(model, chain, example_inputs)
+    recipe = RECIPES.get(kind)
+    chain = recipe(model, kind) if recipe is not None else decoder_layout(model)
+    if chain is None:
+        raise HarmonyError(
+            f"{kind} from transformers cannot be split automatically: it is of none of the "
+            f"families with a recipe ({FAMILIES}) and is not a decoder-only model "
+            "with Llama's layout (a token embedding, a list of blocks its forward loops over, "
+            "a final norm, an LM head). Pass a list of its blocks wrapped to follow the chain's "
+            f"calling convention: {GUIDE}; decompose(blocks, reference=model, "
+            "example_inputs=...) checks them against the model"
+        )
+    if not any(p.is_meta for p in model.parameters()):
+        inputs = example_inputs if example_inputs is not None else _example(model, chain)
+        _check(model, chain, inputs)
     return chain.layers, chain.names
 
 
-def _check(model: nn.Module, chain: Split, example_inputs: tuple) -> None:
+def _example(model: nn.Module, chain: Split) -> tuple:
+    """Two samples of what the chain takes: images, or token ids with the second
+    sample's last tokens padded (drawn from a generator of their own)."""
+    config = model.config
+    weight = next(model.parameters())
+    g = torch.Generator().manual_seed(0)
+    if chain.inputs == ("pixel_values",):
+        size = config.image_size
+        pixels = torch.randn(2, config.num_channels, size, size, generator=g)
+        return (pixels.to(weight.device),)
+    ids = torch.randint(2, config.vocab_size, (2, EXAMPLE_TOKENS), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    return ids.to(weight.device), mask.to(weight.device)
+
+
+def reference_forward(model: nn.Module, inputs: tuple, outputs: tuple[str, ...] | None = None):
+    """A call of transformers ``model``'s own forward on what a chain takes (by name,
+    without a cache) returning what the chain's last layer returns: the ``outputs``
+    fields, else the logits or the last hidden state."""
+    parameters = inspect.signature(model.forward).parameters
+    names = (
+        ("pixel_values",)
+        if "pixel_values" in parameters
+        else ("input_ids", "attention_mask", "token_type_ids")
+    )
+    extra = {"use_cache": False} if "use_cache" in parameters else {}
+
+    def forward():
+        out = model(**dict(zip(names, inputs)), **extra)
+        fields = outputs or (("logits",) if "logits" in out else ("last_hidden_state",))
+        found = tuple(getattr(out, name) for name in fields)
+        return found if len(found) > 1 else found[0]
+
+    return forward
+
+
+def _check(model: nn.Module, chain: Split, inputs: tuple) -> None:
     """Run the chain and the model on the same inputs; raise where they part."""
     kind = type(model).__name__
-    if len(example_inputs) > len(chain.inputs):
+    if len(inputs) > len(chain.inputs):
         raise HarmonyError(
-            f"example_inputs has {len(example_inputs)} tensors but the chain of "
+            f"example_inputs has {len(inputs)} tensors but the chain of "
             f"{kind} takes at most {len(chain.inputs)}: {', '.join(chain.inputs)}"
         )
-    with _evaluating([model]), torch.no_grad():
-        x = example_inputs
-        for layer, name in zip(chain.layers, chain.names):
-            try:
-                x = layer(*x)
-            except Exception as e:  # reported with the layer's name
-                raise HarmonyError(
-                    f"cannot split {kind}: layer {name} ({type(layer).__name__}) failed on "
-                    f"example_inputs ({type(e).__name__}: {e}); the installed transformers may "
-                    f"call its blocks differently. {_HOW_TO}"
-                ) from e
-            x = x if isinstance(x, tuple) else (x,)
-        extra = {"use_cache": False} if chain.cache else {}
-        out = model(**dict(zip(chain.inputs, example_inputs)), **extra)
-        expected = tuple(getattr(out, name) for name in chain.outputs)
-    try:  # the same operations on the same device: equal up to kernels' own nondeterminism
-        torch.testing.assert_close(x, expected)
-    except AssertionError as e:
-        raise HarmonyError(
-            f"the chain of {kind} does not compute what its forward computes "
-            f"({', '.join(chain.outputs)}): {e}. {_HOW_TO}"
-        ) from None
+    with _evaluating([model]):
+        forward = reference_forward(model, inputs, chain.outputs)
+        check_chain(chain.layers, chain.names, model, inputs, forward, kind)

@@ -93,7 +93,11 @@ def norm_tensor_names(layer: nn.Module) -> set[str]:
 
 def microbatch_dependence(layers) -> str | None:
     """Why the layers' results depend on how a minibatch is cut into microbatches
-    (so forward and backward must use one microbatch size), or None."""
+    (so forward and backward must use one microbatch size), or None. A layer may
+    say why itself, in words, as its ``batch_dependent`` attribute."""
+    for layer in layers:  # a layer that says so (a block of experts: tokens meet in routing)
+        if getattr(layer, "batch_dependent", None):
+            return layer.batch_dependent
     if any(getattr(layer, "draws_random", False) for layer in layers):  # functional dropout
         return (
             "dropout: recompute must draw the forward pass's masks, "

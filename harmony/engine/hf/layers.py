@@ -6,6 +6,8 @@ calling convention."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import transformers
 from torch import nn
@@ -18,6 +20,26 @@ if FOLLOWED:
         create_bidirectional_mask,
         create_causal_mask,
         create_sliding_window_causal_mask,
+    )
+
+    # the cache argument of the mask functions: ``cache`` since 5.24 (``past_key_values``
+    # before, which 5.40 no longer takes)
+    _CACHE = (
+        "cache"
+        if "cache" in inspect.signature(create_causal_mask).parameters
+        else ("past_key_values")
+    )
+
+
+def make_mask(make, config, hidden_states, attention_mask, **options):
+    """The 4D mask ``make`` (a ``masking_utils`` function) builds from a padding mask,
+    without a cache, as a model's forward builds it."""
+    return make(
+        config=config,
+        inputs_embeds=hidden_states,
+        attention_mask=attention_mask,
+        **{_CACHE: None},
+        **options,
     )
 
 
@@ -39,17 +61,18 @@ def _dropout_in(config) -> bool:
 
 # ---- embeddings ---------------------------------------------------------------
 class HFTokenEmbeddings(nn.Module):
-    """``embed(input_ids)``, then ``dropout`` where the model has one (GPT-NeoX):
-    the start of the Llama, Mistral, Qwen2 and GPT-NeoX forwards."""
+    """``embed(input_ids)``, then the modules the model's forward applies to it
+    before the blocks, in order (a dropout, Bloom's LayerNorm): the start of
+    every forward of the Llama layout."""
 
-    def __init__(self, embed: nn.Embedding, dropout: nn.Module | None = None):
+    def __init__(self, embed: nn.Module, *after: nn.Module):
         super().__init__()
-        self.embed, self.dropout = embed, dropout
+        self.embed, self.after = embed, nn.ModuleList(after)
 
     def forward(self, input_ids, attention_mask=None):
         hidden_states = self.embed(input_ids)
-        if self.dropout is not None:
-            hidden_states = self.dropout(hidden_states)
+        for module in self.after:
+            hidden_states = module(hidden_states)
         return _carry(hidden_states, attention_mask)
 
 
@@ -103,14 +126,22 @@ class HFOPTEmbeddings(nn.Module):
 
 class HFEncoderEmbeddings(nn.Module):
     """A BERT-style embeddings module called as the model calls it (its own
-    position ids; token types all zero unless given as the third input)."""
+    position ids; token types all zero unless given as the third input, for a
+    model that has them), then ``project`` where the model projects (ELECTRA)."""
 
-    def __init__(self, embeddings: nn.Module):
+    def __init__(
+        self, embeddings: nn.Module, project: nn.Module | None = None, token_types: bool = True
+    ):
         super().__init__()
-        self.embeddings = embeddings
+        self.embeddings, self.project, self.token_types = embeddings, project, token_types
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None):
-        hidden_states = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
+        if self.token_types:
+            hidden_states = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
+        else:
+            hidden_states = self.embeddings(input_ids)
+        if self.project is not None:
+            hidden_states = self.project(hidden_states)
         return _carry(hidden_states, attention_mask)
 
 
@@ -142,27 +173,37 @@ class _Block(nn.Module):
 
 
 class HFBlock(_Block):
-    """One decoder block (GPT-2, Llama, Mistral, Qwen2, GPT-NeoX) called as its
+    """One decoder block (GPT-2, and every block of the Llama layout) called as its
     model's forward calls it, without a cache: position ids ``0..seq-1``, the
     causal (``mask="causal"``) or sliding-window (``"sliding"``) mask from the
-    padding mask, and, given the model's ``rotary`` module, its cos/sin."""
+    padding mask (materialized where ``materialize``, as Falcon's forward asks),
+    and, given the model's ``rotary`` module, its cos/sin. A block that returns a
+    tuple hands on its first element. A block of experts (mixture of experts)
+    says ``batch_dependent``: which tokens an expert computes together depends on
+    how the minibatch is cut."""
 
     def __init__(
-        self, block: nn.Module, config, mask: str = "causal", rotary: nn.Module | None = None
+        self,
+        block: nn.Module,
+        config,
+        mask: str = "causal",
+        rotary: nn.Module | None = None,
+        materialize: bool = False,
     ):
         super().__init__(block, config, last=False)
-        self.mask = mask
+        self.mask, self.materialize = mask, materialize
         object.__setattr__(self, "_rotary", rotary)  # the model's own (see the module docs)
+        if any(isinstance(getattr(m, "experts", None), nn.Module) for m in block.modules()):
+            self.batch_dependent = (
+                "mixture-of-experts routing: tokens meet in each expert's matmul"
+            )
 
     def _arguments(self, hidden_states, attention_mask) -> dict:
         positions = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
         make = create_sliding_window_causal_mask if self.mask == "sliding" else create_causal_mask
-        mask = make(
-            config=self._config,
-            inputs_embeds=hidden_states,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            position_ids=positions,
+        options = {"allow_is_causal_skip": False} if self.materialize else {}
+        mask = make_mask(
+            make, self._config, hidden_states, attention_mask, position_ids=positions, **options
         )
         arguments = {"attention_mask": mask, "position_ids": positions, "use_cache": False}
         if self._rotary is not None:
@@ -171,7 +212,7 @@ class HFBlock(_Block):
 
     def forward(self, hidden_states, attention_mask=None):
         out = self.block(hidden_states, **self._arguments(hidden_states, attention_mask))
-        return self._result(out, attention_mask)
+        return self._result(out[0] if isinstance(out, tuple) else out, attention_mask)
 
 
 class HFOPTBlock(HFBlock):
@@ -179,28 +220,19 @@ class HFOPTBlock(HFBlock):
     the layer gets OPT's positions (counted over the non-padding tokens)."""
 
     def _arguments(self, hidden_states, attention_mask) -> dict:
-        mask = create_causal_mask(
-            config=self._config,
-            inputs_embeds=hidden_states,
-            attention_mask=attention_mask,
-            past_key_values=None,
-        )
+        mask = make_mask(create_causal_mask, self._config, hidden_states, attention_mask)
         position_ids, _ = _opt_positions(hidden_states, attention_mask)
         return {"attention_mask": mask, "position_ids": position_ids, "use_cache": False}
 
 
 class HFEncoderBlock(_Block):
-    """One encoder block (BERT, RoBERTa, ViT) called as the encoder calls it, with
-    the bidirectional padding mask (causal where ``config.is_decoder``)."""
+    """One encoder block (BERT, RoBERTa, ELECTRA, DistilBERT, ViT, DeiT) called as the
+    encoder calls it, with the bidirectional padding mask (causal where
+    ``config.is_decoder``)."""
 
     def forward(self, hidden_states, attention_mask=None):
         if getattr(self._config, "is_decoder", False):
-            mask = create_causal_mask(
-                config=self._config,
-                inputs_embeds=hidden_states,
-                attention_mask=attention_mask,
-                past_key_values=None,
-            )
+            mask = make_mask(create_causal_mask, self._config, hidden_states, attention_mask)
         else:
             mask = create_bidirectional_mask(
                 config=self._config, inputs_embeds=hidden_states, attention_mask=attention_mask
@@ -230,6 +262,18 @@ class HFHead(nn.Module):
         for module in self.children():
             hidden_states = module(hidden_states)
         return hidden_states
+
+
+class Softcap(nn.Module):
+    """``cap * tanh(logits / cap)``: Gemma 2's final logit softcapping, as its forward
+    computes it."""
+
+    def __init__(self, cap: float):
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, logits):
+        return torch.tanh(logits / self.cap) * self.cap
 
 
 class HFPooledHead(nn.Module):

@@ -11,6 +11,7 @@ from torch import nn
 
 from ...errors import HarmonyError
 from ..decompose import _HOW_TO
+from .alibi import HFBloomBlock, HFFalconBlock
 from .layers import (
     FirstToken,
     HFBlock,
@@ -103,40 +104,37 @@ def _gpt2(model, kind: str) -> Split:
     )
 
 
-def _rotary_decoder(model, kind: str) -> Split:
-    """Llama, Mistral, Qwen2 (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``)
-    and GPT-NeoX (``embed_in``, ``emb_dropout``, ``layers``, ``final_layer_norm``)."""
-    lm, neox = kind.endswith("ForCausalLM"), kind.startswith("GPTNeoX")
-    m = _Parts(model, ("gpt_neox" if neox else "model") if lm else "")
-    config, rotary = m.config, m.get("rotary_emb", "the rotary position embedding")
-
-    def mask(i: int) -> str:  # the mask the model's forward gives block i
-        if kind.startswith("Mistral"):
-            return "causal" if config.sliding_window is None else "sliding"
-        if kind.startswith("Qwen2"):
-            return "sliding" if config.layer_types[i] == "sliding_attention" else "causal"
-        return "causal"
-
-    blocks, names = m.blocks("layers", lambda i, b: HFBlock(b, config, mask(i), rotary))
-    if neox:
-        embeddings = HFTokenEmbeddings(
-            m.get("embed_in", "the token embedding"), m.get("emb_dropout", "the embedding dropout")
-        )
-        first, norm_name = ["embed_in", "emb_dropout"], "final_layer_norm"
-    else:
-        embeddings = HFTokenEmbeddings(m.get("embed_tokens", "the token embedding"))
-        first, norm_name = ["embed_tokens"], "norm"
+def _lm_split(model, m: _Parts, lm: bool, first: list[str], layers: tuple) -> Split:
+    """A decoder's split: token embeddings and the modules after them (``first``),
+    the blocks (``layers``: the wrappers and their names), the final norm ``ln_f``
+    and, where ``lm``, the LM head."""
+    blocks, names = layers
     head = HFHead(
-        norm=m.get(norm_name, "the final norm"),
+        ln_f=m.get("ln_f", "the final norm"),
         lm_head=m.get("lm_head", "the LM head", False) if lm else None,
     )
     return Split(
-        [embeddings, *blocks, head],
-        [m.name(first), *names, m.name([norm_name], ("lm_head",) * lm)],
+        [HFTokenEmbeddings(*(m.get(n, n) for n in first)), *blocks, head],
+        [m.name(first), *names, m.name(["ln_f"], ("lm_head",) * lm)],
         _TEXT_INPUTS,
         ("logits",) if lm else ("last_hidden_state",),
         cache=True,
     )
+
+
+def _bloom(model, kind: str) -> Split:
+    lm = kind == "BloomForCausalLM"
+    m = _Parts(model, "transformer" if lm else "")
+    layers = m.blocks("h", lambda i, b: HFBloomBlock(b, m.config, False))
+    return _lm_split(model, m, lm, ["word_embeddings", "word_embeddings_layernorm"], layers)
+
+
+def _falcon(model, kind: str) -> Split:
+    lm = kind == "FalconForCausalLM"
+    m = _Parts(model, "transformer" if lm else "")
+    rotary = m.get("rotary_emb", "the rotary position embedding")
+    layers = m.blocks("h", lambda i, b: HFFalconBlock(b, m.config, rotary))
+    return _lm_split(model, m, lm, ["word_embeddings"], layers)
 
 
 def _opt(model, kind: str) -> Split:
@@ -172,11 +170,34 @@ def _opt(model, kind: str) -> Split:
     )
 
 
+def _encoder_head(model, m: _Parts, kind: str, family: str) -> tuple[list, list, tuple]:
+    """The layers after the blocks of a BERT-like model, their names and the outputs."""
+    pooler = getattr(m.body, "pooler", None)
+    if m.body is model and pooler is None:
+        return [], [], ("last_hidden_state",)  # the last block ends the chain
+    if m.body is model:
+        return [HFPooledHead(pooler)], ["pooler"], ("last_hidden_state", "pooler_output")
+    if kind == "BertForSequenceClassification":
+        head = HFHead(
+            pooler=m.get("pooler", "the pooler"),
+            dropout=model.dropout,
+            classifier=model.classifier,
+        )
+        return [head], [m.name(["pooler"], ("dropout", "classifier"))], ("logits",)
+    # the masked-LM head, or the classification head on the whole sequence
+    parts = {"bert": ("cls",), "roberta": ("lm_head",)}.get(family)
+    if "LM" not in kind:
+        parts = ("classifier",)
+    elif parts is None:  # ELECTRA's generator
+        parts = ("generator_predictions", "generator_lm_head")
+    head = HFHead(**{p: m.get(p, "the head", False) for p in parts})
+    return [head], ["+".join(parts)], ("logits",)
+
+
 def _encoder(model, kind: str) -> Split:
-    """BERT and RoBERTa: the bare model, masked LM and sequence classification."""
-    family = "bert" if kind.startswith("Bert") else "roberta"
-    bare = kind in ("BertModel", "RobertaModel")
-    m = _Parts(model, "" if bare else family)
+    """BERT, RoBERTa and ELECTRA: the bare model, masked LM and sequence classification."""
+    family = next(f for f in ("bert", "roberta", "electra") if kind.lower().startswith(f))
+    m = _Parts(model, "" if kind.endswith("Model") and "LM" not in kind else family)
     if getattr(m.config, "add_cross_attention", False):
         raise HarmonyError(
             f"cannot split {kind}: its blocks attend to encoder states "
@@ -184,38 +205,54 @@ def _encoder(model, kind: str) -> Split:
             "pass a list of blocks"
         )
     layers, names = m.blocks("encoder.layer", lambda i, b: HFEncoderBlock(b, m.config, False))
-    outputs: tuple[str, ...] = ("logits",)
-    if bare and m.body.pooler is None:
-        layers[-1].last = True  # the last block ends the chain
-        outputs = ("last_hidden_state",)
-    elif bare:
-        layers.append(HFPooledHead(m.body.pooler))
-        names.append("pooler")
-        outputs = ("last_hidden_state", "pooler_output")
-    elif kind == "BertForSequenceClassification":
-        layers.append(
-            HFHead(
-                pooler=m.get("pooler", "the pooler"),
-                dropout=model.dropout,
-                classifier=model.classifier,
-            )
-        )
-        names.append(m.name(["pooler"], ("dropout", "classifier")))
-    else:  # the masked-LM head, or RoBERTa's classification head (on the whole sequence)
-        head = ("cls" if family == "bert" else "lm_head") if "LM" in kind else "classifier"
-        layers.append(HFHead(**{head: m.get(head, "the head", False)}))
-        names.append(head)
+    head, head_names, outputs = _encoder_head(model, m, kind, family)
+    if not head:
+        layers[-1].last = True
+    project = getattr(m.body, "embeddings_project", None)  # ELECTRA's, where sizes differ
+    embeddings = HFEncoderEmbeddings(m.get("embeddings", "the embeddings"), project)
     return Split(
-        [HFEncoderEmbeddings(m.get("embeddings", "the embeddings")), *layers],
-        [m.name(["embeddings"]), *names],
+        [embeddings, *layers, *head],
+        [m.name(["embeddings", "embeddings_project"][: 1 + (project is not None)]), *names]
+        + head_names,
         (*_TEXT_INPUTS, "token_type_ids"),
         outputs,
     )
 
 
+def _distilbert(model, kind: str) -> Split:
+    """DistilBERT: the bare model, masked LM and sequence classification."""
+    bare = kind == "DistilBertModel"
+    m = _Parts(model, "" if bare else "distilbert")
+    layers, names = m.blocks("transformer.layer", lambda i, b: HFEncoderBlock(b, m.config, False))
+    layers[-1].last = bare  # the bare model's last block ends the chain
+    if kind == "DistilBertForMaskedLM":
+        parts = ("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector")
+        layers.append(HFHead(**{p: m.get(p, "the head", False) for p in parts}))
+        names.append("+".join(parts))
+    elif not bare:  # the classifier on the first token
+        layers.append(
+            HFHead(
+                first_token=FirstToken(),
+                pre_classifier=model.pre_classifier,
+                relu=nn.ReLU(),
+                dropout=model.dropout,
+                classifier=model.classifier,
+            )
+        )
+        names.append("pre_classifier+dropout+classifier")
+    embeddings = HFEncoderEmbeddings(m.get("embeddings", "the embeddings"), token_types=False)
+    return Split(
+        [embeddings, *layers],
+        [m.name(["embeddings"]), *names],
+        _TEXT_INPUTS,
+        ("logits",) if not bare else ("last_hidden_state",),
+    )
+
+
 def _vit(model, kind: str) -> Split:
-    bare = kind == "ViTModel"
-    m = _Parts(model, "" if bare else "vit")
+    """ViT and DeiT: the bare model and image classification (on the first token)."""
+    bare = kind.endswith("Model")
+    m = _Parts(model, "" if bare else kind[: kind.index("For")].lower())
     blocks, names = m.blocks("layers", lambda i, b: HFEncoderBlock(b, m.config, False))
     norm = m.get("layernorm", "the final norm")
     if not bare:
@@ -238,22 +275,26 @@ def _vit(model, kind: str) -> Split:
     )
 
 
+def _family(recipe, families: tuple[str, ...], suffixes: tuple[str, ...]) -> dict:
+    return {f"{family}{suffix}": recipe for family in families for suffix in suffixes}
+
+
+#: the families with a recipe, as people name them
+FAMILIES = "GPT-2, OPT, Bloom, Falcon, BERT, RoBERTa, ELECTRA, DistilBERT, ViT, DeiT"
+
+#: the families whose forward the Llama layout does not describe, by class name
+#: (the rest of the decoders: :func:`.layout.decoder_layout`)
 RECIPES: dict[str, Callable[[nn.Module, str], Split]] = {
-    "GPT2Model": _gpt2,
-    "GPT2LMHeadModel": _gpt2,
-    **{
-        f"{family}{suffix}": _rotary_decoder
-        for family in ("Llama", "Mistral", "Qwen2", "GPTNeoX")
-        for suffix in ("Model", "ForCausalLM")
-    },
-    "OPTModel": _opt,
-    "OPTForCausalLM": _opt,
-    **{
-        f"{family}{suffix}": _encoder
-        for family in ("Bert", "Roberta")
-        for suffix in ("Model", "ForMaskedLM", "ForSequenceClassification")
-    },
+    **_family(_gpt2, ("GPT2",), ("Model", "LMHeadModel")),
+    **_family(_opt, ("OPT",), ("Model", "ForCausalLM")),
+    **_family(_bloom, ("Bloom",), ("Model", "ForCausalLM")),
+    **_family(_falcon, ("Falcon",), ("Model", "ForCausalLM")),
+    **_family(
+        _encoder,
+        ("Bert", "Roberta", "Electra"),
+        ("Model", "ForMaskedLM", "ForSequenceClassification"),
+    ),
     "BertLMHeadModel": _encoder,
-    "ViTModel": _vit,
-    "ViTForImageClassification": _vit,
+    **_family(_distilbert, ("DistilBert",), ("Model", "ForMaskedLM", "ForSequenceClassification")),
+    **_family(_vit, ("ViT", "DeiT"), ("Model", "ForImageClassification")),
 }
