@@ -151,7 +151,9 @@ class LinkPacer:
         self.free_at = {link: 0.0 for link in links}
         self._lock = threading.Lock()
 
-    def wait(self, route: tuple[str, ...], nbytes: float, max_rate: float, started: float) -> float:
+    def wait(
+        self, route: tuple[str, ...], nbytes: float, max_rate: float, started: float
+    ) -> float:
         """Sleep until a copy of ``nbytes`` that ``started`` (``time.perf_counter()``)
         on ``route`` is done; returns that time (``started`` when nothing is paced)."""
         if not route or nbytes <= 0:
