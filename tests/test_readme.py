@@ -75,15 +75,54 @@ def test_python_blocks_run_in_order(tmp_path, monkeypatch):
             pytest.fail(f"README python block {i + 1} fails: {type(e).__name__}: {e}\n{block}")
 
 
-def test_shell_commands_run(tmp_path):
-    """In order (a later command reads what an earlier one wrote, e.g. plan.json)."""
-    for command in shell_commands():
-        if command in NOT_RUN or command.startswith(".venv/bin/python bench/"):
-            continue
+def files_named(command: str) -> set[str]:
+    """The words of ``command`` that name files (``plan.json``, ``run/``)."""
+    return {w for w in shlex.split(command) if not w.startswith("-") and ("." in w or "/" in w)}
+
+
+def shell_chains() -> list[list[str]]:
+    """The README's shell commands run here (benchmarks and :data:`NOT_RUN` left
+    out), in chains: a command joins the chain of an earlier command of its block
+    that names a file it names too (``--save-plan plan.json``, then ``--plan
+    plan.json``); the others start chains of their own, which run apart."""
+    chains: list[list[str]] = []
+    for block in blocks("bash"):
+        mine: list[list[str]] = []
+        for c in commands(block):
+            if c in NOT_RUN or c.startswith(".venv/bin/python bench/"):
+                continue
+            chain = next(
+                (ch for ch in mine if any(files_named(c) & files_named(o) for o in ch)), None
+            )
+            if chain is None:
+                mine.append(chain := [])
+            chain.append(c)
+        chains += mine
+    return chains
+
+
+CHAINS = shell_chains()
+
+
+@pytest.mark.parametrize("chain", CHAINS, ids=[" ".join(ch[0].split()[:3]) for ch in CHAINS])
+def test_shell_commands_run(chain, tmp_path):
+    """A chain's commands in order, in a directory of its own."""
+    for command in chain:
         done = run(small(command), tmp_path, timeout=600)
         assert done.returncode == 0, (
             f"`{small(command)}` exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
         )
+
+
+def test_every_command_runs_in_one_chain():
+    run_here = [
+        c
+        for c in shell_commands()
+        if c not in NOT_RUN and not c.startswith(".venv/bin/python bench/")
+    ]
+    assert sorted(c for ch in CHAINS for c in ch) == sorted(run_here)
+    plan = next(ch for ch in CHAINS if any("--save-plan plan.json" in c for c in ch))
+    assert any("--plan plan.json" in c for c in plan[1:])
 
 
 BENCHES = [c for c in shell_commands() if c.startswith(".venv/bin/python bench/")]
