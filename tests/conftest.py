@@ -7,15 +7,22 @@ one simulation takes milliseconds and property tests can afford many examples.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 
 import pytest
+import torch
 from hypothesis import strategies as st
 
 import harmony
 from harmony import Curve, Hardware, LayerCost, ModelSpec, Plan
 
 POLICY_NAMES = tuple(sorted(harmony.POLICIES))
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the suite runs in a worker per core (make test): one torch thread each, or the
+    # workers' thread pools fight over the cores
+    torch.set_num_threads(1)
 
 
 # ---- models -----------------------------------------------------------------------
@@ -219,3 +226,14 @@ def tiny():
 
 def close(a: float, b: float, rel: float = 1e-9, abs_: float = 1e-12) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+
+
+@pytest.fixture(scope="session")
+def executed_notebook(tmp_path_factory):
+    """``path`` -> :class:`executed.Executed`: the notebook run once this session with
+    its smoke parameters (see :mod:`executed`)."""
+    from executed import execute_once, shared_directory
+    from test_notebooks import smoke_parameters
+
+    root = shared_directory(tmp_path_factory)
+    return lambda path: execute_once(path, smoke_parameters(path), root)

@@ -336,7 +336,7 @@ def test_the_calling_convention_is_in_the_readme():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     section = GUIDE.split("'")[1]
     assert f"#### {section}" in readme
-    assert "harmony.decompose(blocks, reference=model, example_inputs=(ids, mask))" in readme
+    assert "harmony.decompose(blocks, reference=llama, example_inputs=(ids, mask))" in readme
 
 
 def test_raw_transformers_blocks_are_named_with_what_they_miss():

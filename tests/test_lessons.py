@@ -87,21 +87,11 @@ def test_lesson_is_committed_clean_and_complete(path):
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=_ids(LESSONS))
-def test_lesson_runs_with_small_parameters(path, tmp_path):
-    pm = pytest.importorskip("papermill")
+def test_lesson_runs_with_small_parameters(path, executed_notebook):
+    pytest.importorskip("papermill")
     experiment = EXPERIMENTS[path.resolve()]
-    out = tmp_path / "out"
-    params = {**experiment["quick"], **SMALL[path.stem], "out_dir": str(out)}
-    executed = tmp_path / path.name
-    pm.execute_notebook(
-        str(path),
-        str(executed),
-        parameters=params,
-        kernel_name="python3",
-        cwd=str(ROOT),
-        progress_bar=False,
-        log_output=False,
-    )
+    run = executed_notebook(path)  # with its quick parameters and SMALL's
+    out, executed = run.out, run.notebook
     results = json.loads((out / "results.json").read_text())
     value = results
     for key in experiment["summary"].split("."):

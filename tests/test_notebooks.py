@@ -10,8 +10,6 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from harmony.workbench.reproduce import kernel_manager_class
-
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
@@ -115,21 +113,11 @@ def smoke_parameters(path: Path) -> dict:
     [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in NOTEBOOKS],
     ids=_ids(NOTEBOOKS),
 )
-def test_runs_with_smoke_parameters(path, tmp_path):
-    pm = pytest.importorskip("papermill")
+def test_runs_with_smoke_parameters(path, executed_notebook):
+    pytest.importorskip("papermill")
     experiment = _experiment(path)
-    params = {**smoke_parameters(path), "out_dir": str(tmp_path / "out")}
-    pm.execute_notebook(
-        str(path),
-        str(tmp_path / path.name),
-        parameters=params,
-        kernel_name="python3",
-        kernel_manager_class=kernel_manager_class(),  # no transport warning per notebook
-        cwd=str(ROOT),
-        progress_bar=False,
-        log_output=False,
-    )
-    out = Path(params["out_dir"])
+    run = executed_notebook(path)
+    out = run.out
     results = json.loads((out / "results.json").read_text())
     assert results, "results.json is empty"
     if "summary" in experiment:  # the field the experiment calls our number
@@ -148,7 +136,7 @@ def test_runs_with_smoke_parameters(path, tmp_path):
             and (out / "figure.png").exists()
             and (out / "data.csv").exists()
         )
-        executed = nbformat.read(tmp_path / path.name, as_version=4)
+        executed = nbformat.read(run.notebook, as_version=4)
         printed = "".join(
             o.get("text", "") for o in executed.cells[-1].outputs if o.output_type == "stream"
         )

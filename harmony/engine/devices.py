@@ -34,7 +34,7 @@ import torch
 from ..costs.hardware import GB, Hardware, format_bytes, parse_bytes, parse_rate
 from ..errors import HarmonyError, OutOfMemoryError
 from .buffers import BufferPool
-from .host_pages import fresh_buffer, return_freed_memory
+from .host_pages import fresh_buffer
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,6 @@ class EmulatedBackend(Backend):
         self.spec = spec
         self.ledger = Ledger(name, spec.capacity)
         self.pool = None  # see the module docstring
-        return_freed_memory()
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return fresh_buffer(numel, dtype)

@@ -10,6 +10,7 @@ emulated GPU, whose copies are host memory, holds no more than its ledger
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 import torch
 
@@ -17,9 +18,6 @@ import torch
 _M_MMAP_THRESHOLD = -3
 #: allocations of this size or more get their own mapping (see below)
 MMAP_THRESHOLD = 1 << 20
-#: Linux's madvise advice for transparent huge pages, and their size on x86-64 and arm64
-_MADV_HUGEPAGE = 14
-HUGE_PAGE = 2 << 20
 
 
 def _libc():
@@ -30,8 +28,6 @@ def _libc():
 
 
 _LIBC = _libc()
-if _LIBC is not None and hasattr(_LIBC, "madvise"):
-    _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def return_freed_memory() -> bool:
@@ -55,13 +51,18 @@ def return_freed_memory() -> bool:
 
 def fresh_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D host tensor of ``numel`` elements in memory of its own (contents
-    undefined), freed when its last view goes. Where it spans huge pages the
-    kernel is advised to back it with them (``MADV_HUGEPAGE``), which makes its
-    first writes several times faster than page by page: a buffer made anew
-    for every copy costs about what reusing one does."""
-    t = torch.empty(numel, dtype=dtype)
-    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the huge pages wholly inside it
-    end = (t.data_ptr() + numel * dtype.itemsize) // HUGE_PAGE * HUGE_PAGE
-    if end > start and _LIBC is not None and hasattr(_LIBC, "madvise"):
-        _LIBC.madvise(start, end - start, _MADV_HUGEPAGE)  # advice: ignored where unsupported
-    return t
+    undefined), given back to the operating system when its last view goes.
+
+    From :data:`MMAP_THRESHOLD` up it is a mapping of its own (``mmap``), so it
+    goes back whatever malloc's threshold is (setting that threshold for the whole
+    process, as :func:`return_freed_memory` does, would make every large tensor
+    of the process's computations a mapping of its own, paid in page faults), and
+    the kernel is advised to back it with huge pages (``MADV_HUGEPAGE``), which
+    makes its first writes several times faster than page by page."""
+    nbytes = numel * dtype.itemsize
+    if nbytes < MMAP_THRESHOLD:
+        return torch.empty(numel, dtype=dtype)
+    region = mmap.mmap(-1, nbytes)  # anonymous and private; the tensor keeps it alive
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)  # advice: ignored where unsupported
+    return torch.frombuffer(region, dtype=dtype, count=numel)
