@@ -29,7 +29,7 @@ figures: $(STAMP)
 	$(BIN)/harmony reproduce --quick --out $(OUT)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m ""

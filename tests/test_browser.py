@@ -13,6 +13,7 @@ them when they are missing, a failure when ``CI`` is set.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ from urllib.parse import urlparse
 
 import nbformat
 import pytest
+from executed import shared_directory
 from test_notebooks import NOTEBOOK_DIR, parameter_names, parameters_cell, smoke_parameters
 
 pytestmark = pytest.mark.browser
@@ -229,8 +231,12 @@ def lab(tmp_path_factory):
 
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         (ARTIFACTS / ".gitignore").write_text("*\n")  # screenshots are never committed
+        # screenshots of earlier sessions go; those of this session's other workers stay
+        started = shared_directory(tmp_path_factory).parent.stat().st_ctime
         for old in ARTIFACTS.glob("*.png"):
-            old.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                if old.stat().st_mtime < started:
+                    old.unlink()
         with sync_playwright() as p:
             browser = p.chromium.launch(
                 executable_path=browser_path, args=FLAGS
