@@ -56,8 +56,8 @@ from torch import fx, nn
 from ..errors import HarmonyError
 from .decompose_checks import (
     GUIDE,
-    _evaluating,
     check_reference,
+    evaluating,
     refuse_raw_blocks,
     warn_if_unsplit,
 )
@@ -249,7 +249,7 @@ def _take_tuples_whole(layers, names, example_inputs) -> list[nn.Module]:
             "pass the single input tensor"
         )
     out, x = list(layers), example_inputs[0]
-    with _evaluating(layers), torch.no_grad():
+    with evaluating(layers), torch.no_grad():
         for i, layer in enumerate(layers):
             if i > 0 and isinstance(x, tuple):
                 out[i] = TupleArgument(layer)
@@ -330,7 +330,7 @@ def _from_fx(model: nn.Module, example_inputs) -> tuple[list[nn.Module], list[st
     if example_inputs is not None:
         interpreter = _Kinds(gm)
         try:
-            with _evaluating([model]), torch.no_grad():
+            with evaluating([model]), torch.no_grad():
                 interpreter.run(*example_inputs)
         except Exception as e:  # noqa: BLE001
             raise HarmonyError(

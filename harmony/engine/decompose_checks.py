@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import HarmonyError
+from .describe import evaluating
 
 #: where the README defines the calling convention and shows a wrapper end to end
 GUIDE = "README.md, section 'Your own blocks: the calling convention'"
@@ -203,21 +204,5 @@ def check_reference(layers: list, names: list[str], reference: nn.Module, exampl
         def forward():
             return reference(*example_inputs)
 
-    with _evaluating([reference, *layers]):
+    with evaluating([reference, *layers]):
         check_chain(layers, names, reference, example_inputs, forward, kind)
-
-
-class _evaluating:
-    """Eval mode for the duration of a block, restoring every module's own flag."""
-
-    def __init__(self, modules):
-        self.modules = [m for root in modules for m in root.modules()]
-
-    def __enter__(self):
-        self.flags = [m.training for m in self.modules]
-        for m in self.modules:
-            m.training = False
-
-    def __exit__(self, *exc):
-        for m, flag in zip(self.modules, self.flags):
-            m.training = flag

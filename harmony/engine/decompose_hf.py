@@ -37,7 +37,7 @@ import transformers
 from torch import nn
 
 from ..errors import HarmonyError
-from .decompose_checks import GUIDE, _evaluating, check_chain
+from .decompose_checks import GUIDE, check_chain, evaluating
 from .hf.layers import FOLLOWED
 from .hf.layout import decoder_layout
 from .hf.recipes import FAMILIES, RECIPES, Split
@@ -126,6 +126,6 @@ def _check(model: nn.Module, chain: Split, inputs: tuple) -> None:
             f"example_inputs has {len(inputs)} tensors but the chain of "
             f"{kind} takes at most {len(chain.inputs)}: {', '.join(chain.inputs)}"
         )
-    with _evaluating([model]):
+    with evaluating([model]):
         forward = reference_forward(model, inputs, chain.outputs)
         check_chain(chain.layers, chain.names, model, inputs, forward, kind)
