@@ -20,11 +20,13 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def _imports(name: str, path: Path) -> set[str]:
-    """The harmony modules ``name`` imports at module level (not inside functions)."""
+def _imports(name: str, path: Path, everywhere: bool = False) -> set[str]:
+    """The harmony modules ``name`` imports at module level (not inside functions);
+    ``everywhere``: every import, inside functions and under ``TYPE_CHECKING`` too."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree) if everywhere else tree.body:
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
@@ -122,3 +124,17 @@ def test_engine_helpers_are_given_small_objects_not_the_engine():
     for name, targets in EDGES.items():
         if name.startswith("harmony.engine.") and name != "harmony.engine.engine":
             assert "harmony.engine.engine" not in targets, name
+
+
+def test_the_storage_tier_is_a_leaf():
+    """``engine/tiers`` imports nothing of the rest of the engine, counting the imports
+    inside functions and under ``TYPE_CHECKING``: what it shares with the engine (the
+    OS's memory probes, durable renames, paced links) lives in it."""
+    for name, path in MODULES.items():
+        if name.startswith("harmony.engine.tiers"):
+            above = {
+                t
+                for t in _imports(name, path, everywhere=True)
+                if t.startswith("harmony.engine") and not t.startswith("harmony.engine.tiers")
+            }
+            assert not above, f"{name} imports {sorted(above)}"

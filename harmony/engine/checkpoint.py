@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from ..errors import HarmonyError
+from .tiers.system import fsync_dir
 
 MAGIC = b"harmony-checkpoint\n"
 FORMAT = 1
@@ -62,20 +63,6 @@ def write_checkpoint(path: str | Path, state: dict) -> Path:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)  # the rename itself survives a power cut
     return path
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` survive a power cut."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def read_checkpoint(path: str | Path) -> dict:

@@ -15,8 +15,6 @@ and computations are freed as the graph frees them: see
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,54 +31,16 @@ from ..graph import (
 )
 from ..policies import spec_for, stashes_in_flight
 from ..simulate import simulate_graph
+from .tiers.system import (  # noqa: F401 - the process's memory, as the engine reads it
+    available_host_bytes,
+    peak_resident_bytes,
+    reset_peak_resident,
+    resident_bytes,
+)
 from .updates import optimizer_params
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-
-def available_host_bytes() -> int | None:
-    """Memory the kernel says can be allocated without swapping (None: unknown)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory now (None: unknown)."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_resident_bytes() -> int | None:
-    """This process's peak resident memory (None: unknown). Read from the
-    kernel's ``VmHWM``, not ``getrusage``'s ``ru_maxrss``, which a process
-    started by fork + exec inherits from its parent: a small child of a big
-    test runner would report the runner's size."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, IndexError, ValueError):
-        pass
-    return None
-
-
-def reset_peak_resident() -> bool:
-    """Start :func:`peak_resident_bytes` anew from the resident memory now (the
-    kernel's ``clear_refs``); whether it could."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
 
 
 def besides_the_model(module: nn.Module) -> int:

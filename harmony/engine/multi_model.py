@@ -23,10 +23,11 @@ from ..simulate import play
 from ..trace import Trace
 from .admission import MemoryOrder
 from .describe import describe
-from .devices import EmulatedServer, LinkPacer, make_backends
+from .devices import EmulatedServer, make_backends
 from .executor import Executor
 from .reference_loop import as_args
 from .step import SharedDevices, StepRun, memory_checks
+from .tiers.pacing import LinkPacer
 
 
 def train_many(

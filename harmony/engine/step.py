@@ -50,11 +50,12 @@ from .admission import MemoryOrder
 from .buffers import BufferPool
 from .compute import Compute, Recomputed
 from .context import StepContext
-from .devices import Backend, LinkPacer
+from .devices import Backend
 from .disk_steps import DiskSteps
 from .executor import Executor
 from .optimizer_steps import PackCommits, Updates
 from .step_memory import StepMemory
+from .tiers.pacing import LinkPacer
 from .ties import TieSums
 from .transfers import Transfers
 

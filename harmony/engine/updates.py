@@ -11,10 +11,7 @@ import torch
 
 from ..costs.spec import state_slots
 from ..errors import NonFiniteError
-
-
-def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in opt.param_groups for p in group["params"]]
+from .tiers.optimizer_state import optimizer_params
 
 
 def optimizer_kind(factory) -> str:

@@ -36,8 +36,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..costs.spec import ModelSpec
-from ..engine.devices import EmulatedDevice, Ledger, LinkPacer
+from ..engine.devices import EmulatedDevice, Ledger
 from ..engine.reference_loop import as_args
+from ..engine.tiers.pacing import LinkPacer
 from ..errors import OutOfMemoryError
 from ..plan import split_samples
 

@@ -17,7 +17,7 @@ import torch
 
 from ...costs.hardware import format_bytes, parse_bytes
 from ...errors import HarmonyError
-from ..host_memory import available_host_bytes
+from .system import available_host_bytes
 
 
 class HostBudgetError(HarmonyError):

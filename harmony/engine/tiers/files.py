@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from ...errors import HarmonyError
-from ..checkpoint import fsync_dir
-from ..devices import LinkPacer
+from .pacing import LinkPacer
+from .system import fsync_dir
 
 try:  # ISA-L's CRC-32: zlib's checksum (the same values), ~3x faster with vector instructions
     from isal.isal_zlib import crc32

@@ -11,7 +11,11 @@ from typing import Mapping
 import torch
 
 from ...errors import HarmonyError
-from ..updates import optimizer_params
+
+
+def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """``opt``'s parameters over its param groups, in order."""
+    return [p for group in opt.param_groups for p in group["params"]]
 
 
 def export_state(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
