@@ -21,7 +21,7 @@ from .engine import (
     reference_step,
 )
 from .engine.checkpoint import CheckpointDir, CheckpointError
-from .engine.multi_model import train_many
+from .engine.train_many import train_many
 from .engine.optim import FlatAdamW
 from .engine.profiler import profile
 from .errors import DeadlockError, HarmonyError, NonFiniteError, OutOfMemoryError

@@ -306,7 +306,7 @@ def test_a_run_killed_at_random_moments_resumes_to_bitwise_the_same_weights(tmp_
 
 
 def test_huge_but_finite_gradients_are_not_mistaken_for_non_finite_ones():
-    from harmony.engine.updates import check_finite_gradients
+    from harmony.engine.journal import check_finite_gradients
 
     p = nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([p], lr=0.1)

@@ -380,7 +380,7 @@ def test_mixture_of_experts_keeps_forward_and_backward_microbatches_equal():
 
 
 def test_auto_plan_searches_one_microbatch_size_for_experts(monkeypatch):
-    import harmony.engine.planning as planning
+    import harmony.engine.auto_plan as planning
 
     asked = {}
 

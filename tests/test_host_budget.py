@@ -188,7 +188,7 @@ def test_auto_plan_fits_what_the_budget_leaves(tmp_path, monkeypatch):
     The run equals the same plan with everything in memory. (What the process holds
     besides the model is taken as 0 here: it varies with what ran before in it.)"""
     import harmony.engine.engine as engine_module
-    import harmony.engine.planning as planning
+    import harmony.engine.auto_plan as planning
 
     width, layers, batch = 512, 8, 8
 
@@ -246,7 +246,7 @@ def test_auto_plan_with_tied_weights_on_disk_is_exact(tmp_path, monkeypatch):
     from test_gradient_slots import tied_gpt2, train_gpt2
 
     import harmony.engine.engine as engine_module
-    import harmony.engine.planning as planning
+    import harmony.engine.auto_plan as planning
 
     def run(host_memory, plan, tier):
         device = EmulatedDevice("16MB", "4GB/s", "4GB/s")

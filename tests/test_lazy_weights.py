@@ -14,7 +14,7 @@ from torch import nn
 
 import harmony
 from harmony import Engine, HarmonyError, empty_weights, materialize
-from harmony.engine.disk_state import StateOnDisk
+from harmony.engine.disk_staging import StateOnDisk
 from harmony.engine.lazy_weights import has_memory
 
 

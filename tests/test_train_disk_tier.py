@@ -79,7 +79,7 @@ def test_the_report_says_where_the_state_lives(tmp_path, plan_file, capsys, monk
 
 
 def test_a_budget_under_what_the_process_holds_is_refused_in_words(capsys, monkeypatch):
-    import harmony.engine.planning as planning
+    import harmony.engine.auto_plan as planning
 
     # what the process holds besides the model, as plan="auto" sees it: 2 GB
     monkeypatch.setattr(planning, "besides_the_model", lambda module: 2 * 10**9)

@@ -17,10 +17,10 @@ import torch
 from ..plan import Plan
 from .devices import Backend
 from .host_model import HostModel
-from .updates import UpdateJournal
+from .journal import UpdateJournal
 
 if TYPE_CHECKING:
-    from .disk_state import StateOnDisk
+    from .disk_staging import StateOnDisk
     from .distributed import GradientSync
     from .gradient_slots import GradientSlots
 

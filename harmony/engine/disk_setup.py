@@ -12,7 +12,7 @@ placement's arithmetic (the tier's I/O buffers, and staging for weight loads
 when master weights are on disk), so the placement
 the graph's DISK tasks follow (:func:`harmony.policies.disk_placement`) is
 what the engine can hold. :func:`attach` then makes the run's
-:class:`~harmony.engine.disk_state.StateOnDisk` from that placement: a new
+:class:`~harmony.engine.disk_staging.StateOnDisk` from that placement: a new
 tier (its directory checked, room for two slots of the state, the state on
 disk written and committed as of the engine's step before anything leaves
 host memory), or the tier of the checkpoint being resumed, opened as of its
@@ -32,14 +32,14 @@ from ..errors import HarmonyError
 from ..graph import DISK_OUT, Activation, TaskGraph, is_load_read
 from ..plan import Plan
 from ..policies import build_graph, disk_placement
-from .disk_state import StateOnDisk, Unit
+from .disk_staging import StateOnDisk, Unit
 from .host_memory import device_memory_in_host, placement_of, resident_bytes
 from .host_pages import return_freed_memory
 from .tiers import DiskTier, HostBudget, machine_host_bytes, measure_disk_bandwidth
 from .tiers.directory import check_directory
 from .tiers.files import ALIGN, CHUNK, DIRECTIONS, PAGE
 from .tiers.stashes import scratch_bytes
-from .updates import optimizer_params
+from .journal import optimizer_params
 
 if TYPE_CHECKING:
     from .engine import Engine

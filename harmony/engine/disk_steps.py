@@ -3,7 +3,7 @@
 :class:`DiskSteps` is the part of :class:`~harmony.engine.step.StepRun` that
 plays DISK_IN and DISK_OUT (payload :class:`~harmony.graph.DiskState`; see
 :mod:`harmony.policies.disk_tier` for where the graph puts them) with the
-run's :class:`~harmony.engine.disk_state.StateOnDisk`:
+run's :class:`~harmony.engine.disk_staging.StateOnDisk`:
 
 * a DISK_IN before an update (UPD) reads the kinds of that update's unit into
   a staging slot; the parameters' data and the optimizer's state are then the
@@ -40,7 +40,7 @@ import time
 from collections import defaultdict
 
 from ..graph import ACT_IN, DISK_IN, DISK_OUT, STASH_IN, W_IN, Activation, Task, is_load_read
-from .disk_state import Staged, Unit
+from .disk_staging import Staged, Unit
 from .step_memory import assemble, nbytes
 
 

@@ -46,8 +46,8 @@ from .decompose import decompose
 from .describe import describe, norm_tensor_names
 from .devices import Backend, make_backends
 from .disk_setup import HostSettings, attach, build_for_host, host_settings
-from .disk_state import StateOnDisk
-from .engine_checks import (
+from .disk_staging import StateOnDisk
+from .refusals import (
     PRECISIONS,
     batch_kinds,
     check_arguments,
@@ -62,8 +62,8 @@ from .host_memory import besides_the_model, check_host_memory
 from .host_model import HostModel
 from .lazy_weights import UnmadeWeights
 from .reference_loop import as_args
-from .state import FORMAT as STATE_FORMAT
-from .state import (
+from .checkpoint_state import FORMAT as STATE_FORMAT
+from .checkpoint_state import (
     apply_state,
     check_state,
     engine_state,
@@ -72,7 +72,7 @@ from .state import (
     optimizer_state,
     param_names,
 )
-from .updates import UpdateJournal, optimizer_kind
+from .journal import UpdateJournal, optimizer_kind
 
 GROWTH_INTERVAL = 2000
 
@@ -387,7 +387,7 @@ class Engine:
                 # the state the engine's optimizer keeps, whatever the profile assumed
                 self.profile = replace(self.profile, optimizer=self.spec.optimizer)
         if self.plan is None:
-            from .planning import auto_plan
+            from .auto_plan import auto_plan
 
             self.set_plan(auto_plan(self, inputs, target))
         if self._graph_cache is None:

@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 import torch
 
 from ..graph import UPD, TaskGraph
-from .updates import optimizer_params
+from .journal import optimizer_params
 
 
 class GradientSlots:

@@ -37,7 +37,7 @@ from .tiers.system import (  # noqa: F401 - the process's memory, as the engine 
     reset_peak_resident,
     resident_bytes,
 )
-from .updates import optimizer_params
+from .journal import optimizer_params
 
 if TYPE_CHECKING:
     from .engine import Engine

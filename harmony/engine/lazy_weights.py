@@ -21,7 +21,7 @@ A placeholder an earlier engine left (its master weight on that engine's
 disk tier) is not made anew: a checkpoint or the tier gives its value
 (``Engine.load``), else making it is an error.
 
-Until made, a parameter is a *placeholder* (:func:`~.disk_state.placeholder`:
+Until made, a parameter is a *placeholder* (:func:`~.disk_staging.placeholder`:
 its shape and dtype, one element broadcast); describing and profiling the
 model run on those (sizes and times do not depend on the values).
 """
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import HarmonyError
-from .disk_state import has_memory, placeholder
+from .disk_staging import has_memory, placeholder
 from .reference_loop import layer_seed
 
 #: the mark of a placeholder whose parameter never had values (made from a meta one):

@@ -30,7 +30,7 @@ import torch
 from ..errors import HarmonyError
 from ..graph import OPT_IN, Task, TaskGraph
 from .optim import FlatAdamW
-from .updates import apply_update, check_finite_gradients, optimizer_params
+from .journal import apply_update, check_finite_gradients, optimizer_params
 
 
 @dataclass

@@ -28,7 +28,7 @@ from .describe import describe, layer_inputs
 from .lazy_weights import UnmadeWeights
 from .meters import SavedBytes
 from .reference_loop import as_args
-from .updates import UpdateJournal, apply_update, optimizer_kind
+from .journal import UpdateJournal, apply_update, optimizer_kind
 
 
 def default_sizes(minibatch: int) -> list[int]:

@@ -36,7 +36,7 @@ is freed by the unit's own tasks.
 
 **One graph.** A schedule becomes one :class:`~harmony.graph.TaskGraph`, which
 :func:`~harmony.simulate.simulate_graph` plays (one Trace; its ``model`` column
-is the job) and the engine runs (:func:`harmony.engine.multi_model.train_many`). Each unit's
+is the job) and the engine runs (:func:`harmony.engine.train_many.train_many`). Each unit's
 tasks move to its GPU (lanes ``gpu0.*`` -> ``gpuK.*``, with their links and buffers); the CPU
 update lanes are shared. Units get ``seq`` in the order the schedule starts
 them, so each GPU's compute lane runs its units in that order and every

@@ -72,7 +72,7 @@ graph; the placement's ``host_bytes`` is what the host holds).
 **In the engine** (``Engine(host_memory=..., disk_dir=..., disk=...)``):
 :mod:`harmony.engine.disk_setup` builds the graph for the host budget and
 opens the tier from the graph's placement (checked before anything changes),
-:mod:`harmony.engine.disk_state` keeps the state on it (placeholders for the
+:mod:`harmony.engine.disk_staging` keeps the state on it (placeholders for the
 master weights there, staging slots charged to the :class:`HostBudget`), and
 :mod:`harmony.engine.disk_steps` plays DISK_IN / DISK_OUT: each update steps
 its staged state in place (``FlatAdamW`` and torch's optimizers step adopted

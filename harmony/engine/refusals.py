@@ -14,7 +14,7 @@ from ..graph import OPT_IN, UPD, TaskGraph
 from ..plan import Plan
 from ..policies import POLICIES, get_policy
 from .describe import microbatch_dependence
-from .updates import optimizer_params
+from .journal import optimizer_params
 
 NONFINITE = ("raise", "skip")
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

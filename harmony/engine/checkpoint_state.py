@@ -20,7 +20,7 @@ import torch
 
 from ..errors import HarmonyError
 from ..plan import Plan
-from .updates import optimizer_params
+from .journal import optimizer_params
 
 if TYPE_CHECKING:
     from .engine import Engine

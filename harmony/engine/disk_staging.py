@@ -32,7 +32,7 @@ from ..errors import HarmonyError
 from .tiers import DiskTier, HostBudget, Placement, adopt_state, drop_state, export_state
 from .tiers.files import ALIGN, round_up
 from .tiers.stashes import StashFile
-from .updates import optimizer_params
+from .journal import optimizer_params
 
 
 @dataclass
