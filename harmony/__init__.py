@@ -21,9 +21,9 @@ from .engine import (
     reference_step,
 )
 from .engine.checkpoint import CheckpointDir, CheckpointError
-from .engine.train_many import train_many
 from .engine.optim import FlatAdamW
 from .engine.profiler import profile
+from .engine.train_many import train_many
 from .errors import DeadlockError, HarmonyError, NonFiniteError, OutOfMemoryError
 from .graph import Task, TaskGraph
 from .plan import Plan

@@ -119,11 +119,74 @@ def test_the_library_never_imports_the_workbench():
 
 
 def test_engine_helpers_are_given_small_objects_not_the_engine():
-    """Only the package's API imports the Engine class at module level: its helper
-    modules are given what they use (a StepContext, a HostModel, ...)."""
-    for name, targets in EDGES.items():
+    """Only the package's API imports the Engine class, counting the imports inside
+    functions and under ``TYPE_CHECKING``: its helper modules are given what they
+    use (a StepContext, a HostModel, a RunState, ...)."""
+    for name, path in MODULES.items():
         if name.startswith("harmony.engine.") and name != "harmony.engine.engine":
-            assert "harmony.engine.engine" not in targets, name
+            assert "harmony.engine.engine" not in _imports(name, path, everywhere=True), name
+
+
+def _components(edges: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of ``edges`` (Tarjan's algorithm): sets of
+    nodes that each reach every other one of their set; a node on no cycle is one alone."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            found.append(component)
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_component_finder_finds_components():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
+    assert sorted(map(sorted, _components(edges))) == [["a", "b", "c"], ["d", "e"], ["f"]]
+    assert _components({"a": set()}) == [{"a"}]
+
+
+#: the decompose / hf modules: their import cycle is tracked and untied separately
+UNTIED_ELSEWHERE = ("harmony.engine.decompose", "harmony.engine.hf")
+
+
+def test_engine_modules_import_each_other_in_small_knots_only():
+    """Counting every import (inside functions and under ``TYPE_CHECKING`` too), no
+    more than three modules of the engine import each other in a circle, and the
+    Engine's module is on no circle: its parts are given what they use."""
+    engine = {
+        name: path
+        for name, path in MODULES.items()
+        if name.startswith("harmony.engine.") and not name.startswith(UNTIED_ELSEWHERE)
+    }
+    edges = {
+        name: _imports(name, path, everywhere=True) & set(engine) for name, path in engine.items()
+    }
+    for component in _components(edges):
+        assert len(component) <= 3, sorted(component)
+        assert len(component) == 1 or "harmony.engine.engine" not in component, sorted(component)
 
 
 def test_the_storage_tier_is_a_leaf():

@@ -275,12 +275,12 @@ def test_host_memory_estimate_counts_gradients_optimizer_state_and_stash():
     engine.step(*batches(1)[0])  # plan, spec and optimizer state now exist
     fresh = Engine(make_model(), ADAMW, loss_fn, minibatch_size=B, plan=PLAN)
     fresh.spec = engine.spec
-    need = host_memory.host_bytes_needed(fresh, engine._graph_cache)
+    need = host_memory.host_bytes_needed(fresh.kept_on_host(), engine._graph_cache)
     weight_bytes = sum(p.numel() * 4 for p in fresh.model.parameters())
     assert need["gradients"] == weight_bytes and need["optimizer state"] == 2 * weight_bytes
     # layer 0: the minibatch itself; 6: fused
     assert need["stashed inputs"] == engine.spec.input_bytes(3, B)
-    ran = host_memory.host_bytes_needed(engine, engine._graph_cache)
+    ran = host_memory.host_bytes_needed(engine.kept_on_host(), engine._graph_cache)
     assert ran["optimizer state"] == 0  # allocated
     assert ran["emulated GPU memory"] == 0  # cpu backend
 
@@ -288,12 +288,16 @@ def test_host_memory_estimate_counts_gradients_optimizer_state_and_stash():
 def test_an_emulated_gpu_counts_its_memory_as_host_memory():
     engine = Engine(make_model(), ADAMW, loss_fn, device=EMULATED, minibatch_size=B, plan=PLAN)
     engine.step(*batches(1)[0])
-    need = host_memory.host_bytes_needed(engine, engine._graph_cache)["emulated GPU memory"]
+    need = host_memory.host_bytes_needed(engine.kept_on_host(), engine._graph_cache)[
+        "emulated GPU memory"
+    ]
     # its copies and computations: as much as its peak, and a slack
     peak = engine.trace.summary.peak_memory["gpu0"]
     assert need == int(peak * (1 + host_memory.EMULATED_SLACK)) > 0
     with pytest.raises(HarmonyError, match="emulated GPU memory"):
-        host_memory.check_host_memory(engine, engine._graph_cache, available=int(need))
+        host_memory.check_host_memory(
+            engine.kept_on_host(), engine._graph_cache, available=int(need)
+        )
 
 
 # ---- a run killed with SIGKILL, resumed ---------------------------------------------------
@@ -319,10 +323,11 @@ def test_huge_but_finite_gradients_are_not_mistaken_for_non_finite_ones():
 
 def test_page_locking_weights_without_the_host_memory_for_it_is_refused(monkeypatch):
     from harmony.engine.buffers import HostLayout
+    from harmony.engine.tiers import system
 
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
-    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 100)
+    monkeypatch.setattr(system, "available_host_bytes", lambda: 100)
     # checked before pinning
     with pytest.raises(HarmonyError, match="page-locked weights need it on CUDA"):
         HostLayout(list(model), pin=True)

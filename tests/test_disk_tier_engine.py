@@ -241,7 +241,7 @@ def test_the_cpu_backend_computes_on_the_weights_where_the_tier_read_them(tmp_pa
     """A device that computes on host memory makes no copy of master weights read
     from disk: the weight load uses the tier's staging in place and gives it back
     when the graph frees the weights. Bitwise the in-memory run."""
-    from harmony.engine.disk_steps import DiskSteps
+    from harmony.engine.step.disk import DiskSteps
 
     calls = {"in place": 0, "copied": 0}
     hold, copied = DiskSteps.hold_loaded_weights, DiskSteps.weights_copied

@@ -13,8 +13,7 @@ from test_engine import ADAMW, B, batches, loss_fn, make_model, reference, train
 
 import harmony
 from harmony import EmulatedDevice, EmulatedServer, Engine, FlatAdamW, HarmonyError, Plan
-from harmony.engine.optimizer_steps import PackCommits, PackState
-from harmony.engine.step import StepRun
+from harmony.engine.step.updates import PackCommits, PackState, Updates
 from harmony.graph import G_IN, OPT_IN, OPT_OUT, REDUCE
 from harmony.policies.common import microbatches, replica_shares
 
@@ -140,7 +139,7 @@ def test_a_failed_step_undoes_the_updates_the_gpus_made(monkeypatch):
     before = [p.detach().clone() for p in engine.model.parameters()]
     state = engine.state_dict()["optimizer"]["state"]
     moments = {name: {k: v.clone() for k, v in s.items()} for name, s in state.items()}
-    step = StepRun.device_update
+    step = Updates.device_update
 
     # Packs step in model order, and a pack's state comes in once the state two packs
     # back has gone out: when the last pack steps, the host copies of most are written.
@@ -151,7 +150,7 @@ def test_a_failed_step_undoes_the_updates_the_gpus_made(monkeypatch):
 
     x, y = batches(2)[1]
     with monkeypatch.context() as patch:
-        patch.setattr(StepRun, "device_update", fail_last)
+        patch.setattr(Updates, "device_update", fail_last)
         with pytest.raises(RuntimeError, match="injected"):
             engine.step(x, y)
     assert all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), before))

@@ -104,7 +104,7 @@ def test_an_emulated_gpu_takes_at_most_its_capacity_and_a_tenth_of_host_memory()
     assert moved["W_IN"] > 2 * capacity  # what a pool per copy would have kept
     charged = device_memory_in_host(e.backends, graph)
     assert e.trace.summary.peak_memory["gpu0"] <= charged <= 1.1 * capacity
-    assert host_bytes_needed(e, graph)["emulated GPU memory"] == charged
+    assert host_bytes_needed(e.kept_on_host(), graph)["emulated GPU memory"] == charged
 
 
 def test_what_the_process_holds_comes_out_of_the_budget(tmp_path):
@@ -187,8 +187,8 @@ def test_auto_plan_fits_what_the_budget_leaves(tmp_path, monkeypatch):
     planned for the whole budget before, and the engine then refused its plan).
     The run equals the same plan with everything in memory. (What the process holds
     besides the model is taken as 0 here: it varies with what ran before in it.)"""
-    import harmony.engine.engine as engine_module
     import harmony.engine.auto_plan as planning
+    import harmony.engine.engine as engine_module
 
     width, layers, batch = 512, 8, 8
 
@@ -245,8 +245,8 @@ def test_auto_plan_with_tied_weights_on_disk_is_exact(tmp_path, monkeypatch):
     to the same plan in host memory."""
     from test_gradient_slots import tied_gpt2, train_gpt2
 
-    import harmony.engine.engine as engine_module
     import harmony.engine.auto_plan as planning
+    import harmony.engine.engine as engine_module
 
     def run(host_memory, plan, tier):
         device = EmulatedDevice("16MB", "4GB/s", "4GB/s")

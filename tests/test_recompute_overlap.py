@@ -28,7 +28,7 @@ from harmony import (
     reference_step,
     simulate_graph,
 )
-from harmony.engine.step import StepRun
+from harmony.engine.step.compute import Compute
 from harmony.graph import BWD, COMPUTE_KINDS, FWDBWD, P2P, REC, STASH_IN, UPD, W_IN, TaskGraph
 from harmony.planner.packing import bwd_pack_bytes
 from harmony.simulate import play
@@ -307,7 +307,7 @@ def test_a_step_failing_between_recompute_and_backward_leaves_the_devices_empty(
     engine = Engine(_model(), SGD, MSE, device=_server(), minibatch_size=B, plan=_pp_plan())
     engine.step(x, y)
     with monkeypatch.context() as patch:
-        patch.setattr(StepRun, "backward", fail)
+        patch.setattr(Compute, "backward", fail)
         with pytest.raises(RuntimeError, match="injected"):
             engine.step(x, y)
     for backend in engine.backends:

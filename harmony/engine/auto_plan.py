@@ -2,53 +2,83 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from torch import nn
 
 from ..costs.hardware import Hardware, format_bytes
 from ..costs.placement import HostMemoryError
+from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..plan import Plan
 from ..planner.search import search
 from .describe import microbatch_dependence
+from .disk_setup import HostSettings
 from .host_memory import besides_the_model
 from .profiler import profile
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+@dataclass
+class Searched:
+    """What ``plan="auto"`` searches for: a chain of ``layers`` with its loss and
+    optimizer factory, on ``backends`` (the engine's devices), trained in
+    minibatches of ``minibatch_size`` in ``dtype`` (None: float32), across
+    servers if ``distributed``. ``spec``: the chain's sizes; ``profile``: its
+    measured times, if any. ``hardware()``: the server as the planner sees it;
+    ``params_per_update(plan)``: refuses a plan the engine cannot run;
+    ``host_graph(plan, profile)``: the plan's graph for the host memory,
+    :class:`HostMemoryError` if it cannot fit."""
+
+    layers: list[nn.Module]
+    loss_fn: Callable
+    optimizer: Callable
+    backends: list
+    minibatch_size: int
+    dtype: torch.dtype | None
+    safe_updates: bool
+    distributed: bool
+    spec: ModelSpec
+    profile: ModelSpec | None
+    host_settings: HostSettings
+    host_module: nn.Module
+    hardware: Callable[[], Hardware]
+    params_per_update: Callable[[Plan], dict]
+    host_graph: Callable[[Plan, ModelSpec], tuple]
 
 
-def auto_plan(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
-    """The fastest plan for ``engine``'s chain on its devices (across servers:
-    rank 0's, which every server then runs)."""
-    if engine.distributed and torch.distributed.get_rank() != 0:
+def auto_plan(job: Searched, inputs: tuple, target: torch.Tensor) -> tuple[Plan, ModelSpec | None]:
+    """The fastest plan for ``job``'s chain on its devices (across servers: rank 0's,
+    which every server then runs), and the profile it was searched with (None on
+    the other servers)."""
+    if job.distributed and torch.distributed.get_rank() != 0:
         box = [None]
         torch.distributed.broadcast_object_list(box, src=0)
-        engine.profile = None
-        return Plan.from_dict(box[0])
-    plan = _search(engine, inputs, target)
-    if engine.distributed:
+        return Plan.from_dict(box[0]), None
+    plan, measured = _search(job, inputs, target)
+    if job.distributed:
         torch.distributed.broadcast_object_list([plan.to_dict()], src=0)
-    return plan
+    return plan, measured
 
 
-def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
-    if engine.profile is None or not engine.profile.has_times:
-        engine.profile = profile(
-            engine.layers,
+def _search(job: Searched, inputs: tuple, target: torch.Tensor) -> tuple[Plan, ModelSpec]:
+    measured = job.profile
+    if measured is None or not measured.has_times:
+        measured = profile(
+            job.layers,
             inputs,
             target,
-            engine.loss_fn,
-            engine._optimizer_factory,
-            device=engine.backend.torch_device,
-            name=engine.spec.name,
-            safe_updates=engine.safe_updates,
-            dtype=engine.compute_dtype,
+            job.loss_fn,
+            job.optimizer,
+            device=job.backends[0].torch_device,
+            name=job.spec.name,
+            safe_updates=job.safe_updates,
+            dtype=job.dtype,
         )
     # a disk tier's bandwidth is part of what the search weighs: measure it first
-    engine.host_settings.measure_disk()
-    budget, besides = engine.host_settings.budget.capacity, besides_the_model(engine.host_module)
+    job.host_settings.measure_disk()
+    budget, besides = job.host_settings.budget.capacity, besides_the_model(job.host_module)
     if budget <= besides:
         raise HostMemoryError(
             f"host memory: the budget of {format_bytes(budget)} is not more than this process "
@@ -56,18 +86,18 @@ def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
             "nothing is left for training state; give a larger host_memory= (--host-memory)"
         )
     # the whole device: the engine takes memory exactly as the simulator plays it
-    hw = engine.hardware()
+    hw = job.hardware()
     short = None
     for _ in range(SEARCHES):
         try:
-            ranked = _ranked(engine, hw)
+            ranked = _ranked(job, measured, hw)
         except HostMemoryError:
             if short is None:
                 raise
             break  # what the engine's budget left was too little: said below, in full
-        plan, short = _first_that_runs(engine, ranked)
+        plan, short = _first_that_runs(job, measured, ranked)
         if plan is not None:
-            return plan
+            return plan, measured
         if short is None or short.available is None or short.available >= hw.host_memory:
             break
         # the search saw host memory less the process; the devices (an emulated GPU's
@@ -80,7 +110,7 @@ def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
             f"plan='auto' found no plan that fits this engine's host memory: {short}"
         ) from None
     raise HarmonyError(
-        f"plan='auto' found no plan this engine can run on {engine.backend.kind}: every plan "
+        f"plan='auto' found no plan this engine can run on {job.backends[0].kind}: every plan "
         "that fits puts tied weights inside one data-parallel pack; use one GPU or harmony-pp"
     )
 
@@ -90,29 +120,29 @@ def _search(engine: "Engine", inputs: tuple, target: torch.Tensor) -> Plan:
 SEARCHES = 4
 
 
-def _ranked(engine: "Engine", hw: Hardware) -> list[Plan]:
-    """Plans for ``engine`` on ``hw``, fastest first."""
+def _ranked(job: Searched, measured: ModelSpec, hw: Hardware) -> list[Plan]:
+    """Plans for ``job``'s chain (``measured``) on ``hw``, fastest first."""
     try:
-        n = len(engine.backends)
+        n = len(job.backends)
         policies = ("harmony-pp",) if n == 1 else ("harmony-pp", "harmony-dp")
         df = search(
-            engine.profile,
+            measured,
             hw,
-            engine.minibatch_size,
+            job.minibatch_size,
             policies=policies,
             n_gpus=n,
             workers=1,
-            equal_microbatches=microbatch_dependence(engine.layers) is not None,
+            equal_microbatches=microbatch_dependence(job.layers) is not None,
         )
     except HarmonyError as e:  # out of memory stays out of memory
         raise type(e)(
-            f"plan='auto' found no plan for this model on {engine.backend.kind}: {e}"
+            f"plan='auto' found no plan for this model on {job.backends[0].kind}: {e}"
         ) from None
     return list(df["plan"])
 
 
 def _first_that_runs(
-    engine: "Engine", plans: list[Plan]
+    job: Searched, measured: ModelSpec, plans: list[Plan]
 ) -> tuple[Plan | None, HostMemoryError | None]:
     """The first of ``plans`` the engine can run in its host memory; else None
     and why the fastest it could run otherwise did not fit (None: none it could
@@ -120,11 +150,11 @@ def _first_that_runs(
     short = None
     for plan in plans:
         try:  # e.g. tied weights inside one data-parallel pack: a plan the engine refuses
-            engine._params_per_update(plan)
+            job.params_per_update(plan)
         except HarmonyError:
             continue
         try:  # kept by the engine for its first step
-            engine.host_graph(plan, engine.host_settings)
+            job.host_graph(plan, measured)
         except HostMemoryError as e:
             short = short or e
             continue

@@ -145,7 +145,7 @@ class HostLayout:
         """Lay the tensors out in flat buffers anew, all but the parameters whose
         ids are in ``leave_out`` (master weights a disk tier holds: the flats
         must not keep their memory)."""
-        from .host_memory import available_host_bytes
+        from .tiers.system import available_host_bytes
 
         groups: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         seen: set[int] = set(leave_out)

@@ -70,7 +70,7 @@ def calibrate(device) -> Hardware:
 def task_overhead(kind: str, one_device) -> float:
     """The engine's cost per compute task on a backend of ``kind`` (measured on
     ``one_device`` the first time, then kept)."""
-    from .profiler import measure_task_overhead
+    from .task_overhead import measure_task_overhead
 
     return measure_task_overhead(one_device)
 

@@ -14,23 +14,37 @@ out of ``"model"``; the tier keeps that step's state).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from ..errors import HarmonyError
-from ..plan import Plan
+from .checkpoint import CheckpointError, read_checkpoint
 from .journal import optimizer_params
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .refusals import make_optimizers
+from .run_state import RunState
 
 FORMAT = 1
 
 
-def param_names(engine: "Engine") -> dict[int, str]:
-    """id(parameter) -> its name in the host model (tied weights: the first name)."""
-    return {id(p): name for name, p in engine.host_module.named_parameters()}
+@dataclass
+class HeldState:
+    """What a run's checkpoint is made of besides its :class:`RunState`: the host
+    module (every host weight and buffer), the optimizers ((pack, shard) ->
+    optimizer), the state on a disk tier (``disk``, once placed; ``resume``, the
+    checkpoint's tier not yet opened) and the weights not yet made (``unmade``)."""
+
+    host_module: nn.Module
+    optimizers: dict
+    disk: object = None
+    resume: dict | None = None
+    unmade: object = None
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name in ``module`` (tied weights: the first name)."""
+    return {id(p): name for name, p in module.named_parameters()}
 
 
 def optimizer_state(optimizers: dict, names: dict[int, str]) -> dict:
@@ -69,13 +83,25 @@ def load_optimizer_state(optimizers: dict, saved: dict, names: dict[int, str]) -
         opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def engine_state(engine: "Engine", referenced: bool = False) -> dict:
-    """The engine's state: whole, or (``referenced``) referring to its disk tier."""
-    names = param_names(engine)
-    model = engine.host_module.state_dict()
-    optimizer = optimizer_state(engine.optimizers, names)
+def carried_over(factory, units: dict, old: dict, module: nn.Module) -> dict:
+    """New optimizers from ``factory`` for ``units`` ((pack, shard) -> parameters of
+    ``module``) with the state of the ``old`` ones, per parameter name."""
+    optimizers = make_optimizers(factory, units)
+    names = param_names(module)
+    load_optimizer_state(optimizers, optimizer_state(old, names), names)
+    return optimizers
+
+
+def run_state_dict(
+    run: RunState, held: HeldState, task_overhead_s: float, referenced: bool = False
+) -> dict:
+    """The run's state: whole, or (``referenced``) referring to its disk tier;
+    ``task_overhead_s`` is saved to inform (recalibrated on load)."""
+    names = param_names(held.host_module)
+    model = held.host_module.state_dict()
+    optimizer = optimizer_state(held.optimizers, names)
     extra = {}
-    disk, resume = engine.disk, engine.host_settings.resume
+    disk, resume = held.disk, held.resume
     if resume is not None:  # resumed, and the tier not opened yet (at the first step)
         if not referenced:
             raise HarmonyError(
@@ -85,7 +111,7 @@ def engine_state(engine: "Engine", referenced: bool = False) -> dict:
         model = {k: v for k, v in model.items() if k not in set(resume["weights"])}
         extra["disk"] = {k: resume[k] for k in ("directory", "on_disk", "weights")}
     if disk is not None:
-        every = engine.host_module.named_parameters(remove_duplicate=False)
+        every = held.host_module.named_parameters(remove_duplicate=False)
         on_disk = {n: names[id(p)] for n, p in every if id(p) in disk.on_disk}
         if referenced:
             model = {k: v for k, v in model.items() if k not in on_disk}
@@ -98,18 +124,18 @@ def engine_state(engine: "Engine", referenced: bool = False) -> dict:
             weights, state = disk.read_all(names)
             model.update({n: weights[first] for n, first in on_disk.items()})
             optimizer["state"].update(state)
-    _check_made(engine, model)
+    _check_made(held, model)
     return {
         "format": FORMAT,
-        "step": engine.step_count,
-        "skipped_steps": engine.skipped_steps,
-        "seed": engine.seed,
-        "minibatch_size": engine.minibatch_size,
-        "plan": engine.plan.to_dict() if engine.plan is not None else None,
-        "task_overhead_s": engine.hardware().task_overhead_s,  # informative: recalibrated on load
-        "precision": engine.precision,
-        "loss_scale": engine.loss_scale,
-        "good_steps": engine.good_steps,
+        "step": run.step_count,
+        "skipped_steps": run.skipped_steps,
+        "seed": run.seed,
+        "minibatch_size": run.minibatch_size,
+        "plan": run.plan.to_dict() if run.plan is not None else None,
+        "task_overhead_s": task_overhead_s,
+        "precision": run.precision,
+        "loss_scale": run.loss_scale,
+        "good_steps": run.good_steps,
         "model": model,
         "optimizer": optimizer,
         "torch_rng": torch.get_rng_state(),
@@ -117,33 +143,33 @@ def engine_state(engine: "Engine", referenced: bool = False) -> dict:
     }
 
 
-def model_weights(engine: "Engine") -> dict[str, torch.Tensor]:
+def model_weights(held: HeldState) -> dict[str, torch.Tensor]:
     """Copies of the model's weights and buffers as its ``state_dict`` names them,
     master weights on the disk tier read back (the optimizer state stays there)."""
-    own = engine.host_module.state_dict()
-    _check_made(engine, own)
+    own = held.host_module.state_dict()
+    _check_made(held, own)
     model = {k: v.detach().clone() for k, v in own.items()}
-    disk = engine.disk
+    disk = held.disk
     if disk is None:
-        if engine.host_settings.resume is not None:
+        if held.resume is not None:
             raise HarmonyError(
                 "this engine resumed a run whose weights are partly on its disk tier, which "
                 "opens at the first step: step first"
             )
         return model
-    names = param_names(engine)
+    names = param_names(held.host_module)
     weights, _ = disk.read_all(names, kinds=("weights",))
-    every = engine.host_module.named_parameters(remove_duplicate=False)
+    every = held.host_module.named_parameters(remove_duplicate=False)
     model.update({n: weights[names[id(p)]] for n, p in every if id(p) in disk.on_disk})
     return model
 
 
-def _check_made(engine: "Engine", model: dict[str, torch.Tensor]) -> None:
+def _check_made(held: HeldState, model: dict[str, torch.Tensor]) -> None:
     """The weights in ``model`` (a state dict of the host module) are made."""
-    unmade = engine.unmade
+    unmade = held.unmade
     if unmade is None or not unmade.pending:
         return
-    every = engine.host_module.named_parameters(remove_duplicate=False)
+    every = held.host_module.named_parameters(remove_duplicate=False)
     missing = [n for n, p in every if n in model and unmade.holds(p)]
     if missing:
         raise HarmonyError(
@@ -152,32 +178,43 @@ def _check_made(engine: "Engine", model: dict[str, torch.Tensor]) -> None:
         )
 
 
-def check_state(engine: "Engine", state: dict, source: str) -> None:
-    """Raise a clear error, before anything changes, if ``state`` does not fit ``engine``."""
+def check_state(run: RunState, held: HeldState, state: dict, source: str) -> None:
+    """Raise a clear error, before anything changes, if ``state`` does not fit the run
+    of ``run`` and ``held``."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise HarmonyError(f"{source} is not an engine state of format {FORMAT}")
-    if state["minibatch_size"] != engine.minibatch_size:
-        raise HarmonyError(
-            f"{source} was written with minibatch {state['minibatch_size']}, the engine's is "
-            f"{engine.minibatch_size}; make the engine with "
-            f"minibatch_size={state['minibatch_size']}"
-        )
-    if state["precision"] != engine.precision:
-        raise HarmonyError(
-            f"{source} was written with precision {state['precision']!r}, the engine's is "
-            f"{engine.precision!r}; make the engine with precision={state['precision']!r}"
-        )
-    if state["seed"] != engine.seed:
-        raise HarmonyError(
-            f"{source} was written with seed {state['seed']}, the engine's is {engine.seed}: "
-            f"dropout would draw other masks; make the engine with seed={state['seed']}"
-        )
-    if "disk" in state and engine.host_settings.resume is None:
+    _check_settings(run, state, source)
+    if "disk" in state and held.resume is None:
         raise HarmonyError(
             f"{source} refers to a disk tier ({state['disk']['directory']}) for part of its "
             "state: continue it with Engine.load"
         )
-    ours = engine.host_module.state_dict()
+    _check_model(held.host_module, state, source)
+
+
+def _check_settings(run: RunState, state: dict, source: str) -> None:
+    """The minibatch size, precision and seed ``state`` was written with are the run's."""
+    if state["minibatch_size"] != run.minibatch_size:
+        raise HarmonyError(
+            f"{source} was written with minibatch {state['minibatch_size']}, the engine's is "
+            f"{run.minibatch_size}; make the engine with "
+            f"minibatch_size={state['minibatch_size']}"
+        )
+    if state["precision"] != run.precision:
+        raise HarmonyError(
+            f"{source} was written with precision {state['precision']!r}, the engine's is "
+            f"{run.precision!r}; make the engine with precision={state['precision']!r}"
+        )
+    if state["seed"] != run.seed:
+        raise HarmonyError(
+            f"{source} was written with seed {state['seed']}, the engine's is {run.seed}: "
+            f"dropout would draw other masks; make the engine with seed={state['seed']}"
+        )
+
+
+def _check_model(module: nn.Module, state: dict, source: str) -> None:
+    """``state``'s weights and optimizer state are ``module``'s, name for name."""
+    ours = module.state_dict()
     theirs = state["model"]
     on_disk = set(state.get("disk", {}).get("weights", ()))
     missing = sorted(set(ours) - set(theirs) - on_disk)
@@ -194,7 +231,7 @@ def check_state(engine: "Engine", state: dict, source: str) -> None:
                 f"{source} is for another model: {name} is {tuple(theirs[name].shape)} "
                 f"{theirs[name].dtype} there but {tuple(t.shape)} {t.dtype} here"
             )
-    names = set(param_names(engine).values())
+    names = set(param_names(module).values())
     strangers = sorted(set(state["optimizer"]["state"]) - names)
     if strangers:
         raise HarmonyError(
@@ -202,23 +239,49 @@ def check_state(engine: "Engine", state: dict, source: str) -> None:
         )
 
 
-def apply_state(engine: "Engine", state: dict, plan: Plan | None) -> None:
-    """Make ``engine`` continue the run ``state`` was taken from (checked first)."""
-    if plan is not None:
-        engine.set_plan(plan)
-    unmade = engine.unmade
-    params = dict(engine.host_module.named_parameters(remove_duplicate=False))
+def load_state(held: HeldState, state: dict) -> None:
+    """Put ``state``'s weights, optimizer state and torch's random state into ``held``'s
+    tensors and torch (checked first); unmade weights adopt the saved values."""
+    unmade = held.unmade
+    params = dict(held.host_module.named_parameters(remove_duplicate=False))
     with torch.no_grad():
-        own = engine.host_module.state_dict()
+        own = held.host_module.state_dict()
         for name, t in state["model"].items():
             if unmade is not None and unmade.holds(params.get(name)):
                 unmade.adopt(params[name], t)  # the checkpoint's value: not made
             else:
                 own[name].copy_(t)
-    for p in engine.host_module.parameters():
+    for p in held.host_module.parameters():
         p.grad = None
-    load_optimizer_state(engine.optimizers, state["optimizer"], param_names(engine))
-    engine.step_count = state["step"]
-    engine.skipped_steps = state["skipped_steps"]
-    engine.loss_scale, engine.good_steps = state["loss_scale"], state["good_steps"]
+    load_optimizer_state(held.optimizers, state["optimizer"], param_names(held.host_module))
     torch.set_rng_state(state["torch_rng"])
+
+
+def resumed(run: RunState, state: dict) -> RunState:
+    """``run`` continued from ``state``: its step counters and loss scale."""
+    return replace(
+        run,
+        step_count=state["step"],
+        skipped_steps=state["skipped_steps"],
+        loss_scale=state["loss_scale"],
+        good_steps=state["good_steps"],
+    )
+
+
+def read_run_state(path) -> dict:
+    """The run's state in the checkpoint ``path`` (:class:`CheckpointError` if it holds
+    something else)."""
+    state = read_checkpoint(path)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is a checkpoint but not of an engine's state")
+    return state
+
+
+def run_arguments(state: dict) -> dict:
+    """The engine's arguments ``state`` was written with, where the caller gives none:
+    its precision and, for state on a disk tier, the tier's directory (as of the
+    checkpoint)."""
+    found = {"precision": state["precision"]}
+    if "disk" in state:
+        found["disk_dir"] = state["disk"]["directory"]
+    return found

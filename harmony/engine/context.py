@@ -2,7 +2,7 @@
 
 The engine makes one for every step (:meth:`~harmony.engine.Engine.step_context`):
 the plan, the optimizers and the loss scale may change between steps, never
-during one. The step's code (:mod:`.step` and the handlers it is made of)
+during one. The step's code (:mod:`.step`: :class:`~.step.run.StepRun` and its parts)
 reads nothing else of the engine.
 """
 

@@ -3,7 +3,7 @@
 The engine needs a spec to build its task graph even when it is handed a plan:
 the graph's structure and byte counts come from parameter and activation
 sizes, which a forward pass over a few samples tells, and its memory from what
-the engine holds running each layer, which :func:`working_memory` measures
+the engine holds running each layer, which :func:`~.working_memory.working_memory` measures
 the way the engine's meters count it (:mod:`harmony.engine.meters`): so the
 simulated peak of a plan is the peak the engine reaches. The profiler
 (:mod:`harmony.engine.profiler`) adds measured times.
@@ -11,19 +11,17 @@ simulated peak of a plan is the peak the engine reaches. The profiler
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.func import functional_call
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..costs.layer import Kept
 from ..costs.spec import Curve, LayerCost, ModelSpec, Tie
 from ..errors import HarmonyError
-from .meters import SavedBytes, storage_key
 from .reference_loop import as_args
+from .working_memory import Held, norm_tensor_names, working_memory
 
 _FLOAT_NAMES = {
     torch.float32: "float32",
@@ -81,16 +79,6 @@ class evaluating:
             m.training = flag
 
 
-def norm_tensor_names(layer: nn.Module) -> set[str]:
-    """Names of ``layer``'s BatchNorm parameters and buffers (float32 under autocast)."""
-    return {
-        f"{prefix}.{name}" if prefix else name
-        for prefix, m in layer.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        for name, _ in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))
-    }
-
-
 def microbatch_dependence(layers) -> str | None:
     """Why the layers' results depend on how a minibatch is cut into microbatches
     (so forward and backward must use one microbatch size), or None. A layer may
@@ -144,17 +132,7 @@ def describe(
     device = torch.device(device)
     B = target.shape[0]
     few = tuple(t[:4] for t in inputs)
-    try:
-        with evaluating(layers):  # a forward for sizes must not touch BatchNorm statistics
-            acts = layer_inputs(layers, few)
-            # what the engine holds between layers: their outputs as autocast makes them
-            outs = acts[1:] if dtype is None else layer_inputs(layers, few, device, dtype)[1:]
-    except Exception as e:  # the model's own error, about the user's inputs
-        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
-        raise HarmonyError(
-            f"the model cannot run on the given inputs ({shapes}): {type(e).__name__}: {e}. "
-            "Pass inputs of the shape and dtype its first layer expects."
-        ) from None
+    acts, outs = _first_samples_through(layers, few, inputs, device, dtype)
     if loss_fn is not None:
         check_loss(loss_fn, acts[-1], target)
     smallest = min_microbatch(layers, acts, device, dtype)
@@ -168,63 +146,14 @@ def describe(
     )
     with evaluating(layers):
         acts = layer_inputs(layers, inputs)  # the whole minibatch: every size is a slice of it
-    norms = [norm_tensor_names(layer) for layer in layers]
     costs = []
     made = [(-1, k) for k in range(len(acts[0]))]  # which layer made each input element, as which
     for i, layer in enumerate(layers):
-        floats, fixed = split_bytes(tuple(t[:1] for t in acts[i]))
         last = i == len(layers) - 1
-        try:
-            held = [
-                working_memory(
-                    layer,
-                    tuple(t[:u] for t in acts[i]),
-                    loss_fn if last else None,
-                    target[:u],
-                    device,
-                    dtype,
-                )
-                for u in sizes
-            ]
-        except Exception as e:  # the layer's own error with autograd on, in training mode
-            raise HarmonyError(
-                f"layer {i} ({type(layer).__name__}) fails in training mode on {sizes[0]} "
-                f"samples: {type(e).__name__}: {e}"
-            ) from None
-        out_bytes = sum(
-            t[:1].numel() * t.element_size() for t in outs[i] if isinstance(t, torch.Tensor)
+        held = _held_at_sizes(
+            i, layer, acts[i], sizes, loss_fn if last else None, target, device, dtype
         )
-        costs.append(
-            LayerCost(
-                name=f"{i}:{type(layer).__name__}",
-                param_numel=sum(p.numel() for p in layer.parameters()),
-                buffer_numel=sum(b.numel() for b in layer.buffers() if b.is_floating_point()),
-                norm_param_numel=sum(
-                    p.numel() for name, p in layer.named_parameters() if name in norms[i]
-                ),
-                norm_buffer_numel=sum(
-                    b.numel()
-                    for name, b in layer.named_buffers()
-                    if name in norms[i] and b.is_floating_point()
-                ),
-                fixed_buffer_bytes=sum(
-                    b.numel() * b.element_size()
-                    for b in layer.buffers()
-                    if not b.is_floating_point()
-                ),
-                input_numel_per_sample=floats,
-                input_fixed_bytes_per_sample=fixed,
-                # times from the FLOP rate until measured: backward recomputes, then costs twice
-                # the forward
-                fwd_flops_per_sample=held[-1].flops / sizes[-1],
-                bwd_flops_per_sample=3 * held[-1].flops / sizes[-1],
-                fwd_extra=Curve.linear(float(out_bytes)),
-                bwd_extra=Curve.table(sizes, [h.saved for h in held]),
-                saved_input=Curve.table(sizes, [h.saved_input for h in held]),
-                saved_output=Curve.table(sizes, [h.saved_output for h in held]),
-                kept=kept_tensors(i, held, sizes, made),
-            )
-        )
+        costs.append(_layer_cost(i, layer, acts[i], outs[i], held, sizes, made))
         made = [tensor_of(i, ref, made) for ref in held[-1].handed_on]
     per_sample = target[:1]
     master = act_dtype(layers)
@@ -240,9 +169,100 @@ def describe(
         target_bytes_per_sample=float(per_sample.numel() * per_sample.element_size()),
         source="described from the real modules (sizes and working memory)",
     )
-    if dtype is None:
-        return spec
-    # the links carry the compute dtype; working memory was measured as it is under autocast
+    return spec if dtype is None else _crossing_in(spec, dtype)
+
+
+def _first_samples_through(
+    layers: Sequence[nn.Module],
+    few: tuple,
+    inputs: tuple,
+    device: torch.device,
+    dtype: torch.dtype | None,
+) -> tuple[list[tuple], list[tuple]]:
+    """Each layer's input on the ``few`` first samples, and each layer's output as
+    the engine holds it between layers (as autocast makes it under ``dtype``); the
+    model's own error on them said about the user's ``inputs``."""
+    try:
+        with evaluating(layers):  # a forward for sizes must not touch BatchNorm statistics
+            acts = layer_inputs(layers, few)
+            # what the engine holds between layers: their outputs as autocast makes them
+            outs = acts[1:] if dtype is None else layer_inputs(layers, few, device, dtype)[1:]
+    except Exception as e:  # the model's own error, about the user's inputs
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
+        raise HarmonyError(
+            f"the model cannot run on the given inputs ({shapes}): {type(e).__name__}: {e}. "
+            "Pass inputs of the shape and dtype its first layer expects."
+        ) from None
+    return acts, outs
+
+
+def _held_at_sizes(
+    i: int,
+    layer: nn.Module,
+    act: tuple,
+    sizes: list[int],
+    loss_fn: Callable | None,
+    target: torch.Tensor,
+    device: torch.device,
+    dtype: torch.dtype | None,
+) -> list[Held]:
+    """:func:`working_memory` of layer ``i`` on its input ``act`` at each of ``sizes``."""
+    try:
+        return [
+            working_memory(layer, tuple(t[:u] for t in act), loss_fn, target[:u], device, dtype)
+            for u in sizes
+        ]
+    except Exception as e:  # the layer's own error with autograd on, in training mode
+        raise HarmonyError(
+            f"layer {i} ({type(layer).__name__}) fails in training mode on {sizes[0]} "
+            f"samples: {type(e).__name__}: {e}"
+        ) from None
+
+
+def _layer_cost(
+    i: int,
+    layer: nn.Module,
+    act: tuple,
+    out: tuple,
+    held: list[Held],
+    sizes: list[int],
+    made: list,
+) -> LayerCost:
+    """Layer ``i``'s sizes, and what it holds (``held``) at each of ``sizes``; ``act``
+    and ``out``: its input and output; ``made``: which layer made each input element."""
+    floats, fixed = split_bytes(tuple(t[:1] for t in act))
+    norms = norm_tensor_names(layer)
+    out_bytes = sum(t[:1].numel() * t.element_size() for t in out if isinstance(t, torch.Tensor))
+    return LayerCost(
+        name=f"{i}:{type(layer).__name__}",
+        param_numel=sum(p.numel() for p in layer.parameters()),
+        buffer_numel=sum(b.numel() for b in layer.buffers() if b.is_floating_point()),
+        norm_param_numel=sum(p.numel() for name, p in layer.named_parameters() if name in norms),
+        norm_buffer_numel=sum(
+            b.numel()
+            for name, b in layer.named_buffers()
+            if name in norms and b.is_floating_point()
+        ),
+        fixed_buffer_bytes=sum(
+            b.numel() * b.element_size() for b in layer.buffers() if not b.is_floating_point()
+        ),
+        input_numel_per_sample=floats,
+        input_fixed_bytes_per_sample=fixed,
+        # times from the FLOP rate until measured: backward recomputes, then costs twice
+        # the forward
+        fwd_flops_per_sample=held[-1].flops / sizes[-1],
+        bwd_flops_per_sample=3 * held[-1].flops / sizes[-1],
+        fwd_extra=Curve.linear(float(out_bytes)),
+        bwd_extra=Curve.table(sizes, [h.saved for h in held]),
+        saved_input=Curve.table(sizes, [h.saved_input for h in held]),
+        saved_output=Curve.table(sizes, [h.saved_output for h in held]),
+        kept=kept_tensors(i, held, sizes, made),
+    )
+
+
+def _crossing_in(spec: ModelSpec, dtype: torch.dtype) -> ModelSpec:
+    """``spec`` with weights and activations crossing the links in ``dtype`` (mixed
+    precision); its working memory was measured as it is under autocast."""
     low = spec.with_dtypes(param_dtype=_FLOAT_NAMES[dtype], act_dtype=_FLOAT_NAMES[dtype])
     return replace(
         low,
@@ -305,117 +325,6 @@ def ties(layers: Sequence[nn.Module]) -> tuple[Tie, ...]:
     return tuple(Tie(tuple(v), numel[k]) for k, v in uses.items() if len(v) > 1)
 
 
-@dataclass(frozen=True)
-class Held:
-    """What autograd keeps while the engine recomputes one layer (bytes): in all,
-    and of it the layer's own input and its own output; and the forward's FLOPs."""
-
-    saved: float
-    saved_input: float
-    saved_output: float
-    flops: float
-    #: bytes kept of each input and output element, by ("in" | "out", index); an
-    #: output that is an input handed on is counted as the input
-    kept: dict = field(default_factory=dict)
-    #: per output element, what it is (:func:`handed_on`)
-    handed_on: tuple = ()
-
-
-def working_memory(
-    layer: nn.Module,
-    inputs: tuple,
-    loss_fn: Callable | None,
-    target: torch.Tensor,
-    device: torch.device = torch.device("cpu"),
-    dtype: torch.dtype | None = None,
-) -> Held:
-    """Run ``layer`` with autograd the way the engine's recompute does (on copies
-    of its weights and buffers on ``device``, so nothing of the model changes,
-    and with the random generators restored after) and meter what autograd
-    saves. The input is passed as a non-leaf, as inside a pack, so that keeping
-    it counts. ``dtype``: under ``torch.autocast``, with activations in it."""
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().to(device, copy=True)
-        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
-
-    norms = norm_tensor_names(layer)
-    weights = {
-        n: (p.detach().to(device, copy=True) if n in norms else copy(p)).requires_grad_(
-            p.requires_grad
-        )
-        for n, p in layer.named_parameters()
-    }
-    weights.update(
-        {
-            n: b.detach().to(device, copy=True) if n in norms else copy(b)
-            for n, b in layer.named_buffers()
-        }
-    )
-    leaves = tuple(
-        copy(t).requires_grad_(True) if t.is_floating_point() else copy(t) for t in inputs
-    )
-    xs = tuple(t.view_as(t) if t.requires_grad else t for t in leaves)
-    target = target.to(device, copy=True)
-    meter = SavedBytes(exclude=[*weights.values(), target])  # as the engine's (Compute.backward)
-    devices = [device] if device.type == "cuda" else []
-    with (
-        torch.random.fork_rng(devices),
-        meter,
-        torch.enable_grad(),
-        FlopCounterMode(display=False) as flops,
-        torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
-    ):
-        out = as_args(functional_call(layer, weights, xs))
-        if loss_fn is not None:
-            loss_fn(*out, target)
-
-    def kept(tensors) -> float:
-        keys = {
-            storage_key(t): t.untyped_storage().nbytes()
-            for t in tensors
-            if isinstance(t, torch.Tensor) and storage_key(t) in meter.seen
-        }
-        return float(sum(keys.values()))
-
-    return Held(
-        float(meter.total),
-        kept(leaves),
-        0.0 if loss_fn is not None else kept(out),
-        float(flops.get_total_flops()),
-        kept_parts(leaves, out, meter.seen),
-        handed_on(leaves, out),
-    )
-
-
-def kept_parts(leaves: tuple, out: tuple, seen: set) -> dict:
-    """The bytes autograd keeps of each input and output element, once per storage
-    (an output that shares an input's storage is that input)."""
-    parts, keys = {}, set()
-    for role, tensors in (("in", leaves), ("out", out)):
-        for k, t in enumerate(tensors):
-            if isinstance(t, torch.Tensor) and storage_key(t) in seen - keys:
-                keys.add(storage_key(t))
-                parts[role, k] = float(t.untyped_storage().nbytes())
-    return parts
-
-
-def handed_on(leaves: tuple, out: tuple) -> tuple:
-    """What each output element is: ("in", k) when it shares input element ``k``'s
-    storage (handed on unchanged, or a view), else ("out", e) with ``e`` the first
-    output element of its storage (an output returned twice is one tensor)."""
-    first = {
-        storage_key(t): ("in", k) for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)
-    }
-    refs = []
-    for e, t in enumerate(out):
-        if not isinstance(t, torch.Tensor):
-            refs.append(("out", e))
-            continue
-        refs.append(first.setdefault(storage_key(t), ("out", e)))
-    return tuple(refs)
-
-
 def check_loss(loss_fn: Callable, output: tuple, target: torch.Tensor) -> None:
     """The loss of the model's output on the first samples must be a scalar tensor
     that autograd can differentiate: say what is wrong before anything runs."""
@@ -459,3 +368,34 @@ def check_loss(loss_fn: Callable, output: tuple, target: torch.Tensor) -> None:
             f"the loss function returned a {loss.dtype} tensor that does not depend on the "
             f"model's output through autograd (detached?): {how}"
         )
+
+
+def describe_chain(
+    layers: Sequence[nn.Module],
+    inputs: tuple,
+    target: torch.Tensor,
+    name: str,
+    optimizer: str,
+    loss_fn: Callable,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    plan=None,
+) -> ModelSpec:
+    """:func:`describe` of a chain an engine trains, at the microbatch sizes of
+    ``plan`` (a :class:`~harmony.plan.Plan`, or None: none yet)."""
+    planned = (
+        []
+        if plan is None
+        else [b - a for mbs in (plan.fwd_microbatches(), plan.bwd_microbatches()) for a, b in mbs]
+    )
+    return describe(
+        layers,
+        inputs,
+        target,
+        name=name,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        device=device,
+        dtype=dtype,
+        sizes=planned,
+    )

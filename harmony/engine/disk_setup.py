@@ -5,7 +5,12 @@ for it, and the disk tier that takes what does not fit.
 ``disk_dir``, ``disk``). The budget is the whole process's: what it holds
 besides the model (the interpreter, torch, the caller's data: measured when
 the graph is built) and the device memory that is host memory (the cpu
-backend's and an emulated GPU's) come out of it first.
+backend's and an emulated GPU's) come out of it first; the rest is for what
+the engine keeps there (training state, stashes and offloaded activations,
+the update journal, the tier's I/O buffers), all charged to the budget's
+ledger, and freed tensors go back to the system. A disk whose bandwidth is
+not given is measured in ``disk_dir`` when the state needs it (whether reads
+and writes share its time included).
 :func:`build_for_host` builds the plan's graph on a server whose host memory
 is what is left, less what the engine itself takes for the tier beyond the
 placement's arithmetic (the tier's I/O buffers, and staging for weight loads
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from ..costs.hardware import Hardware, disk_rates, format_bytes
 from ..costs.placement import STAGED_PACKS, HostMemoryError, Placement
@@ -35,14 +40,11 @@ from ..policies import build_graph, disk_placement
 from .disk_staging import StateOnDisk, Unit
 from .host_memory import device_memory_in_host, placement_of, resident_bytes
 from .host_pages import return_freed_memory
+from .journal import optimizer_params
 from .tiers import DiskTier, HostBudget, machine_host_bytes, measure_disk_bandwidth
 from .tiers.directory import check_directory
 from .tiers.files import ALIGN, CHUNK, DIRECTIONS, PAGE
 from .tiers.stashes import scratch_bytes
-from .journal import optimizer_params
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 #: requests the tier keeps in flight per direction, read and write (each through an I/O
 #: buffer of one chunk)
@@ -148,17 +150,9 @@ def build_for_host(
     aside = dict(settings.outside)  # host memory the graph leaves to others
     if settings.directory is not None:
         aside["the disk tier's I/O buffers"] = settings.io_bytes
-    journal_name = "the update journal (safe_updates)"
 
     def explained(err: HostMemoryError, disk) -> HostMemoryError:
-        held = ", ".join(f"{k} {format_bytes(v)}" for k, v in aside.items() if v)
-        fix = "a larger host_memory=" + (", safe_updates=False" if journal else "")
-        where = "" if disk else "a directory for a disk tier (disk_dir=) or "
-        return HostMemoryError(
-            f"{err}. For the engine: its budget is {format_bytes(budget)}, less {held}; "
-            f"give it {where}{fix}",
-            available=err.available,
-        )
+        return _explained(err, disk, budget, aside, journal)
 
     def build(disk: tuple[float, float] | None, host: int = 0) -> tuple[TaskGraph, Hardware]:
         server = hw.with_host_memory(host or budget - sum(aside.values())).with_disk(disk)
@@ -173,7 +167,7 @@ def build_for_host(
     # all of the state in host memory, with the journal's copy of it?
     whole = disk_placement(spec, hw.with_host_memory(ROOMY).with_disk(None), plan)
     if settings.directory is None:
-        aside[journal_name] = whole.host_state_bytes * journal
+        aside[JOURNAL] = whole.host_state_bytes * journal
         return build(None)
     some_disk = settings.rates or _ANY_DISK
     try:
@@ -183,9 +177,46 @@ def build_for_host(
         raise explained(err, some_disk) from None
     copies = whole.host_state_bytes * journal
     if not placed.uses_disk and placed.host_bytes + copies <= server.host_memory:
-        aside[journal_name] = copies
+        aside[JOURNAL] = copies
         return build(some_disk)
     settings.measure_disk()
+    lo = _most_for_placement(
+        spec, hw, plan, settings, tensors_per_unit, journal, backends, aside, whole
+    )
+    return build(settings.rates, lo)
+
+
+#: the ledger's name for the update journal's copies of the state in host memory
+JOURNAL = "the update journal (safe_updates)"
+
+
+def _explained(err: HostMemoryError, disk, budget: int, aside: dict, journal: bool):
+    """``err`` with what the engine's budget was and what it set aside, and what to give it."""
+    held = ", ".join(f"{k} {format_bytes(v)}" for k, v in aside.items() if v)
+    fix = "a larger host_memory=" + (", safe_updates=False" if journal else "")
+    where = "" if disk else "a directory for a disk tier (disk_dir=) or "
+    return HostMemoryError(
+        f"{err}. For the engine: its budget is {format_bytes(budget)}, less {held}; "
+        f"give it {where}{fix}",
+        available=err.available,
+    )
+
+
+def _most_for_placement(
+    spec: ModelSpec,
+    hw: Hardware,
+    plan: Plan,
+    settings: HostSettings,
+    tensors_per_unit: int,
+    journal: bool,
+    backends: Sequence,
+    aside: dict,
+    whole: Placement,
+) -> int:
+    """The most host memory a placement with state on disk can be given, with what
+    the engine needs beside it (added to ``aside``); ``whole``: the placement of all
+    the state in host memory; the rest as for :func:`build_for_host`."""
+    budget = settings.budget.capacity
     # staging beyond the placement's: padding in the files (ALIGN per tensor and per step
     # counter), and the weight loads' reads when master weights are on disk: a GPU's
     # next load may read while its current one is still copying, so two per GPU; and
@@ -209,7 +240,7 @@ def build_for_host(
             "staging for weight loads": held * plan.n_gpus * (int(max(loads)) + padding)
             if loads
             else 0,
-            journal_name: (placement_of(graph) or whole).host_state_bytes * journal,
+            JOURNAL: (placement_of(graph) or whole).host_state_bytes * journal,
         }
 
     lo, hi = 0, free
@@ -224,7 +255,7 @@ def build_for_host(
         aside.update(beside(lo))
     except HostMemoryError:
         pass  # said by build, with what was set aside
-    return build(settings.rates, lo)
+    return lo
 
 
 def load_reads(graph: TaskGraph) -> list[float]:
@@ -233,69 +264,41 @@ def load_reads(graph: TaskGraph) -> list[float]:
 
 
 def attach(
-    engine: "Engine", graph: TaskGraph, settings: HostSettings, journal: bool
+    graph: TaskGraph,
+    settings: HostSettings,
+    journal: bool,
+    host_module,
+    optimizers: dict,
+    unmade,
+    optimizer: str,
+    step: int,
 ) -> StateOnDisk | None:
     """The run's state on disk for ``graph`` (see the module docstring); None when
     it all fits host memory. Nothing in memory changes unless it succeeds.
-    ``journal``: as for :func:`build_for_host`."""
+    ``journal``: as for :func:`build_for_host`; ``host_module`` and ``optimizers``
+    ((pack, shard) -> optimizer): the state; ``unmade``: the weights not yet made
+    (None: all made); ``optimizer``: the optimizer's kind (its state per
+    parameter); ``step``: the run's step, which a new tier is committed as of."""
     placement = placement_of(graph)
     resume = settings.resume
-    on_disk = [] if placement is None else [list(x) for x in placement.on_disk]
-    if resume is not None and resume["on_disk"] != on_disk:
-        raise HarmonyError(
-            f"the checkpoint's run kept {resume['on_disk']} (pack, kind) on its disk tier, and "
-            f"this engine's placement keeps {on_disk}: resume with the same plan, host_memory "
-            "and hardware as the run"
-        )
+    _check_same_placement(resume, placement)
     if placement is None or not placement.uses_disk:  # at most gradient slots: no tier
         return None
-    units = make_units(engine, placement)
+    units = make_units(host_module, optimizers, placement)
     budget = settings.budget
-    charges = {
-        **settings.outside,
-        "training state kept in host memory": placement.host_state_bytes,
-        "gradients, stashes and offloaded activations"
-        + (" (those written to disk and read back)" if placement.stashes_on_disk else ""): (
-            placement.reserve
-        ),
-        "the update journal's copies (safe_updates)": placement.host_state_bytes * journal,
-    }
-    options = dict(budget=budget, threads=IO_THREADS, chunk=settings.chunk)
-    if settings.paced:
-        read, write, shared = settings.rates
-        options.update(read_rate=read, write_rate=write, shared=shared)
     held: list[str] = []
     tier = state = None
-    unmade = engine.unmade
     made: list = []  # unmade master weights made for the tier here (given back as written)
     try:
-        for name, nbytes in charges.items():
+        for name, nbytes in _charges(settings, placement, journal).items():
             budget.charge(name, nbytes)
             held.append(name)
-        room = dict(state_bytes=placement.disk_bytes)
-        if placement.stashes_on_disk:
-            writes = [
-                t for t in graph.tasks if t.kind == DISK_OUT and isinstance(t.data, Activation)
-            ]
-            room["scratch_bytes"] = scratch_bytes(placement.stash_disk_bytes, len(writes))
-        if resume is None:
-            tier = DiskTier.create(settings.directory, **room, **options)
-        else:
-            tier = DiskTier.open(settings.directory, expect_step=resume["step"], **options)
+        tier = _open_tier(settings, placement, graph)
         loads = [t.data.packs for t in graph.tasks if is_load_read(t)]
-        slots = state_slots(engine.spec.optimizer)
-        state = StateOnDisk(tier, placement, units, budget, loads, slots)
+        state = StateOnDisk(tier, placement, units, budget, loads, state_slots(optimizer))
         if resume is None:
-            for unit in units.values():
-                fresh = []
-                if unmade is not None and "weights" in unit.kinds:
-                    # made one update at a time, each written and given back at once
-                    fresh = unmade.make(p for _, p in unit.params)
-                    made += fresh
-                state.write(unit, unit.kinds, release=False)
-                if fresh:
-                    state.forget(unit, ("weights",))
-            tier.commit(engine.step_count)
+            _write_all(state, units, unmade, made)
+            tier.commit(step)
         else:
             _check_resumed(state)
             if unmade is not None:  # the tier holds their values
@@ -317,15 +320,68 @@ def attach(
     return state
 
 
-def make_units(engine: "Engine", placement: Placement) -> dict[tuple[int, int], Unit]:
+def _check_same_placement(resume: dict | None, placement: Placement | None) -> None:
+    """A resumed run's tier holds what ``placement`` puts on disk."""
+    on_disk = [] if placement is None else [list(x) for x in placement.on_disk]
+    if resume is not None and resume["on_disk"] != on_disk:
+        raise HarmonyError(
+            f"the checkpoint's run kept {resume['on_disk']} (pack, kind) on its disk tier, and "
+            f"this engine's placement keeps {on_disk}: resume with the same plan, host_memory "
+            "and hardware as the run"
+        )
+
+
+def _charges(settings: HostSettings, placement: Placement, journal: bool) -> dict[str, int]:
+    """What the budget's ledger is charged for a run with state on disk, by name."""
+    return {
+        **settings.outside,
+        "training state kept in host memory": placement.host_state_bytes,
+        "gradients, stashes and offloaded activations"
+        + (" (those written to disk and read back)" if placement.stashes_on_disk else ""): (
+            placement.reserve
+        ),
+        "the update journal's copies (safe_updates)": placement.host_state_bytes * journal,
+    }
+
+
+def _open_tier(settings: HostSettings, placement: Placement, graph: TaskGraph) -> DiskTier:
+    """A new tier in the settings' directory with room for ``placement``'s state (and
+    ``graph``'s stashes on disk), or the resumed run's tier as of its step."""
+    options = dict(budget=settings.budget, threads=IO_THREADS, chunk=settings.chunk)
+    if settings.paced:
+        read, write, shared = settings.rates
+        options.update(read_rate=read, write_rate=write, shared=shared)
+    if settings.resume is not None:
+        return DiskTier.open(settings.directory, expect_step=settings.resume["step"], **options)
+    room = dict(state_bytes=placement.disk_bytes)
+    if placement.stashes_on_disk:
+        writes = [t for t in graph.tasks if t.kind == DISK_OUT and isinstance(t.data, Activation)]
+        room["scratch_bytes"] = scratch_bytes(placement.stash_disk_bytes, len(writes))
+    return DiskTier.create(settings.directory, **room, **options)
+
+
+def _write_all(state: StateOnDisk, units: dict, unmade, made: list) -> None:
+    """Write every unit's state on disk to a new tier; unmade master weights are made
+    one update at a time (added to ``made``), each written and given back at once."""
+    for unit in units.values():
+        fresh = []
+        if unmade is not None and "weights" in unit.kinds:
+            fresh = unmade.make(p for _, p in unit.params)
+            made += fresh
+        state.write(unit, unit.kinds, release=False)
+        if fresh:
+            state.forget(unit, ("weights",))
+
+
+def make_units(host_module, optimizers: dict, placement: Placement) -> dict[tuple[int, int], Unit]:
     """Per update with a kind on disk, its :class:`Unit`: tier key ``q``, or
     ``(q, r)`` when pack ``q`` is updated in shards."""
-    names = {id(p): n for n, p in engine.host_module.named_parameters()}
+    names = {id(p): n for n, p in host_module.named_parameters()}
     shards: dict[int, int] = {}
-    for q, _ in engine.optimizers:
+    for q, _ in optimizers:
         shards[q] = shards.get(q, 0) + 1
     units = {}
-    for (q, r), opt in engine.optimizers.items():
+    for (q, r), opt in optimizers.items():
         kinds = placement.kinds_on_disk(q)
         if opt is None or not kinds:
             continue

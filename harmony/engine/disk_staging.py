@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from ..errors import HarmonyError
+from .journal import optimizer_params
 from .tiers import DiskTier, HostBudget, Placement, adopt_state, drop_state, export_state
 from .tiers.files import ALIGN, round_up
 from .tiers.stashes import StashFile
-from .journal import optimizer_params
 
 
 @dataclass

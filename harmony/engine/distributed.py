@@ -149,3 +149,14 @@ def broadcast_weights(module: torch.nn.Module, group=None) -> None:
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(t.data, src=0, group=group)
+
+
+def gradient_sync_for(plan: Plan, optimizers: dict) -> GradientSync:
+    """The exchange of ``plan``'s gradients across servers (every server's plan
+    checked to be the same), in the order the updates run: last pack first."""
+    check_same_plan(plan)
+    order = sorted(
+        (k for k, opt in optimizers.items() if opt is not None),
+        key=lambda k: (-k[0], k[1]),
+    )
+    return GradientSync(order)

@@ -8,23 +8,18 @@ state coming in and going out. The devices hold only what the graph puts
 there: a pack's weights while it runs, its gradient accumulator,
 activations in flight, stashed inputs brought back for recompute, and
 optimizer state while it is stepped there. Every step plays the plan's
-TaskGraph (see :mod:`.step`), one thread per lane, and records a
+TaskGraph (see :mod:`.step.run`), one thread per lane, and records a
 :class:`~harmony.trace.Trace` with the simulator's schema.
 
-Exactness: with equal forward and backward microbatch sizes in float32, the
-weights after any number of steps are bitwise identical to
-:func:`~harmony.engine.reference_loop.reference_step` on one device and with
-harmony-pp, gpipe-swap or model-parallel on several; harmony-dp sums
-gradients across GPUs in another order (allclose), and so does layer-swap
-unless its gradient sums stay on the GPUs (``gpu_gradients``: each replica's
-sum, then their sum in GPU order, deterministic).
+Exactness (bitwise equal to the plain loop, for which plans): see
+:mod:`harmony.engine.reference_loop`.
 """
 
 from __future__ import annotations
 
 import threading
-import warnings
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -36,45 +31,48 @@ from ..costs.spec import ModelSpec
 from ..errors import HarmonyError, NonFiniteError
 from ..graph import TaskGraph
 from ..plan import Plan
-from ..policies import STATE_OPTIONS, update_shards
-from ..simulate import play, simulate_graph
+from ..simulate import simulate_graph
 from ..trace import Trace
-from .calibrate import calibrate
-from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from .auto_plan import Searched, auto_plan
+from .checkpoint import write_checkpoint
+from .checkpoint_state import (
+    HeldState,
+    carried_over,
+    check_state,
+    load_state,
+    model_weights,
+    read_run_state,
+    resumed,
+    run_arguments,
+    run_state_dict,
+)
 from .context import StepContext
 from .decompose import decompose
-from .describe import describe, norm_tensor_names
+from .describe import describe_chain, norm_tensor_names
 from .devices import Backend, make_backends
-from .disk_setup import HostSettings, attach, build_for_host, host_settings
+from .disk_setup import HostSettings, host_settings
 from .disk_staging import StateOnDisk
+from .distributed import broadcast_weights, gradient_sync_for
+from .gradient_slots import GradientSlots
+from .host_graphs import HostGraphs
+from .host_memory import KeptOnHost, besides_the_model
+from .host_model import HostModel, params_per_update
+from .journal import UpdateJournal, optimizer_kind
+from .lazy_weights import UnmadeWeights
+from .placing import lay_out_weights, place_state
+from .reference_loop import as_args
 from .refusals import (
     PRECISIONS,
     batch_kinds,
     check_arguments,
     check_batch,
+    check_microbatches,
     check_plan,
     check_same_sizes,
-    check_updates_run_where_state_is,
-    make_optimizers,
+    resolve_distributed,
 )
-from .gradient_slots import GradientSlots, gradient_slots_for
-from .host_memory import besides_the_model, check_host_memory
-from .host_model import HostModel
-from .lazy_weights import UnmadeWeights
-from .reference_loop import as_args
-from .checkpoint_state import FORMAT as STATE_FORMAT
-from .checkpoint_state import (
-    apply_state,
-    check_state,
-    engine_state,
-    load_optimizer_state,
-    model_weights,
-    optimizer_state,
-    param_names,
-)
-from .journal import UpdateJournal, optimizer_kind
-
-GROWTH_INTERVAL = 2000
+from .run_state import RunState, run_field
+from .step import StepRun
 
 
 class Engine:
@@ -110,23 +108,16 @@ class Engine:
 
     ``host_memory``: the process's host memory budget (bytes or ``"8GB"``;
     default: the given ``hardware``'s, at most what this process holds and the
-    machine has free). What the process holds besides the model (measured when
-    the first step is planned) and the device memory of the cpu and emulated
-    backends (host memory too) come out of it first; the rest is for what the
-    engine keeps there: training state, stashes and offloaded activations, the
-    update journal and the disk tier's buffers, all charged to a ledger
-    (``host_settings.budget``), and freed tensors go back to the system, so
-    the process's peak resident memory stays under the budget. Training
-    state that does not fit goes to a disk tier in ``disk_dir`` (optimizer
-    state first, then master weights, last pack first;
+    machine has free), charged to a ledger (``host_settings.budget``) as
+    :mod:`.disk_setup` says, so the process's peak resident memory stays under
+    it. Training state that does not fit goes to a disk tier in ``disk_dir``
+    (optimizer state first, then master weights, last pack first;
     :mod:`harmony.policies.disk_tier`), read and written around each update
-    and weight load, crash-safe: see :mod:`.disk_setup`. ``disk``: the disk
-    link's bandwidth, ``"200MB/s,200MB/s"`` (``",shared"`` after them: reads
-    and writes share the disk's time) or a name (``"nvme"``): the tier is
-    paced to it, an emulated disk; default: the ``hardware``'s, else measured
-    in ``disk_dir`` when the state needs it (whether reads and writes share
-    its time included). Call :meth:`close` when
-    done with an engine that has a disk tier.
+    and weight load, crash-safe. ``disk``: the disk link's bandwidth,
+    ``"200MB/s,200MB/s"`` (``",shared"`` after them: reads and writes share the
+    disk's time) or a name (``"nvme"``): the tier is paced to it, an emulated
+    disk; default: the ``hardware``'s, else measured in ``disk_dir`` when the
+    state needs it. Call :meth:`close` when done with an engine that has a disk tier.
 
     A model too large to build in host memory: build it under
     :func:`~harmony.engine.lazy_weights.empty_weights` (parameters on the meta
@@ -142,6 +133,15 @@ class Engine:
     tier, :meth:`save` refers to the tier's state instead of copying it, and
     :meth:`load` reopens the tier as of the checkpoint's step.
     """
+
+    step_count = run_field("step_count")
+    skipped_steps = run_field("skipped_steps")
+    loss_scale = run_field("loss_scale")
+    good_steps = run_field("good_steps")
+    seed = run_field("seed")
+    precision = run_field("precision")
+    minibatch_size = run_field("minibatch_size")
+    plan = run_field("plan")
 
     def __init__(
         self,
@@ -188,53 +188,31 @@ class Engine:
         # BatchNorm's parameters and statistics keep their dtype under mixed precision
         self.norm_tensors = [norm_tensor_names(layer) for layer in self.layers]
         self.rng_lock = threading.Lock()
-        self.minibatch_size = minibatch_size
-        self.seed = seed
+        # fp16: dynamic loss scaling as torch.amp.GradScaler does it (an overflowing
+        # step is skipped and the scale halved; it doubles after GROWTH_INTERVAL good steps)
+        self.run_state = RunState(
+            seed, minibatch_size, precision, loss_scale=2.0**16 if precision == "fp16" else 1.0
+        )
         self.safe_updates = safe_updates
         # what a step's updates changed, to undo it if the step fails
         self.journal = UpdateJournal()
         self.nonfinite = nonfinite
-        self.precision = precision
         self.compute_dtype: torch.dtype | None = PRECISIONS[precision]
-        # fp16: dynamic loss scaling as torch.amp.GradScaler does it (an overflowing
-        # step is skipped and the scale halved; it doubles after GROWTH_INTERVAL good steps)
-        self.loss_scale = 2.0**16 if precision == "fp16" else 1.0
-        self.good_steps = 0
-        self.step_count = 0
-        self.skipped_steps = 0
         self.trace: Trace | None = None
         self._optimizer_factory = optimizer
-        self.plan: Plan | None = None
         self.spec = None  # sizes of the chain, from the first minibatch
         # the cost model with times the graph is played with (the memory order): given,
         # or measured when plan="auto" profiles; None: the sizes, with FLOP-rate times
         self.profile = spec
-        self._hardware = hardware
+        self.graphs = HostGraphs(device, hardware, self.host_settings, self.backends, safe_updates)
         # (pack, shard) -> the optimizer of those parameters
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer | None] = {}
         self._graph_cache: TaskGraph | None = None
-        self._graph_hardware: Hardware | None = None  # the server the cached graph is for
-        self._host_graph: tuple | None = None  # (plan, host_graph's result) not yet run
         self._memory_order: dict | None = None  # of the cached graph's buffers, per device
         self._batch_kinds: tuple | None = None  # shapes and dtypes of the first minibatch
-        if distributed is None:
-            distributed = (
-                torch.distributed.is_available()
-                and torch.distributed.is_initialized()
-                and torch.distributed.get_world_size() > 1
-            )
-        self.distributed = distributed
-        if distributed and disk_dir is not None:
-            raise HarmonyError("the disk tier runs on one server: disk_dir with distributed")
-        if distributed and self.unmade is not None:
-            raise HarmonyError(
-                "a model with parameters on the meta device trains on one server: build it on "
-                "the CPU to train it across servers"
-            )
+        self.distributed = resolve_distributed(distributed, disk_dir, self.unmade)
         self.sync = None  # GradientSync across servers, once a plan is set
-        if distributed:
-            from .distributed import broadcast_weights
-
+        if self.distributed:
             broadcast_weights(self.host_module)
         if isinstance(plan, Plan):
             self.set_plan(plan)
@@ -252,42 +230,29 @@ class Engine:
         calibrated on this machine (:func:`~harmony.engine.calibrate.calibrate`),
         with the engine's host memory budget and disk tier (where its bandwidth
         is known)."""
-        if self._graph_hardware is not None:  # what the graph was built for
-            return self._graph_hardware
-        # before a plan: the budget less what the process holds besides the model
-        # (what its devices take of host memory depends on the plan: host_graph)
-        settings = self.host_settings
-        besides = besides_the_model(self.host_module)
-        hw = self._base_hardware().with_host_memory(max(1, settings.budget.capacity - besides))
-        known = settings.directory is not None and settings.rates is not None
-        return hw.with_disk(settings.rates if known else None)
+        if self.graphs.running is not None:  # what the graph was built for
+            return self.graphs.running
+        return self.graphs.before_plan(besides_the_model(self.host_module))
 
-    def host_graph(self, plan: Plan, settings: HostSettings) -> tuple[TaskGraph, Hardware]:
+    def host_graph(
+        self, plan: Plan, settings: HostSettings, profile: ModelSpec | None = None
+    ) -> tuple[TaskGraph, Hardware]:
         """The graph of ``plan`` with the host memory and disk tier of
         ``settings`` (:func:`~harmony.engine.disk_setup.build_for_host`), and the
         hardware it was built for; :class:`HostMemoryError` if it cannot fit.
+        ``profile``: the chain's times to play it with (default: the engine's).
         With the engine's own settings, the last one built is kept for the first
         step of that plan (``plan="auto"`` builds it to check that it fits)."""
-        own = settings is self.host_settings
-        if own and self._host_graph is not None and self._host_graph[0] == plan:
-            return self._host_graph[1]
-        updates = self._params_per_update(plan).values()
-        built = build_for_host(
-            self.profile or self.spec,  # the profile's times, where there is one
-            self._base_hardware(),
-            plan,
-            settings,
-            max((len(ps) for ps in updates), default=0),
-            self.safe_updates,
-            besides_the_model(self.host_module),
-            self.backends,
+        kept = self.graphs.kept(plan, settings)
+        if kept is not None:
+            return kept
+        updates = params_per_update(self.host, plan).values()
+        spec = profile or self.profile or self.spec  # the profile's times, where there is one
+        base = self.graphs.base()
+        most = max((len(ps) for ps in updates), default=0)
+        return self.graphs.build(
+            plan, settings, spec, base, most, besides_the_model(self.host_module)
         )
-        if own:
-            self._host_graph = (plan, built)
-        return built
-
-    def _base_hardware(self) -> Hardware:
-        return self._hardware if self._hardware is not None else calibrate(self.device)
 
     def simulate(self) -> Trace:
         """The simulator's play of the graph the engine runs (after the first step):
@@ -312,32 +277,17 @@ class Engine:
         check_plan(
             plan, self.layers, devices, self.minibatch_size, self.precision, self.distributed
         )
-        optimizers = make_optimizers(self._optimizer_factory, self._params_per_update(plan))
-        names = param_names(self)
-        load_optimizer_state(optimizers, optimizer_state(self.optimizers, names), names)
+        units = params_per_update(self.host, plan)
+        optimizers = carried_over(
+            self._optimizer_factory, units, self.optimizers, self.host_module
+        )
         if self.distributed:
-            from .distributed import GradientSync, check_same_plan
-
-            check_same_plan(plan)
-            order = sorted(
-                (k for k, opt in optimizers.items() if opt is not None),
-                key=lambda k: (-k[0], k[1]),
-            )
-            self.sync = GradientSync(order)
+            self.sync = gradient_sync_for(plan, optimizers)
         self.plan, self.optimizers, self._graph_cache = plan, optimizers, None
-        self._graph_hardware = None
+        self.graphs.running = None
         for pool in [b.pool for b in self.backends if b.pool is not None] + [self.host.pool]:
             pool.clear()  # sized for the old plan's buffers
         self.host.make_replicas(range(1, plan.n_gpus))
-
-    def _params_per_update(self, plan: Plan) -> dict[tuple[int, int], list[nn.Parameter]]:
-        """The parameters each update steps: (pack, shard) -> parameters (see
-        :meth:`~harmony.engine.host_model.HostModel.update_params`). A plan that
-        keeps gradient sums or the optimizer on the GPUs has one optimizer per
-        pack, which every GPU that runs the pack steps whole (update_shards
-        refuses those options, from before the engine ran them)."""
-        on_gpus = any(plan.option(k) for k in STATE_OPTIONS)
-        return self.host.update_params(plan, 1 if on_gpus else update_shards(plan))
 
     def step_context(self) -> StepContext:
         """What the next step reads of this engine."""
@@ -360,83 +310,91 @@ class Engine:
             gradient_slots=self.gradient_slots,
         )
 
+    def kept_on_host(self) -> KeptOnHost:
+        """What the engine keeps in host memory for its plan (see :mod:`.host_memory`)."""
+        return KeptOnHost(
+            self.host, self.optimizers, self.unmade, self.spec, self.plan, self.backends
+        )
+
+    def _held(self) -> HeldState:
+        """The tensors a checkpoint of this run is made of (see :mod:`.checkpoint_state`)."""
+        return HeldState(
+            self.host_module, self.optimizers, self.disk, self.host_settings.resume, self.unmade
+        )
+
+    def _searched(self) -> Searched:
+        """What ``plan="auto"`` searches a plan for (see :mod:`.auto_plan`)."""
+        return Searched(
+            layers=self.layers,
+            loss_fn=self.loss_fn,
+            optimizer=self._optimizer_factory,
+            backends=self.backends,
+            minibatch_size=self.minibatch_size,
+            dtype=self.compute_dtype,
+            safe_updates=self.safe_updates,
+            distributed=self.distributed,
+            spec=self.spec,
+            profile=self.profile,
+            host_settings=self.host_settings,
+            host_module=self.host_module,
+            hardware=self.hardware,
+            params_per_update=partial(params_per_update, self.host),
+            host_graph=lambda plan, profile: self.host_graph(plan, self.host_settings, profile),
+        )
+
     def _graph(self, inputs: tuple, target: torch.Tensor) -> TaskGraph:
         if self.spec is None:
-            planned = (
-                []
-                if self.plan is None
-                else [
-                    b - a
-                    for mbs in (self.plan.fwd_microbatches(), self.plan.bwd_microbatches())
-                    for a, b in mbs
-                ]
-            )
-            self.spec = describe(
+            self.spec = describe_chain(
                 self.layers,
                 inputs,
                 target,
-                name=type(self.model).__name__,
-                optimizer=optimizer_kind(self._optimizer_factory),
-                loss_fn=self.loss_fn,
-                device=self.backend.torch_device,
-                dtype=self.compute_dtype,
-                sizes=planned,
+                type(self.model).__name__,
+                optimizer_kind(self._optimizer_factory),
+                self.loss_fn,
+                self.backend.torch_device,
+                self.compute_dtype,
+                self.plan,
             )
             if self.profile is not None:
                 check_same_sizes(self.profile, self.spec)
                 # the state the engine's optimizer keeps, whatever the profile assumed
                 self.profile = replace(self.profile, optimizer=self.spec.optimizer)
         if self.plan is None:
-            from .auto_plan import auto_plan
-
-            self.set_plan(auto_plan(self, inputs, target))
+            plan, self.profile = auto_plan(self._searched(), inputs, target)
+            self.set_plan(plan)
         if self._graph_cache is None:
-            smallest = min(
-                b - a
-                for mbs in (self.plan.fwd_microbatches(), self.plan.bwd_microbatches())
-                for a, b in mbs
-            )
-            if smallest < self.spec.min_microbatch:
-                raise HarmonyError(
-                    f"plan {self.plan.describe()} runs microbatches of {smallest} sample(s), but "
-                    f"this model trains on {self.spec.min_microbatch} at least (a BatchNorm over "
-                    "features needs more than one value per channel): use larger microbatches (a "
-                    "divisor of the minibatch)"
-                )
-            # the profile has the same sizes as the description, and times: the play
-            # that fixes the memory order then resembles the run
-            graph, server = self.host_graph(self.plan, self.host_settings)
-            self._host_graph = None
-            check_updates_run_where_state_is(graph, self.plan)
-            check_host_memory(self, graph)
-            self.disk = attach(self, graph, self.host_settings, self.safe_updates)
-            self.gradient_slots = gradient_slots_for(self, graph)
-            self.host_settings.resume = None
-            # master weights on the tier are placeholders now: lay out the rest anew
-            on_disk = frozenset(self.disk.on_disk if self.disk is not None else ())
-            self.lay_out_weights(on_disk)
-            self._graph_cache, self._graph_hardware = graph, server
-            # buffers are admitted on the devices in the simulator's order: the engine's
-            # peak is then the simulated one, whatever the timing (on the cpu backend,
-            # only where weight loads copy master weights read from disk)
-            managed = any(b.copies for b in self.backends) or bool(on_disk)
-            self._memory_order = play(graph).order if managed else None
+            self._place(self.plan)
         return self._graph_cache
 
-    def lay_out_weights(self, on_disk: frozenset[int] = frozenset()) -> None:
-        """Lay the host weights out in flat buffers, all but ``on_disk`` (ids of
-        master weights a disk tier holds), if they are not yet or some left for the
-        tier; then make the unmade ones (a model built on the meta device) in place."""
-        if on_disk or not self.host.layout.flattened:
-            self.host.layout.flatten(on_disk)
-        if self.unmade is not None:
-            self.unmade.make_all()
+    def _place(self, plan: Plan) -> None:
+        """Build the graph of ``plan`` for the host memory and place its state
+        (:func:`~harmony.engine.placing.place_state`)."""
+        check_microbatches(plan, self.spec)
+        # the profile has the same sizes as the description, and times: the play
+        # that fixes the memory order then resembles the run
+        graph, server = self.host_graph(plan, self.host_settings)
+        self.graphs.run(plan, graph, server)
+        placed = place_state(
+            graph,
+            plan,
+            self.kept_on_host(),
+            self.host_settings,
+            self.safe_updates,
+            self.host_module,
+            self.step_count,
+        )
+        self.disk, self.gradient_slots = placed.disk, placed.gradient_slots
+        self._graph_cache = graph
+        self._memory_order = placed.memory_order
+
+    def lay_out_weights(self) -> None:
+        """Lay the host weights out in flat buffers and make the unmade ones (see
+        :func:`~harmony.engine.placing.lay_out_weights`)."""
+        lay_out_weights(self.kept_on_host())
 
     # ---- one step -----------------------------------------------------------------
     def step(self, inputs, target: torch.Tensor) -> float:
         """One synchronous SGD iteration over a minibatch; returns its mean loss."""
-        from .step import StepRun
-
         inputs = as_args(inputs)
         check_batch(inputs, target, self.minibatch_size, self._batch_kinds)
         graph = self._graph(inputs, target)
@@ -451,38 +409,14 @@ class Engine:
                 self.disk.tier.commit(self.step_count + 1)
         except NonFiniteError as caught:
             run.roll_back()
-            err = caught
-            if run.poisoned is not None:
-                # every server finds a non-finite gradient; this one says why
-                err = NonFiniteError(
-                    f"{run.poisoned} on this server; averaged into every server's gradient, "
-                    "so every server skips the step",
-                    "gradient",
-                )
-            if self.loss_scale != 1.0 and err.what == "gradient":
-                # fp16 overflow: a smaller scale next time
-                self.loss_scale /= 2
-                self.good_steps = 0
-            elif self.nonfinite == "raise":
-                raise err from None
-            else:
-                warnings.warn(
-                    f"step {self.step_count} skipped, weights unchanged: {err}", stacklevel=2
-                )
-            self.step_count += 1
-            self.skipped_steps += 1
+            self.run_state.skipped(run.reported(caught), self.nonfinite)
             if self.disk is not None:  # the tier's state is unchanged, as of this step too
                 self.disk.tier.commit(self.step_count)
             return float("nan")
         except BaseException:
             run.roll_back()
             raise
-        self.step_count += 1
-        if self.loss_scale != 1.0:
-            self.good_steps += 1
-            if self.good_steps == GROWTH_INTERVAL:
-                self.loss_scale *= 2
-                self.good_steps = 0
+        self.run_state.stepped()
         self.trace = run.trace()
         return run.loss
 
@@ -493,12 +427,13 @@ class Engine:
         state, plan. Tensors are the live ones, as ``nn.Module.state_dict`` gives.
         ``referenced``: state on a disk tier is referred to (the tier as of this
         step, what :meth:`save` writes; continue it with :meth:`load`), not read."""
-        return engine_state(self, referenced)
+        overhead = self.hardware().task_overhead_s  # informative: recalibrated on load
+        return run_state_dict(self.run_state, self._held(), overhead, referenced)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights and buffers (copies, ``state_dict`` names), master
         weights on the disk tier read back: what to keep of a finished run."""
-        return model_weights(self)
+        return model_weights(self._held())
 
     def load_state_dict(self, state: dict, plan: Plan | None = None) -> None:
         """Continue the run ``state`` was taken from. The plan is ``plan``, else the
@@ -511,10 +446,13 @@ class Engine:
         self._continue(state, plan, "the state")
 
     def _continue(self, state: dict, plan: Plan | None, source: str) -> None:
-        check_state(self, state, source)
+        check_state(self.run_state, self._held(), state, source)
         if plan is None and self.plan is None and state["plan"] is not None:
             plan = Plan.from_dict(state["plan"])
-        apply_state(self, state, plan)
+        if plan is not None:
+            self.set_plan(plan)
+        load_state(self._held(), state)
+        self.run_state = resumed(self.run_state, state)
 
     def save(self, path) -> Path:
         """Write a checkpoint to ``path`` atomically (a crash never leaves a half-written file);
@@ -543,12 +481,8 @@ class Engine:
         :func:`~harmony.engine.lazy_weights.empty_weights`, they are never made,
         only read from the checkpoint and the tier), the same minibatch size and
         seed, and the saved plan unless ``plan`` is given."""
-        state = read_checkpoint(path)
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise CheckpointError(f"{path} is a checkpoint but not of an engine's state")
-        kwargs.setdefault("precision", state["precision"])
-        if "disk" in state:  # the run's state on disk is in its tier, as of the checkpoint
-            kwargs.setdefault("disk_dir", state["disk"]["directory"])
+        state = read_run_state(path)
+        kwargs = {**run_arguments(state), **kwargs}
         engine = cls(
             model,
             optimizer,

@@ -139,14 +139,13 @@ def packs_of_parameters(host, plan) -> dict[int, set[int]]:
     return packs
 
 
-def gradient_slots_for(engine, graph: TaskGraph) -> GradientSlots | None:
-    """The slots ``graph``'s placement holds the engine's host gradients in (None: none)."""
-    from .host_memory import placement_of
-
-    placement = placement_of(graph)
+def gradient_slots_for(
+    placement, host, plan, optimizers, graph: TaskGraph
+) -> GradientSlots | None:
+    """The slots ``placement`` (a :class:`~harmony.costs.placement.Placement`, or None)
+    holds the host gradients of ``host`` in for ``plan``'s ``graph`` (None: none);
+    ``optimizers``: (pack, shard) -> optimizer."""
     if placement is None or not placement.gradient_slots:
         return None
-    packs = packs_of_parameters(engine.host, engine.plan)
-    return GradientSlots(
-        placement.gradient_slots, engine.optimizers, packs, graph, pin=engine.host.layout.pin
-    )
+    packs = packs_of_parameters(host, plan)
+    return GradientSlots(placement.gradient_slots, optimizers, packs, graph, pin=host.layout.pin)

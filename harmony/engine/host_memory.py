@@ -15,32 +15,48 @@ and computations are freed as the graph frees them: see
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..costs.hardware import format_bytes
 from ..costs.placement import Placement
-from ..costs.spec import state_slots
+from ..costs.spec import ModelSpec, state_slots
 from ..errors import HarmonyError
 from ..graph import (
     ACT_OUT,
     STASH_OUT,
     TaskGraph,
 )
+from ..plan import Plan
 from ..policies import spec_for, stashes_in_flight
 from ..simulate import simulate_graph
+from .gradient_slots import gradient_slots_for
+from .host_model import HostModel
+from .journal import optimizer_params
 from .tiers.system import (  # noqa: F401 - the process's memory, as the engine reads it
     available_host_bytes,
     peak_resident_bytes,
     reset_peak_resident,
     resident_bytes,
 )
-from .journal import optimizer_params
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+@dataclass
+class KeptOnHost:
+    """What a run keeps in host memory for its ``plan``: the ``host`` model (its
+    gradient buffers), the ``optimizers`` ((pack, shard) -> optimizer), the weights
+    not yet made (``unmade``: an :class:`~.lazy_weights.UnmadeWeights` or None), the
+    chain's sizes (``spec``) and the devices (``backends``: an emulated GPU's memory
+    is host memory)."""
+
+    host: HostModel
+    optimizers: dict
+    unmade: object
+    spec: ModelSpec
+    plan: Plan
+    backends: list
 
 
 def besides_the_model(module: nn.Module) -> int:
@@ -98,17 +114,15 @@ def placement_of(graph: TaskGraph) -> Placement | None:
     return Placement(**{**info, "on_disk": tuple((q, k) for q, k in info["on_disk"])})
 
 
-def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
-    """Bytes the engine will add to host memory for its plan (``graph``: its
+def host_bytes_needed(kept: KeptOnHost, graph: TaskGraph) -> dict[str, float]:
+    """Bytes the run of ``kept`` will add to host memory for its plan (``graph``: its
     task graph, needed to count an emulated GPU's memory and what its disk
     tier takes and gives back), by what."""
-    from .gradient_slots import gradient_slots_for
-
     grads = optimizer = freed = made = 0.0
     placement = placement_of(graph)
-    slots = gradient_slots_for(engine, graph)
-    unmade = engine.unmade
-    for (q, _), opt in engine.optimizers.items():
+    slots = gradient_slots_for(placement, kept.host, kept.plan, kept.optimizers, graph)
+    unmade = kept.unmade
+    for (q, _), opt in kept.optimizers.items():
         if opt is None:
             continue
         on_disk = placement.kinds_on_disk(q) if placement is not None else ()
@@ -118,18 +132,16 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
         new = unmade.nbytes(params) if unmade is not None else 0
         made += 0 if "weights" in on_disk else new
         grads += sum(
-            p.numel() * p.element_size()
-            for p in params
-            if not engine.host.layout.has_grad_buffer(p)
+            p.numel() * p.element_size() for p in params if not kept.host.layout.has_grad_buffer(p)
         )
-        optimizer += 0 if "optimizer" in on_disk else _state_slots(opt, engine.spec) * size
+        optimizer += 0 if "optimizer" in on_disk else _state_slots(opt, kept.spec) * size
         freed += size - new if "weights" in on_disk else 0
     moved = graph.bytes_by_kind()
     # the whole minibatch's, at once; or, written to disk, a few pieces
     stash, offloaded = moved.get(STASH_OUT, 0.0), moved.get(ACT_OUT, 0.0)
     if placement is not None and placement.stashes_on_disk:
-        stash, offloaded = stashes_in_flight(spec_for(engine.spec, engine.plan), engine.plan), 0.0
-    emulated = device_memory_in_host([b for b in engine.backends if b.kind == "emulated"], graph)
+        stash, offloaded = stashes_in_flight(spec_for(kept.spec, kept.plan), kept.plan), 0.0
+    emulated = device_memory_in_host([b for b in kept.backends if b.kind == "emulated"], graph)
     if slots is not None:
         grads = slots.nbytes
     return {
@@ -144,11 +156,11 @@ def host_bytes_needed(engine: "Engine", graph: TaskGraph) -> dict[str, float]:
     }
 
 
-def check_host_memory(engine: "Engine", graph: TaskGraph, available: int | None = None) -> None:
+def check_host_memory(kept: KeptOnHost, graph: TaskGraph, available: int | None = None) -> None:
     available = available_host_bytes() if available is None else available
     if available is None:
         return
-    need = host_bytes_needed(engine, graph)
+    need = host_bytes_needed(kept, graph)
     total = sum(need.values())
     if total > available:
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in need.items() if v > 0)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import HarmonyError
 from ..plan import Plan, layer_shard
+from ..policies import STATE_OPTIONS, update_shards
 from .buffers import BufferPool, HostLayout
 from .weight_swap import WeightSlots
 
@@ -139,6 +140,15 @@ class HostModel:
                 if owner[id(p)] == key and not (id(p) in seen or seen.add(id(p)))
             ]
         return out
+
+
+def params_per_update(host: HostModel, plan: Plan) -> dict[tuple[int, int], list[nn.Parameter]]:
+    """The parameters each update of ``plan`` steps: (pack, shard) -> parameters (see
+    :meth:`HostModel.update_params`). A plan that keeps gradient sums or the optimizer
+    on the GPUs has one optimizer per pack, which every GPU that runs the pack steps
+    whole (update_shards refuses those options, from before the engine ran them)."""
+    on_gpus = any(plan.option(k) for k in STATE_OPTIONS)
+    return host.update_params(plan, 1 if on_gpus else update_shards(plan))
 
 
 def check_on_host(layers: list[nn.Module]) -> None:

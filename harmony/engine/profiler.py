@@ -22,13 +22,12 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ..costs.hardware import Hardware
 from ..costs.spec import Curve, ModelSpec
 from .describe import describe, layer_inputs
+from .journal import UpdateJournal, apply_update, optimizer_kind
 from .lazy_weights import UnmadeWeights
 from .meters import SavedBytes
 from .reference_loop import as_args
-from .journal import UpdateJournal, apply_update, optimizer_kind
 
 
 def default_sizes(minibatch: int) -> list[int]:
@@ -91,10 +90,7 @@ def profile(
     )
     sizes = [u for u in sizes or default_sizes(target.shape[0]) if u >= spec.min_microbatch]
 
-    def autocast():
-        return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-    times = {(i, phase): [] for i in range(len(layers)) for phase in ("fwd", "bwd")}
+    times = {}
     # the input of the layer being measured, per microbatch size
     acts = {u: tuple(t[:u].to(device) for t in inputs) for u in sizes}
     for i, original in enumerate(layers):
@@ -102,31 +98,9 @@ def profile(
         # (or larger: its weights unmade, see lazy_weights) is never copied whole
         layer = copy.deepcopy(original).to(device)
         last = i == len(layers) - 1
-        for u in sizes:
-            x = acts[u]
-            y = target[:u].to(device)
-
-            def fwd():
-                with torch.no_grad(), autocast():
-                    layer(*x)
-
-            def bwd(meter: SavedBytes | None = None):
-                xs = tuple(
-                    t.detach().requires_grad_(True) if t.is_floating_point() else t for t in x
-                )
-                with meter if meter is not None else contextlib.nullcontext(), autocast():
-                    out = as_args(layer(*xs))
-                    if last:
-                        out = (loss_fn(*out, y),)
-                floats = [o for o in out if o.requires_grad]
-                torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
-
-            times[(i, "fwd")].append(median_time(fwd, repeats, sync))
-            # with the saved-tensor meter on, as the engine runs recompute (it charges the ledger)
-            times[(i, "bwd")].append(median_time(lambda: bwd(SavedBytes()), repeats, sync))
-            layer.zero_grad(set_to_none=True)
-            if not last:
-                acts[u] = layer_inputs([layer], x)[1]
+        times[(i, "fwd")], times[(i, "bwd")] = _time_layer(
+            layer, acts, target, loss_fn if last else None, device, dtype, repeats, sync
+        )
         layer = None  # freed before the next layer is copied
     measured = tuple(
         replace(
@@ -142,6 +116,51 @@ def profile(
     return replace(
         spec, layers=measured, source=f"profiled on {device} ({repeats} repeats per point)"
     )
+
+
+def _time_layer(
+    layer: nn.Module,
+    acts: dict[int, tuple],
+    target: torch.Tensor,
+    loss_fn: Callable | None,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    repeats: int,
+    sync: Callable[[], None],
+) -> tuple[list[float], list[float]]:
+    """Median forward and backward (with recompute) times of ``layer`` on its input
+    at each microbatch size (``acts``: size -> input, advanced to the next layer's
+    unless ``loss_fn`` is given: the last layer, timed with the loss)."""
+    last = loss_fn is not None
+    fwd_times, bwd_times = [], []
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+    for u in acts:
+        x = acts[u]
+        y = target[:u].to(device)
+
+        def fwd():
+            with torch.no_grad(), autocast():
+                layer(*x)
+
+        def bwd(meter: SavedBytes | None = None):
+            xs = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in x)
+            with meter if meter is not None else contextlib.nullcontext(), autocast():
+                out = as_args(layer(*xs))
+                if last:
+                    out = (loss_fn(*out, y),)
+            floats = [o for o in out if o.requires_grad]
+            torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
+
+        fwd_times.append(median_time(fwd, repeats, sync))
+        # with the saved-tensor meter on, as the engine runs recompute (it charges the ledger)
+        bwd_times.append(median_time(lambda: bwd(SavedBytes()), repeats, sync))
+        layer.zero_grad(set_to_none=True)
+        if not last:
+            acts[u] = layer_inputs([layer], x)[1]
+    return fwd_times, bwd_times
 
 
 def _update_time(layer: nn.Module, optimizer: Callable, repeats: int, journal: bool) -> float:
@@ -175,53 +194,6 @@ def measure_link(
     h2d = median_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
     d2h = median_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
     return nbytes / h2d, nbytes / d2h
-
-
-_ANY_GPU = Hardware(
-    name="any",
-    n_gpus=1,
-    gpu_memory=10**12,
-    gpu_flops=1e12,
-    h2d=1e10,
-    d2h=1e10,
-    uplink=1e10,
-    gpus_per_switch=1,
-    p2p=None,
-    cpu_update_bandwidth=1e10,
-    cpu_update_workers=1,
-    host_memory=10**12,
-)
-
-
-def measure_task_overhead(device, repeats: int = 9) -> float:
-    """Seconds the engine spends per GPU compute task beyond the compute itself,
-    on ``device`` (anything :class:`~harmony.engine.Engine` accepts as one GPU):
-    a chain of tiny layers with a pack per layer, step time over compute tasks.
-    The simulator adds it to every compute task (``Hardware.task_overhead_s``)."""
-    from ..plan import Plan
-    from .engine import Engine
-
-    layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
-    packs = tuple((i, i + 1) for i in range(len(layers)))
-    plan = Plan("harmony-pp", 1, 8, 2, 2, packs[:-1], packs)
-    # distributed=False: a throw-away engine on this server alone must not join the
-    # collectives of the process group the real engine uses; hardware given: a
-    # calibration must not calibrate itself (any will do for eight tiny layers)
-    engine = Engine(
-        layers,
-        lambda ps: torch.optim.SGD(ps, lr=0.0),
-        nn.functional.mse_loss,
-        device=device,
-        minibatch_size=8,
-        plan=plan,
-        safe_updates=False,
-        distributed=False,
-        hardware=_ANY_GPU,
-    )
-    x, y = torch.randn(8, 4), torch.randn(8, 4)
-    step = median_time(lambda: engine.step(x, y), repeats)
-    computes = sum(1 for t in engine._graph_cache.tasks if not t.is_transfer and t.kind != "UPD")
-    return step / computes
 
 
 #: a GTX 1080 Ti's compute : its PCIe 3.0 link, FLOP per byte (11.3 TFLOP/s float32,

@@ -11,6 +11,14 @@ both share.
   step ``s`` the CPU random generator is seeded with :func:`layer_seed` (and the
   device's, on CUDA), so dropout draws the same mask in the forward pass and in
   the engine's recompute, whatever the packing and whichever GPU runs it.
+
+Exactness: with equal forward and backward microbatch sizes in float32, the
+engine's weights after any number of steps are bitwise identical to
+:func:`reference_step`'s on one device and with harmony-pp, gpipe-swap or
+model-parallel on several; harmony-dp sums gradients across GPUs in another
+order (allclose), and so does layer-swap unless its gradient sums stay on the
+GPUs (``gpu_gradients``: each replica's sum, then their sum in GPU order,
+deterministic).
 """
 
 from __future__ import annotations

@@ -215,3 +215,37 @@ def check_batch(inputs: tuple, target, minibatch_size: int, first: tuple | None)
             f"this minibatch's inputs and target are {show(kinds)}, but the engine was set up "
             f"for {show(first)}; give every step minibatches of the same shapes and dtypes"
         )
+
+
+def resolve_distributed(distributed: bool | None, disk_dir, unmade) -> bool:
+    """Whether the engine trains across servers: as asked, else whether a process
+    group of more than one process is initialized; refused with a disk tier
+    (``disk_dir``) or weights not yet made (``unmade``)."""
+    if distributed is None:
+        distributed = (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        )
+    if distributed and disk_dir is not None:
+        raise HarmonyError("the disk tier runs on one server: disk_dir with distributed")
+    if distributed and unmade is not None:
+        raise HarmonyError(
+            "a model with parameters on the meta device trains on one server: build it on "
+            "the CPU to train it across servers"
+        )
+    return distributed
+
+
+def check_microbatches(plan: Plan, spec: ModelSpec) -> None:
+    """``plan``'s microbatches are as large as the chain of ``spec`` trains on."""
+    smallest = min(
+        b - a for mbs in (plan.fwd_microbatches(), plan.bwd_microbatches()) for a, b in mbs
+    )
+    if smallest < spec.min_microbatch:
+        raise HarmonyError(
+            f"plan {plan.describe()} runs microbatches of {smallest} sample(s), but "
+            f"this model trains on {spec.min_microbatch} at least (a BatchNorm over "
+            "features needs more than one value per channel): use larger microbatches (a "
+            "divisor of the minibatch)"
+        )

@@ -43,7 +43,7 @@ def train_many(
     device with an explicit 1-GPU plan; ``batches[i]``: engine i's minibatches,
     one step each. The schedule's graph is played once, by one executor: each
     task is done by its model's own step code (the engine's
-    :class:`~harmony.engine.step.StepRun` for that iteration), on the GPU the
+    :class:`~harmony.engine.step.run.StepRun` for that iteration), on the GPU the
     schedule gave its unit, charged to that GPU's ledger and paced on its links.
     Each model trains exactly as alone: the same ops in the same order, dropout
     seeded per (step, microbatch, layer) under one lock for all models, an
@@ -114,7 +114,7 @@ def _job_of(m: int, engine, data: list[tuple], spec: ModelSpec | None) -> Job:
 
 class _Training:
     """Plays a schedule's graph with one executor; each task goes to its model's
-    :class:`~harmony.engine.step.StepRun` for that iteration, made when the
+    :class:`~harmony.engine.step.run.StepRun` for that iteration, made when the
     iteration's first task starts (the previous one has ended by then)."""
 
     def __init__(self, sched: MultiSchedule, engines: list, batches: list[list[tuple]], server):
@@ -132,13 +132,11 @@ class _Training:
         self.running: dict[tuple[int, int], object] = {}
         self.done: dict[tuple[int, int], object] = {}
         self.lock = threading.Lock()
+        self.rng_lock = threading.Lock()  # every model seeds torch's one CPU generator
 
     def run(self) -> MultiRun:
 
-        rng_locks = [e.rng_lock for e in self.engines]
-        shared = threading.Lock()  # every model seeds torch's one CPU generator
         for m, engine in enumerate(self.engines):
-            engine.rng_lock = shared
             engine.host.make_replicas({p.gpu for p in self.sched.placements if p.job == m} - {0})
         # the server's memory taken in the order the simulator played the merged graph
         admission = MemoryOrder(
@@ -156,9 +154,6 @@ class _Training:
             for run in self.running.values():
                 run.roll_back()
             raise
-        finally:
-            for engine, lock in zip(self.engines, rng_locks):
-                engine.rng_lock = lock
         losses = [
             [self.done[(m, s)].loss for s in range(len(data))]
             for m, data in enumerate(self.batches)
@@ -172,7 +167,9 @@ class _Training:
             if run is None:
                 x, y = self.batches[m][s]
                 # slots follow the engine's own graph: here, buffers for the whole model
-                context = replace(self.engines[m].step_context(), gradient_slots=None)
+                context = replace(
+                    self.engines[m].step_context(), gradient_slots=None, rng_lock=self.rng_lock
+                )
                 run = StepRun(context, self.sched.views[(m, s)], as_args(x), y, self.shared)
                 self.running[(m, s)] = run
             return run
@@ -184,7 +181,7 @@ class _Training:
         with self.lock:
             self.left[(m, s)] -= 1
             if self.left[(m, s)] == 0:
-                self.engines[m].step_count += 1
+                self.engines[m].run_state.step_count += 1
                 self.done[(m, s)] = self.running.pop((m, s))
                 self.done[(m, s)].close()
 

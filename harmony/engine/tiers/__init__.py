@@ -74,7 +74,7 @@ graph; the placement's ``host_bytes`` is what the host holds).
 opens the tier from the graph's placement (checked before anything changes),
 :mod:`harmony.engine.disk_staging` keeps the state on it (placeholders for the
 master weights there, staging slots charged to the :class:`HostBudget`), and
-:mod:`harmony.engine.disk_steps` plays DISK_IN / DISK_OUT: each update steps
+:mod:`harmony.engine.step.disk` plays DISK_IN / DISK_OUT: each update steps
 its staged state in place (``FlatAdamW`` and torch's optimizers step adopted
 state where it is), the committed slot is the undo copy (the update journal
 skips that state), ``Engine.step`` commits the tier after a good step and a

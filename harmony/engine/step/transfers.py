@@ -1,6 +1,6 @@
 """What a step's transfer tasks do: weights, data, activations and gradients moved.
 
-:class:`Transfers` is the part of :class:`~harmony.engine.step.StepRun` that
+:class:`Transfers` is the part of :class:`~harmony.engine.step.run.StepRun` that
 copies a pack's weights to its GPU (W_IN), the minibatch (DATA_IN), stashed
 inputs and offloaded activations out and back (STASH_*, ACT_*), activations
 between GPUs (P2P), and gradients to the host (G_OUT), where they are summed
@@ -10,55 +10,80 @@ stay on the GPUs (G_IN, REDUCE: see :mod:`.accumulators`).
 
 from __future__ import annotations
 
+import threading
 import time
 
-from ..graph import Task, TiedGradients
-from ..plan import layer_shard
-from .buffers import copy_runs
-from .step_memory import assemble
+import torch
+
+from ...graph import Task, TaskGraph, TiedGradients
+from ...plan import layer_shard
+from ..buffers import copy_runs
+from ..context import StepContext
+from .accumulators import Accumulators
+from .compute import BufferVersions
+from .disk import DiskSteps
+from .memory import StepMemory, assemble
+from .ties import TieSums
 
 
 class Transfers:
-    """Reads what :class:`~harmony.engine.step.StepRun` sets up (``ctx``, ``graph``,
-    ``inputs``, ``target``, ``store``, ``on_host``, ``lock``, ``grads_lock``,
-    ``splits_ties``, ``ties``, ``accumulators``, ``buffer_version``,
-    ``loaded_version``) and uses :class:`~.step_memory.StepMemory` and
-    :class:`~.disk_steps.DiskSteps` (``spilled``, ``stash_read``)."""
+    """Owns the gradients' lock, the ties' sums and the GPUs' accumulators.
+
+    Given the step's ``ctx`` and ``graph``, the minibatch (``inputs``,
+    ``target``), its ``memory`` (buffers, copies), ``moved``
+    (:meth:`~.memory.BytesMoved.count`), ``disk`` (master weights and stashes
+    read from the disk tier), ``versions`` (which BatchNorm statistics a weight
+    load brought) and ``on_host`` ((kind, layer) -> pieces sent to host memory,
+    shared with ``disk``, which writes the spilled ones)."""
+
+    def __init__(
+        self,
+        ctx: StepContext,
+        graph: TaskGraph,
+        inputs: tuple,
+        target: torch.Tensor,
+        memory: StepMemory,
+        moved,
+        disk: DiskSteps,
+        versions: BufferVersions,
+        on_host: dict[tuple, list],
+    ):
+        self.ctx, self.graph, self.inputs, self.target = ctx, graph, inputs, target
+        self.on_host, self.lock, self._moved = on_host, memory.lock, moved
+        self.backends, self.store = memory.backends, memory.store
+        self.reserve, self.put, self.pieces = memory.reserve, memory.put, memory.pieces
+        self.to_device, self.to_host, self._copy = memory.to_device, memory.to_host, memory._copy
+        self.wire_dtype = memory.wire_dtype
+        self.note_loaded = versions.note_loaded
+        self.spilled, self.stash_read = disk.spilled, disk.stash_read
+        self.loaded_weights, self.weights_copied = disk.loaded_weights, disk.weights_copied
+        self.hold_loaded_weights = disk.hold_loaded_weights
+        self.grads_lock = threading.Lock()
+        # the graph sends the gradients of parameters tied across packs per microbatch
+        self.splits_ties = any(isinstance(t.data, TiedGradients) for t in graph.tasks)
+        self.ties = (
+            TieSums(ctx.host, graph, self.grads_lock, memory.gradient_buffer)
+            if self.splits_ties
+            else None
+        )
+        self.gradient_buffer = memory.gradient_buffer
+        # gradient sums kept on the GPUs (the plan's option)
+        gpu_sums = ctx.plan.option("gpu_gradients")
+        self.accumulators = Accumulators(graph) if gpu_sums else None
 
     def weights_in(self, task: Task) -> None:
         s, e = task.layers
         backend = self.backends[task.device]
         backward = "grads" in task.io
         started = time.perf_counter()
-        # a tensor that several layers of the pack share crosses once, and they share
-        # its copy (so autograd sums their gradients as it does in the model)
-        entries, aliases, first = [], [], {}
-        for i in range(s, e):
-            for is_param, tensors in (
-                (True, self.ctx.host.params[i]),
-                (False, self.ctx.host.buffers[i]),
-            ):
-                for name, t in tensors.items():
-                    if id(t) in first:
-                        aliases.append((i, name, first[id(t)]))
-                    else:
-                        first[id(t)] = (i, name)
-                        entries.append((i, name, t, is_param))
+        entries, aliases = self._entries(s, e)
         # under mixed precision, BatchNorm's parameters and statistics keep their dtype
         dtypes = [
             t.dtype if name in self.ctx.norm_tensors[i] else self.wire_dtype(t)
             for i, name, t, _ in entries
         ]
         sizes = [t.numel() * d.itemsize for (_, _, t, _), d in zip(entries, dtypes)]
-        # master weights on a disk tier: read by the DISK_INs this load depends on
-        # (or, for a backward load, by its update's: the parameters are the staged weights)
-        loaded = self.loaded_weights(task) if self.ctx.disk is not None else {}
-        from_disk = False
-        if self.ctx.disk is not None:
-            for _, _, t, is_param in entries:
-                if is_param:
-                    self.ctx.disk.check_weights_read(t, loaded)
-                    from_disk = from_disk or id(t) in self.ctx.disk.on_disk
+        loaded, from_disk = self._read_from_disk(task, entries)
         self.reserve(task.io["weights"], sum(sizes))
         split = (
             {id(p) for _, _, p in self.ctx.host.split_ties(s, e)} if self.splits_ties else set()
@@ -72,10 +97,8 @@ class Transfers:
                     if is_param and t.requires_grad and id(t) not in split
                 ),
             )
-        with self.lock:  # read before the copy: a write-back during it shows as a newer version
-            self.loaded_version[task.io["weights"]] = {
-                i: self.buffer_version[i] for i in range(s, e) if self.ctx.host.buffers[i]
-            }
+        # read before the copy: a write-back during it shows as a newer version
+        self.note_loaded(task.io["weights"], s, e)
         sources = [loaded.get(id(t), t) for _, _, t, _ in entries]
         if loaded and not backend.copies and all(d == t.dtype for d, t in zip(dtypes, sources)):
             # a device that computes on host memory uses the weights where the disk tier
@@ -108,14 +131,51 @@ class Transfers:
         self._moved(task, sum(d.numel() * d.element_size() for d in device), started)
         self.put(task.io["weights"], weights)
         if backward:
-            # the gradients this group accumulates: a shared tensor's under its first
-            # name only, a split tie's not at all (it leaves per microbatch)
-            owned = {(i, name) for i, name, t, _ in entries if id(t) not in split}
-            leaves = {
-                i: {k: v for k, v in weights[i].items() if v.requires_grad and (i, k) in owned}
-                for i in range(s, e)
-            }
-            self.put(task.io["grads"], leaves)
+            self._put_leaves(task, entries, weights, split)
+
+    def _entries(self, s: int, e: int) -> tuple[list, list]:
+        """The host tensors of layers [s, e) to load, (layer, name, tensor, is a
+        parameter), and the aliases, (layer, name, (layer, name) of the first use): a
+        tensor that several layers of the pack share crosses once, and they share its
+        copy (so autograd sums their gradients as it does in the model)."""
+        entries, aliases, first = [], [], {}
+        for i in range(s, e):
+            for is_param, tensors in (
+                (True, self.ctx.host.params[i]),
+                (False, self.ctx.host.buffers[i]),
+            ):
+                for name, t in tensors.items():
+                    if id(t) in first:
+                        aliases.append((i, name, first[id(t)]))
+                    else:
+                        first[id(t)] = (i, name)
+                        entries.append((i, name, t, is_param))
+        return entries, aliases
+
+    def _read_from_disk(self, task: Task, entries: list) -> tuple[dict, bool]:
+        """Master weights on a disk tier, read by the DISK_INs this load depends on
+        (or, for a backward load, by its update's: the parameters are the staged
+        weights): id(parameter) -> what was read, and whether any is on the tier."""
+        if self.ctx.disk is None:
+            return {}, False
+        loaded = self.loaded_weights(task)
+        from_disk = False
+        for _, _, t, is_param in entries:
+            if is_param:
+                self.ctx.disk.check_weights_read(t, loaded)
+                from_disk = from_disk or id(t) in self.ctx.disk.on_disk
+        return loaded, from_disk
+
+    def _put_leaves(self, task: Task, entries: list, weights: dict, split: set) -> None:
+        """The gradients this group accumulates: a shared tensor's under its first
+        name only, a split tie's not at all (it leaves per microbatch)."""
+        s, e = task.layers
+        owned = {(i, name) for i, name, t, _ in entries if id(t) not in split}
+        leaves = {
+            i: {k: v for k, v in weights[i].items() if v.requires_grad and (i, k) in owned}
+            for i in range(s, e)
+        }
+        self.put(task.io["grads"], leaves)
 
     def data_in(self, task: Task) -> None:
         what, (a, b) = task.data.what, task.data.samples

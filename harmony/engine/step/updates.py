@@ -27,10 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import HarmonyError
-from ..graph import OPT_IN, Task, TaskGraph
-from .optim import FlatAdamW
-from .journal import apply_update, check_finite_gradients, optimizer_params
+from ...errors import HarmonyError
+from ...graph import OPT_IN, Task, TaskGraph
+from ..context import StepContext
+from ..journal import apply_update, check_finite_gradients, optimizer_params
+from ..optim import FlatAdamW
+from .compute import Outcome
+from .memory import StepMemory
 
 
 @dataclass
@@ -108,9 +111,26 @@ class PackCommits:
 
 
 class Updates:
-    """Reads what :class:`~harmony.engine.step.StepRun` sets up (``ctx``, ``graph``,
-    ``store``, ``lock``, ``tasks_left``, ``poisoned``, ``commits``) and uses
-    :class:`~.step_memory.StepMemory`."""
+    """Owns when each pack's host copy is written after updates on the GPUs (``commits``).
+
+    Given the step's ``ctx`` and ``graph``, its ``memory`` (buffers, copies, the
+    tasks left: an update journals while others may fail), ``moved``
+    (:meth:`~.memory.BytesMoved.count`) and ``outcome`` (whether this server's
+    gradients are poisoned, to send across servers as NaN)."""
+
+    def __init__(
+        self,
+        ctx: StepContext,
+        graph: TaskGraph,
+        memory: StepMemory,
+        moved,
+        outcome: Outcome,
+    ):
+        self.ctx, self.graph, self.memory, self.outcome = ctx, graph, memory, outcome
+        self.backends, self.store, self.lock = memory.backends, memory.store, memory.lock
+        self.reserve, self.put, self._moved = memory.reserve, memory.put, moved
+        self.to_device, self.to_host = memory.to_device, memory.to_host
+        self.commits = PackCommits(graph)
 
     def update(self, task: Task) -> None:
         if task.device != "cpu":
@@ -128,7 +148,7 @@ class Updates:
         sync = self.ctx.sync
         with sync.update(key) if sync is not None else contextlib.nullcontext():
             if sync is not None:
-                sync.average(key, optimizer_params(opt), poison=self.poisoned is not None)
+                sync.average(key, optimizer_params(opt), poison=self.outcome.poisoned is not None)
             if self.ctx.loss_scale != 1.0:
                 grads = [p.grad for p in optimizer_params(opt) if p.grad is not None]
                 if grads:
@@ -141,7 +161,7 @@ class Updates:
     def _journal(self):
         """The journal an update records in: none once every other task has ended."""
         with self.lock:
-            pending = self.tasks_left > 1  # tasks other than this one
+            pending = self.memory.tasks_left > 1  # tasks other than this one
         return self.ctx.journal if pending else None
 
     # ---- on a GPU -----------------------------------------------------------------------

@@ -1,25 +1,30 @@
 """A step's bookkeeping: the device memory its buffers hold, its copies, its bytes.
 
-:class:`StepMemory` is the part of :class:`~harmony.engine.step.StepRun` that
+:class:`StepMemory` is the part of :class:`~harmony.engine.step.run.StepRun` that
 keeps what each graph buffer holds on its device (charged to that device's
 ledger, dropped when the graph frees the buffer), takes pooled buffers for
-the step's copies (given back when the step ends), converts values to the
-dtype they cross the links in under mixed precision, and counts the bytes
-each task moves (pacing them to the emulated links).
+the step's copies (given back when the step ends) and converts values to the
+dtype they cross the links in under mixed precision; :class:`BytesMoved`
+counts the bytes each task moves (pacing them to the emulated links).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections import defaultdict
+from typing import Callable
 
 import torch
 
-from ..costs.hardware import format_bytes
-from ..graph import Task
-from .buffers import BufferPool, copy_runs
-from .devices import Backend
-from .meters import WorkMeter
+from ...costs.hardware import format_bytes
+from ...graph import Task, TaskGraph
+from ..buffers import BufferPool, copy_runs
+from ..context import StepContext
+from ..devices import Backend
+from ..meters import WorkMeter
+from ..tiers.pacing import LinkPacer
 
 
 def nbytes(value) -> int:
@@ -50,11 +55,56 @@ def assemble(pieces: list[tuple[tuple[int, int], tuple]], a: int, b: int) -> tup
     return tuple(out)
 
 
+class BytesMoved:
+    """Owns the bytes the step's tasks moved, by kind and by task, and paces them.
+
+    ``pacer``: the links' pacer, which an emulated copy waits on (``paced``: some
+    device is emulated); ``lock``: the step's lock."""
+
+    def __init__(self, pacer: LinkPacer, paced: bool, lock: threading.Lock):
+        self.pacer, self.paced, self.lock = pacer, paced, lock
+        self.moved: dict[str, float] = defaultdict(float)  # bytes by task kind
+        self.moved_task: dict[int, float] = {}
+
+    def count(self, task: Task, n: float, started: float, pace: bool = True) -> None:
+        """Count ``n`` bytes for ``task`` and, emulated (and ``pace``), make the copy
+        last as long as the links of its route allow."""
+        if self.paced and pace:
+            self.pacer.wait(task.links, n, task.max_rate, started)
+        with self.lock:
+            self.moved[task.kind] += n
+            self.moved_task[task.id] = self.moved_task.get(task.id, 0.0) + n
+
+
 class StepMemory:
-    """Reads what :class:`~harmony.engine.step.StepRun` sets up: ``ctx``, ``graph``,
-    ``backends``, ``lock``, ``store``, ``charged``, ``refs``, ``taken``, ``dtype``,
-    ``pacer``, ``paced``, ``moved``, ``moved_task``, ``tasks_left``; tells
-    :meth:`~.disk_steps.DiskSteps.buffer_freed` when the graph frees a buffer."""
+    """Owns what each graph buffer holds on its device, the pooled buffers, the tasks left.
+
+    Given the step's ``ctx`` and ``graph``, its devices (``backends``: name ->
+    backend), its ``lock``, ``moved`` (:meth:`BytesMoved.count`) and ``freed``,
+    told each buffer the graph frees once its value is dropped (the disk part's
+    :meth:`~.disk.DiskSteps.buffer_freed`)."""
+
+    def __init__(
+        self,
+        ctx: StepContext,
+        graph: TaskGraph,
+        backends: dict[str, Backend],
+        lock: threading.Lock,
+        moved: Callable,
+        freed: Callable[[int], None],
+    ):
+        self.ctx, self.graph, self.backends, self.lock = ctx, graph, backends, lock
+        self._moved, self.buffer_freed = moved, freed
+        self.dtype = ctx.compute_dtype  # None: float32 throughout
+        self.store: dict[int, object] = {}  # buffer id -> what the device holds
+        self.charged: dict[int, tuple] = {}  # buffer id -> (bytes held, bytes beyond declared)
+        self.refs = [b.refs for b in graph.buffers]
+        # Buffers from the pools go back when the step ends, not when the graph frees
+        # them: each of a step's copies then has its own buffer, so how many of each
+        # size a step takes is fixed by the plan, whatever order the lanes ran in, and
+        # no value can be overwritten while a view of it is still held anywhere.
+        self.taken: list[tuple[torch.Tensor, BufferPool]] = []
+        self.tasks_left = len(graph.tasks)
 
     # ---- bookkeeping --------------------------------------------------------------
     # The executor charges each buffer's declared bytes to its device when the task
@@ -95,6 +145,15 @@ class StepMemory:
             if last:
                 self._give_back(b, n, excess)
                 self.buffer_freed(b)
+
+    def drop_all(self) -> list:
+        """A failed step: every buffer's charge given back, its value dropped; the values."""
+        for buf, (n, excess) in self.charged.items():
+            self._give_back(buf, n, excess)
+        values = list(self.store.values())
+        self.store.clear()
+        self.charged.clear()
+        return values
 
     def _give_back(self, buf: int, nbytes: float, excess: float) -> None:
         ledger = self.backends[self.graph.buffers[buf].device].ledger
@@ -238,16 +297,6 @@ class StepMemory:
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.backends[task.device].torch_device.type, dtype=self.dtype)
-
-    # ---- bytes moved -------------------------------------------------------------------
-    def _moved(self, task: Task, n: float, started: float, pace: bool = True) -> None:
-        """Count ``n`` bytes for ``task`` and, emulated (and ``pace``), make the copy
-        last as long as the links of its route allow."""
-        if self.paced and pace:
-            self.pacer.wait(task.links, n, task.max_rate, started)
-        with self.lock:
-            self.moved[task.kind] += n
-            self.moved_task[task.id] = self.moved_task.get(task.id, 0.0) + n
 
     def _copy(self, task: Task, value, to_device: bool, pooled: bool = True):
         """``value`` copied to the task's device (or to host) in the wire dtype; a

@@ -1,13 +1,13 @@
 """One training step of the engine: a task graph played with real tensors.
 
-:class:`StepRun` keeps a step's state: the tensors each graph buffer holds on
-its device (charged to that device's ledger, dropped when the graph frees the
-buffer), the values sent to host memory (stashes, offloaded activations), the
-bytes moved, the loss, and a journal of updates to undo if the step fails. It
-reads only its :class:`~harmony.engine.context.StepContext`. What each kind
-of task does is in the parts it is made of, one module per job:
-:mod:`.step_memory` (buffers, copies, bytes), :mod:`.transfers`,
-:mod:`.compute`, :mod:`.optimizer_steps` and :mod:`.disk_steps`.
+:class:`StepRun` plays a step's graph: it builds the parts a step is made of,
+one module per job, gives each its collaborators, and sends each task to the
+part that does its kind: :class:`~.memory.StepMemory` (what each graph buffer
+holds on its device, the pooled copies, the tasks left) and
+:class:`~.memory.BytesMoved` (the bytes each task moves), :class:`~.transfers.Transfers`,
+:class:`~.compute.Compute` (with :class:`~.compute.BufferVersions` for
+BatchNorm statistics), :class:`~.updates.Updates` and :class:`~.disk.DiskSteps`.
+It reads only its :class:`~harmony.engine.context.StepContext`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import HarmonyError, OutOfMemoryError
-from ..graph import (
+from ...errors import HarmonyError, NonFiniteError, OutOfMemoryError
+from ...graph import (
     ACT_IN,
     ACT_OUT,
     BWD,
@@ -42,22 +42,18 @@ from ..graph import (
     W_IN,
     Task,
     TaskGraph,
-    TiedGradients,
 )
-from ..trace import Trace
-from .accumulators import Accumulators
-from .admission import MemoryOrder
-from .buffers import BufferPool
-from .compute import Compute, Recomputed
-from .context import StepContext
-from .devices import Backend
-from .disk_steps import DiskSteps
-from .executor import Executor
-from .optimizer_steps import PackCommits, Updates
-from .step_memory import StepMemory
-from .tiers.pacing import LinkPacer
-from .ties import TieSums
+from ...trace import Trace
+from ..admission import MemoryOrder
+from ..context import StepContext
+from ..devices import Backend
+from ..executor import Executor
+from ..tiers.pacing import LinkPacer
+from .compute import BufferVersions, Compute, Outcome, Recomputed
+from .disk import DiskSteps
+from .memory import BytesMoved, StepMemory
 from .transfers import Transfers
+from .updates import Updates
 
 
 def memory_checks(backends) -> dict:
@@ -82,7 +78,19 @@ class SharedDevices:
     parallel_compute: bool
 
 
-class StepRun(StepMemory, Transfers, Compute, Updates, DiskSteps):
+class StepRun:
+    """A step's graph played with real tensors: the parts that do its tasks, and its trace.
+
+    Made per step from the engine's :class:`~harmony.engine.context.StepContext`,
+    the ``graph``, the minibatch (``inputs``, ``target``), the devices it
+    ``shared`` with other models' steps (several models on one server; default:
+    the context's own, reset for this step) and the ``memory_order`` in which
+    :meth:`execute` admits the graph's buffers on each device
+    (:class:`harmony.simulate.Played`; None: as they come). :meth:`run_task`
+    does one task (an executor calls it on the task's lane), :meth:`roll_back`
+    undoes a failed step, :meth:`trace` records a done one. ``loss``: the step's;
+    ``poisoned``: why this server sends NaN gradients (across servers)."""
+
     def __init__(
         self,
         ctx: StepContext,
@@ -92,83 +100,36 @@ class StepRun(StepMemory, Transfers, Compute, Updates, DiskSteps):
         shared: SharedDevices | None = None,
         memory_order: dict | None = None,
     ):
-        """``shared``: devices this step shares with other models' steps (several
-        models on one server); default: the engine's own, reset for this step.
-        ``memory_order``: the order in which :meth:`execute` admits the graph's
-        buffers on each device (:class:`harmony.simulate.Played`); None: as they come."""
-        self.ctx, self.graph, self.inputs, self.target = ctx, graph, inputs, target
-        self.memory_order = memory_order
-        self.grads_lock = threading.Lock()
+        self.ctx, self.graph, self.memory_order = ctx, graph, memory_order
         backends = shared.backends if shared else ctx.backends
         self.backends: dict[str, Backend] = {b.name: b for b in backends}
         self.paced = any(b.paced for b in backends)
-        self.dtype = ctx.compute_dtype  # None: float32 throughout
-        self.buffer_writers = self._buffer_writers()
-        # BatchNorm-like buffers: how often each layer's host copy was written back in
-        # this step, and which version each weight group loaded (a group prefetched
-        # before the previous forward of its layers wrote back must refresh them)
-        self.buffer_version: dict[int, int] = defaultdict(int)
-        self.loaded_version: dict[int, dict[int, int]] = {}
-        self.pacer = shared.pacer if shared else LinkPacer(graph.links)
-        # the graph sends the gradients of parameters tied across packs per microbatch
-        self.splits_ties = any(isinstance(t.data, TiedGradients) for t in graph.tasks)
-        self.ties = (
-            TieSums(ctx.host, graph, self.grads_lock, self.gradient_buffer)
-            if self.splits_ties
-            else None
-        )
-        # gradient sums kept on the GPUs, and updates on them (the plan's options)
-        gpu_sums = ctx.plan.option("gpu_gradients")
-        self.accumulators = Accumulators(graph) if gpu_sums else None
-        self.commits = PackCommits(graph)
-        self.setup_disk()
-        # several compute threads: dropout seeds and draws under the engine's lock
-        self.parallel_compute = (
-            shared.parallel_compute if shared else len(graph.in_order_lanes()) > 1
-        )
-        self.handlers = {
-            W_IN: self.weights_in,
-            DATA_IN: self.data_in,
-            STASH_IN: self.host_in,
-            ACT_IN: self.host_in,
-            STASH_OUT: self.host_out,
-            ACT_OUT: self.host_out,
-            P2P: self.peer_in,
-            REDUCE: self.reduce,
-            G_OUT: self.grads_out,
-            G_IN: self.grads_in,
-            OPT_IN: self.state_in,
-            UPD: self.update,
-            OPT_OUT: self.state_out,
-            FWD: self.forward,
-            REC: self.recompute,
-            BWD: self.backward,
-            FWDBWD: self.fused,
-            DISK_IN: self.disk_in,
-            DISK_OUT: self.disk_out,
-        }
-        self.store: dict[int, object] = {}  # buffer id -> what the device holds
-        self.charged: dict[int, int] = {}
-        self.refs = [b.refs for b in graph.buffers]
-        # (kind, layer) -> [((a, b), value)] sent to host memory
-        self.on_host: dict[tuple, list] = defaultdict(list)
-        self.moved: dict[str, float] = defaultdict(float)  # bytes by task kind
-        self.moved_task: dict[int, float] = {}
-        self.loss = 0.0
-        self.poisoned: str | None = None  # why this server sends NaN gradients (across servers)
         self.lock = threading.Lock()
-        # Buffers from the pools go back when the step ends, not when the graph frees
-        # them: each of a step's copies then has its own buffer, so how many of each
-        # size a step takes is fixed by the plan, whatever order the lanes ran in, and
-        # no value can be overwritten while a view of it is still held anywhere.
-        self.taken: list[tuple[torch.Tensor, BufferPool]] = []
-        self.allocations_before = self.allocations()
+        self.bytes = BytesMoved(
+            shared.pacer if shared else LinkPacer(graph.links), self.paced, self.lock
+        )
+        # (kind, layer) -> [((a, b), value)] sent to host memory
+        on_host: dict[tuple, list] = defaultdict(list)
+        self.disk = DiskSteps(ctx, graph, self.lock, on_host, self.bytes.count)
+        self.memory = StepMemory(
+            ctx, graph, self.backends, self.lock, self.bytes.count, self.disk.buffer_freed
+        )
+        versions = BufferVersions(ctx, graph, self.lock)
+        self.transfers = Transfers(
+            ctx, graph, inputs, target, self.memory, self.bytes.count, self.disk, versions, on_host
+        )
+        self.outcome = Outcome()
+        # several compute threads: dropout seeds and draws under the engine's lock
+        parallel = shared.parallel_compute if shared else len(graph.in_order_lanes()) > 1
+        self.compute = Compute(ctx, graph, self.memory, versions, self.outcome, parallel)
+        self.updates = Updates(ctx, graph, self.memory, self.bytes.count, self.outcome)
+        self.handlers = self._handlers()
+        self.allocations_before = self.memory.allocations()
         # Updates that start while other tasks are still pending are journaled, so a
         # failure later in the step (an error, a non-finite gradient of another
         # pack) can undo them (safe_updates).
         if ctx.journal is not None:
             ctx.journal.start_step()
-        self.tasks_left = len(graph.tasks)
         self.buffers_before = (
             [b.detach().clone() for b in ctx.host.module.buffers()]
             if ctx.journal is not None
@@ -178,6 +139,60 @@ class StepRun(StepMemory, Transfers, Compute, Updates, DiskSteps):
         if shared is None:
             for b in backends:
                 b.ledger.reset(self.t0)
+
+    def _handlers(self) -> dict:
+        """Task kind -> the bound method of the part that does it."""
+        transfers, compute, updates, disk = self.transfers, self.compute, self.updates, self.disk
+        return {
+            W_IN: transfers.weights_in,
+            DATA_IN: transfers.data_in,
+            STASH_IN: transfers.host_in,
+            ACT_IN: transfers.host_in,
+            STASH_OUT: transfers.host_out,
+            ACT_OUT: transfers.host_out,
+            P2P: transfers.peer_in,
+            REDUCE: transfers.reduce,
+            G_OUT: transfers.grads_out,
+            G_IN: transfers.grads_in,
+            OPT_IN: updates.state_in,
+            UPD: updates.update,
+            OPT_OUT: updates.state_out,
+            FWD: compute.forward,
+            REC: compute.recompute,
+            BWD: compute.backward,
+            FWDBWD: compute.fused,
+            DISK_IN: disk.disk_in,
+            DISK_OUT: disk.disk_out,
+        }
+
+    @property
+    def loss(self) -> float:
+        return self.outcome.loss
+
+    @property
+    def poisoned(self) -> str | None:
+        return self.outcome.poisoned
+
+    @property
+    def moved_task(self) -> dict[int, float]:
+        """Bytes each task moved, by task id."""
+        return self.bytes.moved_task
+
+    def reported(self, err: NonFiniteError) -> NonFiniteError:
+        """The error to report for a non-finite loss or gradient ``err``: across
+        servers, every server finds a non-finite gradient, and the one whose loss
+        poisoned it says why."""
+        if self.outcome.poisoned is None:
+            return err
+        return NonFiniteError(
+            f"{self.outcome.poisoned} on this server; averaged into every server's gradient, "
+            "so every server skips the step",
+            "gradient",
+        )
+
+    def close(self) -> None:
+        """The step is over (done or failed): every buffer taken from a pool goes back."""
+        self.memory.close()
 
     def execute(self) -> None:
         admission = None
@@ -212,7 +227,7 @@ class StepRun(StepMemory, Transfers, Compute, Updates, DiskSteps):
                 f"task {task.id} {task.kind} ({task.what}): {task.device} out of memory ({err}). "
                 "Use a plan with smaller microbatches or more (smaller) packs."
             ) from None
-        self.finish(task)
+        self.memory.finish(task)
 
     def roll_back(self) -> None:
         """Undo a failed step: host weights, optimizer state and buffers as before it."""
@@ -226,20 +241,16 @@ class StepRun(StepMemory, Transfers, Compute, Updates, DiskSteps):
             p.grad = None
         if self.ctx.gradient_slots is not None:
             self.ctx.gradient_slots.reset()
-        self.disk_roll_back()
-        for buf, (n, excess) in self.charged.items():
-            self._give_back(buf, n, excess)
-        for value in self.store.values():
+        self.disk.disk_roll_back()
+        for value in self.memory.drop_all():
             if isinstance(value, Recomputed):  # a REC whose BWD never ran
                 value.meter.close()
-        self.store.clear()
-        self.charged.clear()
         self.close()
 
     def trace(self) -> Trace:
         ex = self.executor
         # buffers the pools had to make during this step: none once the plan has run a step
-        (n0, b0), (n1, b1) = self.allocations_before, self.allocations()
+        (n0, b0), (n1, b1) = self.allocations_before, self.memory.allocations()
         return Trace.from_run(
             self.graph,
             ex.start,

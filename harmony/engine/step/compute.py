@@ -1,23 +1,100 @@
 """What a step's compute tasks do: FWD, REC, BWD and FWDBWD with real tensors.
 
-:class:`Compute` is the part of :class:`~harmony.engine.step.StepRun` that runs
+:class:`Compute` is the part of :class:`~harmony.engine.step.run.StepRun` that runs
 a pack's layers on the weights a W_IN brought (:meth:`~.host_model.HostModel.run`:
 the host module or its weightless replica), stashes inputs, recomputes with autograd,
 runs backward and the loss, and keeps BatchNorm-like buffers exactly as the
-plain loop updates them: once per microbatch.
+plain loop updates them: once per microbatch (:class:`BufferVersions`).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import NonFiniteError
-from ..graph import FWD, FWDBWD, Task
-from .meters import SavedBytes, WorkMeter
-from .reference_loop import as_args, seed_layer
-from .step_memory import assemble, nbytes
+from ...errors import NonFiniteError
+from ...graph import FWD, FWDBWD, Task, TaskGraph
+from ..context import StepContext
+from ..meters import SavedBytes, WorkMeter
+from ..reference_loop import as_args, seed_layer
+from .memory import StepMemory, assemble, nbytes
+
+
+@dataclass
+class Outcome:
+    """What the step's compute found: the loss summed over its microbatches, and why
+    this server sends NaN gradients (a non-finite loss across servers; None: none)."""
+
+    loss: float = 0.0
+    poisoned: str | None = None
+
+
+def buffer_writers(ctx: StepContext, graph: TaskGraph) -> dict[int, str] | None:
+    """The device whose forward of each layer updates the host copy of its
+    buffers (BatchNorm statistics): in a pipeline the one that runs the layer,
+    in data parallel the first replica's (every replica saw other samples).
+    None: one replica, every forward writes (a 1-GPU plan, wherever it runs)."""
+    if ctx.plan.n_gpus == 1:
+        return None
+    writers: dict[int, str] = {}
+    for t in sorted(
+        (t for t in graph.tasks if t.kind in (FWD, FWDBWD)),
+        key=lambda t: int(t.device[3:]),
+    ):
+        for i in range(*t.layers):
+            writers.setdefault(i, t.device)
+    return writers
+
+
+class BufferVersions:
+    """Owns the versions of BatchNorm-like buffers: host copy's, and each weight load's.
+
+    How often each layer's buffers were written back this step, and which
+    version each weight load brought: a weight group prefetched before the
+    previous forward of its layers wrote back must refresh them. Given the
+    step's ``ctx``, ``graph`` and ``lock``."""
+
+    def __init__(self, ctx: StepContext, graph: TaskGraph, lock: threading.Lock):
+        self.ctx, self.lock = ctx, lock
+        self.writers = buffer_writers(ctx, graph)
+        self.buffer_version: dict[int, int] = defaultdict(int)
+        self.loaded_version: dict[int, dict[int, int]] = {}
+
+    def note_loaded(self, weights: int, s: int, e: int) -> None:
+        """The weight load into buffer ``weights`` of layers [s, e) reads the host copy now."""
+        with self.lock:
+            self.loaded_version[weights] = {
+                i: self.buffer_version[i] for i in range(s, e) if self.ctx.host.buffers[i]
+            }
+
+    def write_back(self, task: Task, weights: dict) -> None:
+        """BatchNorm-like buffers changed by a real forward go back to the host copy."""
+        with torch.no_grad():
+            for i in range(*task.layers):
+                if self.writers is not None and self.writers[i] != task.device:
+                    continue
+                for name, b in self.ctx.host.buffers[i].items():
+                    b.copy_(weights[i][name])
+                if self.ctx.host.buffers[i]:
+                    with self.lock:  # the device's copy is in sync
+                        self.buffer_version[i] += 1
+                        self.loaded_version[task.io["weights"]][i] = self.buffer_version[i]
+
+    def refresh(self, task: Task, weights: dict) -> None:
+        """Before a real forward: buffers loaded before an earlier forward of the
+        same layers wrote back are brought up to date from the host copy."""
+        loaded = self.loaded_version.get(task.io["weights"], {})
+        with torch.no_grad():
+            for i in range(*task.layers):
+                if self.writers is not None and self.writers[i] != task.device:
+                    continue  # a replica whose statistics are not kept
+                if i in loaded and loaded[i] != self.buffer_version[i]:
+                    for name, b in self.ctx.host.buffers[i].items():
+                        weights[i][name].copy_(b)
+                    loaded[i] = self.buffer_version[i]
 
 
 @dataclass
@@ -35,9 +112,29 @@ class Recomputed:
 
 
 class Compute:
-    """Reads what :class:`~harmony.engine.step.StepRun` sets up (``ctx``, ``graph``,
-    ``store``, ``lock``, ``parallel_compute``, ``buffer_version``, ``loaded_version``,
-    ``buffer_writers``, ``poisoned``, ``loss``) and uses :class:`~.step_memory.StepMemory`."""
+    """Owns the running of a pack's layers: forward, recompute, backward and the loss.
+
+    Given the step's ``ctx`` and ``graph``, its ``memory`` (buffers, working
+    memory meters, mixed precision), ``versions`` (BatchNorm statistics between
+    the host copy and the devices), ``outcome`` (the loss and a poisoned
+    gradient, written here) and ``parallel_compute`` (several compute threads:
+    dropout seeds and draws under the context's lock)."""
+
+    def __init__(
+        self,
+        ctx: StepContext,
+        graph: TaskGraph,
+        memory: StepMemory,
+        versions: BufferVersions,
+        outcome: Outcome,
+        parallel_compute: bool,
+    ):
+        self.ctx, self.graph, self.outcome = ctx, graph, outcome
+        self.parallel_compute = parallel_compute
+        self.backends, self.store, self.lock = memory.backends, memory.store, memory.lock
+        self.put, self.pieces, self.wire = memory.put, memory.pieces, memory.wire
+        self.work_meter, self.autocast = memory.work_meter, memory.autocast
+        self._write_back_buffers, self._refresh_buffers = versions.write_back, versions.refresh
 
     def _run_layers(
         self,
@@ -78,48 +175,6 @@ class Compute:
             if meter is not None:
                 meter.release(held)
         return h
-
-    def _buffer_writers(self) -> dict[int, str] | None:
-        """The device whose forward of each layer updates the host copy of its
-        buffers (BatchNorm statistics): in a pipeline the one that runs the layer,
-        in data parallel the first replica's (every replica saw other samples).
-        None: one replica, every forward writes (a 1-GPU plan, wherever it runs)."""
-        if self.ctx.plan.n_gpus == 1:
-            return None
-        writers: dict[int, str] = {}
-        for t in sorted(
-            (t for t in self.graph.tasks if t.kind in (FWD, FWDBWD)),
-            key=lambda t: int(t.device[3:]),
-        ):
-            for i in range(*t.layers):
-                writers.setdefault(i, t.device)
-        return writers
-
-    def _write_back_buffers(self, task: Task, weights: dict) -> None:
-        """BatchNorm-like buffers changed by a real forward go back to the host copy."""
-        with torch.no_grad():
-            for i in range(*task.layers):
-                if self.buffer_writers is not None and self.buffer_writers[i] != task.device:
-                    continue
-                for name, b in self.ctx.host.buffers[i].items():
-                    b.copy_(weights[i][name])
-                if self.ctx.host.buffers[i]:
-                    with self.lock:  # the device's copy is in sync
-                        self.buffer_version[i] += 1
-                        self.loaded_version[task.io["weights"]][i] = self.buffer_version[i]
-
-    def _refresh_buffers(self, task: Task, weights: dict) -> None:
-        """Before a real forward: buffers loaded before an earlier forward of the
-        same layers wrote back are brought up to date from the host copy."""
-        loaded = self.loaded_version.get(task.io["weights"], {})
-        with torch.no_grad():
-            for i in range(*task.layers):
-                if self.buffer_writers is not None and self.buffer_writers[i] != task.device:
-                    continue  # a replica whose statistics are not kept
-                if i in loaded and loaded[i] != self.buffer_version[i]:
-                    for name, b in self.ctx.host.buffers[i].items():
-                        weights[i][name].copy_(b)
-                    loaded[i] = self.buffer_version[i]
 
     def forward(self, task: Task) -> None:
         a, b = task.samples
@@ -216,10 +271,10 @@ class Compute:
                 # gradient exchange: the step goes on, and this server's updates send
                 # NaN, so that every server finds a non-finite gradient at the same pack.
                 with self.lock:
-                    self.poisoned = self.poisoned or what
+                    self.outcome.poisoned = self.outcome.poisoned or what
             (loss * self.ctx.loss_scale if self.ctx.loss_scale != 1.0 else loss).backward()
             with self.lock:
-                self.loss += loss.item()
+                self.outcome.loss += loss.item()
         finally:
             work.close()
         self._tied_piece(task, weights)

@@ -17,10 +17,15 @@ import threading
 
 import torch
 
-from ..graph import G_OUT, Gradients, Task, TaskGraph
+from ...graph import G_OUT, Gradients, Task, TaskGraph
 
 
 class Accumulators:
+    """Owns each GPU's running gradient sums in host memory between its groups.
+
+    Which G_OUT of each (GPU, pack) is the final one, and the buffer of its
+    final accumulator; the packs whose sum is formed (see the module docstring)."""
+
     def __init__(self, graph: TaskGraph):
         last: dict[tuple[str, int], Task] = {}  # (GPU, pack) -> its last G_OUT
         for t in graph.tasks:

@@ -8,13 +8,14 @@ from typing import Callable
 
 import torch
 
-from ..graph import TaskGraph, TiedGradients
-from .host_model import HostModel
+from ...graph import TaskGraph, TiedGradients
+from ..host_model import HostModel
 
 
 class TieSums:
-    """Sums, on the host, the gradient of each parameter tied across packs the
-    way autograd sums it in the plain loop: per microbatch, the packs' parts in
+    """Owns the sums of the gradients of parameters tied across packs, on the host.
+
+    Summed the way autograd sums them in the plain loop: per microbatch, the packs' parts in
     backward order (the highest layers first, as autograd reaches them), and
     those sums over the microbatches in order, into the parameter's ``.grad``."""
 

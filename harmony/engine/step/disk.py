@@ -1,6 +1,6 @@
 """What a step's disk tasks do: state between the disk tier and host memory.
 
-:class:`DiskSteps` is the part of :class:`~harmony.engine.step.StepRun` that
+:class:`DiskSteps` is the part of :class:`~harmony.engine.step.run.StepRun` that
 plays DISK_IN and DISK_OUT (payload :class:`~harmony.graph.DiskState`; see
 :mod:`harmony.policies.disk_tier` for where the graph puts them) with the
 run's :class:`~harmony.engine.disk_staging.StateOnDisk`:
@@ -36,20 +36,45 @@ unwritten: the tier's committed slot is the state as before the step.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
+from typing import Callable
 
-from ..graph import ACT_IN, DISK_IN, DISK_OUT, STASH_IN, W_IN, Activation, Task, is_load_read
-from .disk_staging import Staged, Unit
-from .step_memory import assemble, nbytes
+from ...graph import (
+    ACT_IN,
+    DISK_IN,
+    DISK_OUT,
+    STASH_IN,
+    W_IN,
+    Activation,
+    Task,
+    TaskGraph,
+    is_load_read,
+)
+from ..context import StepContext
+from ..disk_staging import Staged, Unit
+from .memory import assemble, nbytes
 
 
 class DiskSteps:
-    """Reads what :class:`~harmony.engine.step.StepRun` sets up (``ctx``, ``graph``,
-    ``lock``) and uses :class:`~.step_memory.StepMemory`'s byte count."""
+    """Owns what the step has staged from the disk tier and what it wrote there.
 
-    def setup_disk(self) -> None:
-        """The step's disk bookkeeping: what each DISK_IN serves, what is staged."""
+    Given the step's ``ctx`` and ``graph``, its ``lock``, ``on_host`` (the values
+    the transfers sent to host memory, (kind, layer) -> pieces, of which it
+    writes the spilled ones) and ``moved`` (:meth:`~.memory.BytesMoved.count`).
+    Its bookkeeping: what each DISK_IN serves, what is staged."""
+
+    def __init__(
+        self,
+        ctx: StepContext,
+        graph: TaskGraph,
+        lock: threading.Lock,
+        on_host: dict[tuple, list],
+        moved: Callable,
+    ):
+        self.ctx, self.graph, self.lock = ctx, graph, lock
+        self.on_host, self._moved = on_host, moved
         self.disk_units: dict[tuple[int, int], tuple[Unit, tuple[str, ...], Staged]] = {}
         self.disk_loads: dict[int, tuple[dict, Staged]] = {}  # DISK_IN id -> what it read
         self.loads_for: dict[int, list[int]] = {}  # W_IN id -> its DISK_INs
