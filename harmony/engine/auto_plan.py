@@ -75,6 +75,7 @@ def _search(job: Searched, inputs: tuple, target: torch.Tensor) -> tuple[Plan, M
             name=job.spec.name,
             safe_updates=job.safe_updates,
             dtype=job.dtype,
+            described=job.spec,
         )
     # a disk tier's bandwidth is part of what the search weighs: measure it first
     job.host_settings.measure_disk()

@@ -21,6 +21,7 @@ from ..costs.layer import Kept
 from ..costs.spec import Curve, LayerCost, ModelSpec, Tie
 from ..errors import HarmonyError
 from .reference_loop import as_args
+from .structure import structure
 from .working_memory import Held, norm_tensor_names, working_memory
 
 _FLOAT_NAMES = {
@@ -148,11 +149,15 @@ def describe(
         acts = layer_inputs(layers, inputs)  # the whole minibatch: every size is a slice of it
     costs = []
     made = [(-1, k) for k in range(len(acts[0]))]  # which layer made each input element, as which
+    measured: dict[tuple, list[Held]] = {}  # layers of one structure are measured once
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
-        held = _held_at_sizes(
-            i, layer, acts[i], sizes, loss_fn if last else None, target, device, dtype
-        )
+        key = structure(layer, [acts[i]], last)
+        if key not in measured:
+            measured[key] = _held_at_sizes(
+                i, layer, acts[i], sizes, loss_fn if last else None, target, device, dtype
+            )
+        held = measured[key]
         costs.append(_layer_cost(i, layer, acts[i], outs[i], held, sizes, made))
         made = [tensor_of(i, ref, made) for ref in held[-1].handed_on]
     per_sample = target[:1]

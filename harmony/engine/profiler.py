@@ -28,6 +28,7 @@ from .journal import UpdateJournal, apply_update, optimizer_kind
 from .lazy_weights import UnmadeWeights
 from .meters import SavedBytes
 from .reference_loop import as_args
+from .structure import structure
 
 
 def default_sizes(minibatch: int) -> list[int]:
@@ -63,6 +64,7 @@ def profile(
     name: str = "model",
     safe_updates: bool = True,
     dtype: torch.dtype | None = None,
+    described: ModelSpec | None = None,
 ) -> ModelSpec:
     """A measured :class:`~harmony.costs.spec.ModelSpec` of ``layers`` on ``device``.
 
@@ -70,51 +72,71 @@ def profile(
     ``optimizer``: the factory the engine will use (for the CPU update time);
     ``safe_updates``: whether the engine journals updates (as it does by default).
     ``dtype``: mixed precision: time forward and backward under ``torch.autocast``
-    in this dtype, with the sizes the engine then moves (see ``describe``)."""
+    in this dtype, with the sizes the engine then moves (see ``describe``).
+    ``described``: what ``describe`` made of these layers with these arguments
+    (an engine's own spec), so they are not described twice."""
     inputs = as_args(inputs)
     device = torch.device(device)
     # parameters on the meta device (a model built under empty_weights): placeholders,
     # as the engine holds them until it makes them (sizes and times need no values)
     UnmadeWeights.of(None, list(layers), None, 0)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    spec = describe(
-        layers,
-        inputs,
-        target,
-        name=name,
-        optimizer=optimizer_kind(optimizer) if optimizer else "adamw",
-        loss_fn=loss_fn,
-        device=device,
-        dtype=dtype,
-        sizes=sizes or (),
+    spec = (
+        described
+        if described is not None
+        else describe(
+            layers,
+            inputs,
+            target,
+            name=name,
+            optimizer=optimizer_kind(optimizer) if optimizer else "adamw",
+            loss_fn=loss_fn,
+            device=device,
+            dtype=dtype,
+            sizes=sizes or (),
+        )
     )
     sizes = [u for u in sizes or default_sizes(target.shape[0]) if u >= spec.min_microbatch]
 
-    times = {}
+    times: list[tuple[list[float], list[float]]] = []
+    # layers of one structure on inputs of one shape (a transformer's blocks) are timed
+    # once: their times differ by noise only, and a deep model's profile takes the
+    # time of its few kinds of layer instead of all of them
+    timed: dict[tuple, tuple[list[float], list[float]]] = {}
     # the input of the layer being measured, per microbatch size
     acts = {u: tuple(t[:u].to(device) for t in inputs) for u in sizes}
     for i, original in enumerate(layers):
+        last = i == len(layers) - 1
+        key = structure(original, acts.values(), last)
         # one layer copied to the device at a time: a model near the size of host memory
         # (or larger: its weights unmade, see lazy_weights) is never copied whole
         layer = copy.deepcopy(original).to(device)
-        last = i == len(layers) - 1
-        times[(i, "fwd")], times[(i, "bwd")] = _time_layer(
-            layer, acts, target, loss_fn if last else None, device, dtype, repeats, sync
-        )
+        if key not in timed:
+            timed[key] = _time_layer(
+                layer, acts, target, loss_fn if last else None, device, dtype, repeats, sync
+            )
+        times.append(timed[key])
+        if not last:
+            for u, x in acts.items():  # the next layer's input
+                acts[u] = layer_inputs([layer], x)[1]
         layer = None  # freed before the next layer is copied
+    updates: dict[tuple, float] = {}
     measured = tuple(
         replace(
             cost,
-            fwd_time=Curve.table(sizes, times[(i, "fwd")]),
-            bwd_time=Curve.table(sizes, times[(i, "bwd")]),
-            update_time_s=_update_time(layers[i], optimizer, repeats, safe_updates)
+            fwd_time=Curve.table(sizes, times[i][0]),
+            bwd_time=Curve.table(sizes, times[i][1]),
+            update_time_s=_update_time_of(layers[i], optimizer, repeats, safe_updates, updates)
             if optimizer
             else None,
         )
         for i, cost in enumerate(spec.layers)
     )
     return replace(
-        spec, layers=measured, source=f"profiled on {device} ({repeats} repeats per point)"
+        spec,
+        layers=measured,
+        source=f"profiled on {device} ({repeats} repeats per point; "
+        f"{len(timed)} kinds of layer timed for {len(layers)} layers)",
     )
 
 
@@ -129,8 +151,8 @@ def _time_layer(
     sync: Callable[[], None],
 ) -> tuple[list[float], list[float]]:
     """Median forward and backward (with recompute) times of ``layer`` on its input
-    at each microbatch size (``acts``: size -> input, advanced to the next layer's
-    unless ``loss_fn`` is given: the last layer, timed with the loss)."""
+    at each microbatch size (``acts``: size -> input); ``loss_fn``: the last layer,
+    timed with the loss."""
     last = loss_fn is not None
     fwd_times, bwd_times = [], []
 
@@ -158,9 +180,18 @@ def _time_layer(
         # with the saved-tensor meter on, as the engine runs recompute (it charges the ledger)
         bwd_times.append(median_time(lambda: bwd(SavedBytes()), repeats, sync))
         layer.zero_grad(set_to_none=True)
-        if not last:
-            acts[u] = layer_inputs([layer], x)[1]
     return fwd_times, bwd_times
+
+
+def _update_time_of(
+    layer: nn.Module, optimizer: Callable, repeats: int, journal: bool, timed: dict
+) -> float:
+    """:func:`_update_time`, once per set of parameter shapes (``timed``: shapes ->
+    seconds): an update's time depends on its tensors' sizes only."""
+    key = tuple((tuple(p.shape), p.dtype) for p in layer.parameters())
+    if key not in timed:
+        timed[key] = _update_time(layer, optimizer, repeats, journal)
+    return timed[key]
 
 
 def _update_time(layer: nn.Module, optimizer: Callable, repeats: int, journal: bool) -> float:
