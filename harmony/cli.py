@@ -138,7 +138,7 @@ def _host_memory_lines(spec, hw, plan) -> list[str]:
     from .costs.hardware import format_bytes
     from .costs.placement import STASH_SLOTS
     from .policies import disk_placement, spec_for
-    from .policies.disk_tier import stashes_in_flight, windowed_gradients
+    from .policies.disk_placement import stashes_in_flight, windowed_gradients
     from .policies.state import host_state
 
     placement = disk_placement(spec, hw, plan)

@@ -59,7 +59,7 @@ from ..graph import (
 from ..plan import Plan
 from .builder import BwdGroup, GraphBuilder
 from .common import check_one_microbatch_size, data_bytes, microbatches, replica_shares
-from .disk_tier import disk_volume
+from .disk_placement import disk_volume
 from .swapping import gpu_update_seconds
 
 NAME = "model-parallel"
