@@ -138,8 +138,8 @@ def _host_memory_lines(spec, hw, plan) -> list[str]:
     from .costs.hardware import format_bytes
     from .costs.placement import STASH_SLOTS
     from .policies import disk_placement, spec_for
-    from .policies.disk_placement import stashes_in_flight, windowed_gradients
     from .policies.state import host_state
+    from .policies.tier_placement import stashes_in_flight, windowed_gradients
 
     placement = disk_placement(spec, hw, plan)
     spec = spec_for(spec, plan)

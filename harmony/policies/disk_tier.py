@@ -1,6 +1,6 @@
 """The disk tier in the task graph: the transfers (:func:`add_disk_tasks`) that
-move the training state :func:`.disk_placement.place` puts on disk, whose bytes
-:func:`.disk_placement.disk_volume` gives in closed form.
+move the training state :func:`.tier_placement.place` puts on disk, whose bytes
+:func:`.tier_placement.disk_volume` gives in closed form.
 
 **Tasks** (only where something is on disk, so a plan that fits host memory
 gets the graph it always had), on lanes and links ``host.disk_read`` and
@@ -71,7 +71,8 @@ from ..graph import (
 )
 from ..plan import layer_shard
 from .base import HOST, GraphBase
-from .disk_placement import (  # noqa: F401  (placement's names, read here too)
+from .state import host_state
+from .tier_placement import (  # noqa: F401  (placement's names, read here too)
     disk_volume,
     disk_weights,
     place,
@@ -81,7 +82,6 @@ from .disk_placement import (  # noqa: F401  (placement's names, read here too)
     weight_packs,
     windowed_gradients,
 )
-from .state import host_state
 
 READ = "host.disk_read"
 WRITE = "host.disk_write"
