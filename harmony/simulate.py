@@ -112,6 +112,20 @@ def _copy_room(graph: TaskGraph) -> dict[int, dict[str, float]]:
     return room
 
 
+def _urgency(ready: dict[str, list], lanes: dict, head: dict[str, int], tasks: list):
+    """The key that orders lanes: the seq of the task a lane would start next (lanes
+    that may start something go most urgent first, so the most urgent copy gets room
+    first). A closure over the player's queues, as fast as the loop needs."""
+
+    def urgency(lane: str) -> tuple:
+        if lane in ready:
+            return ready[lane][0][0] if ready[lane] else (math.inf,)
+        ids, at = lanes[lane], head[lane]
+        return tasks[ids[at]].seq if at < len(ids) else (math.inf,)
+
+    return urgency
+
+
 class _Player:
     """The state of one :func:`play`: the lanes' queues, the memory ledger, what
     computes and what moves, and the clock."""
@@ -156,6 +170,7 @@ class _Player:
         self.now, self.done = 0.0, 0
         self.to_check = set(lanes)
         self.rates_stale = False
+        self.urgency = _urgency(self.ready, lanes, self.head, tasks)
 
     def run(self) -> Played:
         while self.done < self.n:
@@ -167,16 +182,19 @@ class _Player:
         return Played(self.start, self.end, self.peak, dict(self.memory), dict(self.order))
 
     def charge(self, device: str, delta: float) -> None:
-        in_use = self.in_use
-        in_use[device] += delta
-        self.memory[device].append((self.now, in_use[device]))
-        if in_use[device] > self.peak.get(device, 0.0):
-            self.peak[device] = in_use[device]
+        in_use, peak = self.in_use, self.peak
+        used = in_use[device] = in_use[device] + delta
+        self.memory[device].append((self.now, used))
+        if used > peak.get(device, 0.0):
+            peak[device] = used
 
     def fits(self, tid: int) -> str | None:
         """None, or a device that has no room yet for what copy ``tid`` allocates."""
+        need = self.room.get(tid)
+        if not need:
+            return None
         in_use, capacity = self.in_use, self.capacity
-        for device, nbytes in self.room.get(tid, {}).items():
+        for device, nbytes in need.items():
             if in_use[device] + nbytes > capacity[device] * (1 + 1e-12):
                 return device
         return None
@@ -186,11 +204,12 @@ class _Player:
         now = self.now
         self.start[tid] = now
         t = self.tasks[tid]
-        buffers, order = self.graph.buffers, self.order
-        for b in t.allocs:
-            buf = buffers[b]
-            self.charge(buf.device, buf.nbytes)
-            order[buf.device].append((b, True))
+        if t.allocs:
+            buffers, order, charge = self.graph.buffers, self.order, self.charge
+            for b in t.allocs:
+                buf = buffers[b]
+                charge(buf.device, buf.nbytes)
+                order[buf.device].append((b, True))
         if t.is_transfer:
             if t.nbytes > 0:
                 self.moving[tid] = t.nbytes
@@ -205,15 +224,17 @@ class _Player:
     def finish(self, tid: int) -> None:
         self.end[tid] = self.now
         self.done += 1
-        t = self.tasks[tid]
-        refs, to_check = self.refs, self.to_check
-        for b in t.releases:
-            refs[b] -= 1
-            if refs[b] == 0:
-                buf = self.graph.buffers[b]
-                self.charge(buf.device, -buf.nbytes)
-                self.order[buf.device].append((b, False))
-                to_check.update(self.waits_on.pop(buf.device, ()))
+        tasks, to_check = self.tasks, self.to_check
+        t = tasks[tid]
+        if t.releases:
+            refs, buffers = self.refs, self.graph.buffers
+            for b in t.releases:
+                refs[b] -= 1
+                if refs[b] == 0:
+                    buf = buffers[b]
+                    self.charge(buf.device, -buf.nbytes)
+                    self.order[buf.device].append((b, False))
+                    to_check.update(self.waits_on.pop(buf.device, ()))
         lane_of = self.lane_of
         lane = lane_of[tid]
         self.busy[lane] = False
@@ -225,16 +246,7 @@ class _Player:
                 dl = lane_of[d]
                 to_check.add(dl)
                 if dl in ready:
-                    heapq.heappush(ready[dl], (self.tasks[d].seq, d))
-
-    def urgency(self, lane: str) -> tuple:
-        """The seq of the task ``lane`` would start next (lanes that may start
-        something go most urgent first, so the most urgent copy gets room first)."""
-        ready = self.ready
-        if lane in ready:
-            return ready[lane][0][0] if ready[lane] else (math.inf,)
-        ids, at = self.lanes[lane], self.head[lane]
-        return self.tasks[ids[at]].seq if at < len(ids) else (math.inf,)
+                    heapq.heappush(ready[dl], (tasks[d].seq, d))
 
     def start_what_can(self) -> None:
         """Start what can start now, the most urgent lane first."""
@@ -244,6 +256,13 @@ class _Player:
             self.ready,
             self.head,
             self.urgency,
+        )
+        lanes, waiting, waits_on, fits, begin = (
+            self.lanes,
+            self.waiting,
+            self.waits_on,
+            self.fits,
+            self.begin,
         )
         while to_check:
             if len(to_check) == 1:
@@ -256,18 +275,18 @@ class _Player:
             if lane in ready:
                 if not ready[lane]:
                     continue
-                full = self.fits(ready[lane][0][1])
+                full = fits(ready[lane][0][1])
                 if full is not None:
-                    self.waits_on[full].add(lane)
+                    waits_on[full].add(lane)
                     continue
                 tid = heapq.heappop(ready[lane])[1]
             else:
-                ids = self.lanes[lane]
-                if head[lane] >= len(ids) or self.waiting[ids[head[lane]]]:
+                ids = lanes[lane]
+                if head[lane] >= len(ids) or waiting[ids[head[lane]]]:
                     continue
                 tid = ids[head[lane]]
                 head[lane] += 1
-            self.begin(lane, tid)
+            begin(lane, tid)
 
     def start_held_back(self) -> bool:
         """Where nothing runs, so nothing will be freed, the most urgent copy waiting
