@@ -95,106 +95,152 @@ class Played:
 
 def play(graph: TaskGraph) -> Played:
     """Play ``graph``: when each task starts and ends and what memory it takes."""
-    tasks = graph.tasks
-    n = len(tasks)
-    start = [math.nan] * n
-    end = [math.nan] * n
-    waiting = [len(t.deps) for t in tasks]
-    dependents: list[list[int]] = [[] for _ in range(n)]
-    for t in tasks:
-        for d in t.deps:
-            dependents[d].append(t.id)
-    lanes = graph.lanes()
-    lane_of = {}
-    for lane, ids in lanes.items():
-        for i in ids:
-            lane_of[i] = lane
-    in_order = graph.in_order_lanes()
-    head = {lane: 0 for lane in lanes}  # next task of an in-order lane
-    ready: dict[str, list] = {
-        lane: [] for lane in lanes if lane not in in_order
-    }  # heaps of (seq, task)
-    for lane, heap in ready.items():
-        for i in lanes[lane]:
-            if not waiting[i]:
-                heap.append((tasks[i].seq, i))
-        heapq.heapify(heap)
-    busy = {lane: False for lane in lanes}
-    refs = [b.refs for b in graph.buffers]
-    costs = [t.link_costs() for t in tasks]
+    return _Player(graph).run()
+
+
+def _copy_room(graph: TaskGraph) -> dict[int, dict[str, float]]:
+    """Per copy that allocates on a device with a capacity, the bytes it allocates there."""
     capacity = graph.memory_capacity
-    # what each copy allocates on a device with a capacity, and the lanes whose most
-    # urgent ready copy waits for room on a device
     room: dict[int, dict[str, float]] = {}
-    for t in tasks:
+    for t in graph.tasks:
         if t.is_transfer:
             for b in t.allocs:
                 buf = graph.buffers[b]
                 if buf.device in capacity and buf.nbytes > 0:
                     need = room.setdefault(t.id, {})
                     need[buf.device] = need.get(buf.device, 0.0) + buf.nbytes
-    waits_on: dict[str, set[str]] = defaultdict(set)
-    in_use: dict[str, float] = defaultdict(float)
-    peak: dict[str, float] = {d: 0.0 for d in graph.memory_capacity}
-    memory: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    order: dict[str, list[tuple[int, bool]]] = defaultdict(list)
+    return room
 
-    computing: list[tuple[float, int]] = []  # (end time, task)
-    moving: dict[int, float] = {}  # transfer -> bytes left
-    rates: dict[int, float] = {}
-    now, done = 0.0, 0
-    to_check = set(lanes)
-    rates_stale = False
 
-    def charge(device: str, delta: float) -> None:
-        in_use[device] += delta
-        memory[device].append((now, in_use[device]))
-        if in_use[device] > peak.get(device, 0.0):
-            peak[device] = in_use[device]
+def _urgency(ready: dict[str, list], lanes: dict, head: dict[str, int], tasks: list):
+    """The key that orders lanes: the seq of the task a lane would start next (lanes
+    that may start something go most urgent first, so the most urgent copy gets room
+    first). A closure over the player's queues, as fast as the loop needs."""
 
-    def fits(tid: int) -> str | None:
+    def urgency(lane: str) -> tuple:
+        if lane in ready:
+            return ready[lane][0][0] if ready[lane] else (math.inf,)
+        ids, at = lanes[lane], head[lane]
+        return tasks[ids[at]].seq if at < len(ids) else (math.inf,)
+
+    return urgency
+
+
+class _Player:
+    """The state of one :func:`play`: the lanes' queues, the memory ledger, what
+    computes and what moves, and the clock."""
+
+    def __init__(self, graph: TaskGraph) -> None:
+        self.graph = graph
+        tasks = self.tasks = graph.tasks
+        n = self.n = len(tasks)
+        self.start = [math.nan] * n
+        self.end = [math.nan] * n
+        self.waiting = [len(t.deps) for t in tasks]
+        self.dependents: list[list[int]] = [[] for _ in range(n)]
+        for t in tasks:
+            for d in t.deps:
+                self.dependents[d].append(t.id)
+        lanes = self.lanes = graph.lanes()
+        self.lane_of = {i: lane for lane, ids in lanes.items() for i in ids}
+        in_order = graph.in_order_lanes()
+        self.head = {lane: 0 for lane in lanes}  # next task of an in-order lane
+        # heaps of (seq, task)
+        self.ready: dict[str, list] = {lane: [] for lane in lanes if lane not in in_order}
+        for lane, heap in self.ready.items():
+            for i in lanes[lane]:
+                if not self.waiting[i]:
+                    heap.append((tasks[i].seq, i))
+            heapq.heapify(heap)
+        self.busy = {lane: False for lane in lanes}
+        self.refs = [b.refs for b in graph.buffers]
+        self.costs = [t.link_costs() for t in tasks]
+        self.capacity = graph.memory_capacity
+        # what each copy allocates on a device with a capacity, and the lanes whose most
+        # urgent ready copy waits for room on a device
+        self.room = _copy_room(graph)
+        self.waits_on: dict[str, set[str]] = defaultdict(set)
+        self.in_use: dict[str, float] = defaultdict(float)
+        self.peak: dict[str, float] = {d: 0.0 for d in graph.memory_capacity}
+        self.memory: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self.order: dict[str, list[tuple[int, bool]]] = defaultdict(list)
+        self.computing: list[tuple[float, int]] = []  # (end time, task)
+        self.moving: dict[int, float] = {}  # transfer -> bytes left
+        self.rates: dict[int, float] = {}
+        self.now, self.done = 0.0, 0
+        self.to_check = set(lanes)
+        self.rates_stale = False
+        self.urgency = _urgency(self.ready, lanes, self.head, tasks)
+
+    def run(self) -> Played:
+        while self.done < self.n:
+            self.start_what_can()
+            if self.done == self.n:
+                break
+            if not self.start_held_back():
+                self.advance()
+        return Played(self.start, self.end, self.peak, dict(self.memory), dict(self.order))
+
+    def charge(self, device: str, delta: float) -> None:
+        in_use, peak = self.in_use, self.peak
+        used = in_use[device] = in_use[device] + delta
+        self.memory[device].append((self.now, used))
+        if used > peak.get(device, 0.0):
+            peak[device] = used
+
+    def fits(self, tid: int) -> str | None:
         """None, or a device that has no room yet for what copy ``tid`` allocates."""
-        for device, nbytes in room.get(tid, {}).items():
+        need = self.room.get(tid)
+        if not need:
+            return None
+        in_use, capacity = self.in_use, self.capacity
+        for device, nbytes in need.items():
             if in_use[device] + nbytes > capacity[device] * (1 + 1e-12):
                 return device
         return None
 
-    def begin(lane: str, tid: int) -> None:
-        nonlocal rates_stale
-        busy[lane] = True
-        start[tid] = now
-        t = tasks[tid]
-        for b in t.allocs:
-            buf = graph.buffers[b]
-            charge(buf.device, buf.nbytes)
-            order[buf.device].append((b, True))
+    def begin(self, lane: str, tid: int) -> None:
+        self.busy[lane] = True
+        now = self.now
+        self.start[tid] = now
+        t = self.tasks[tid]
+        if t.allocs:
+            buffers, order, charge = self.graph.buffers, self.order, self.charge
+            for b in t.allocs:
+                buf = buffers[b]
+                charge(buf.device, buf.nbytes)
+                order[buf.device].append((b, True))
         if t.is_transfer:
             if t.nbytes > 0:
-                moving[tid] = t.nbytes
-                rates_stale = True
+                self.moving[tid] = t.nbytes
+                self.rates_stale = True
             else:
-                finish(tid)
+                self.finish(tid)
         elif t.duration > 0:
-            heapq.heappush(computing, (now + t.duration, tid))
+            heapq.heappush(self.computing, (now + t.duration, tid))
         else:
-            finish(tid)
+            self.finish(tid)
 
-    def finish(tid: int) -> None:
-        nonlocal done
-        end[tid] = now
-        done += 1
+    def finish(self, tid: int) -> None:
+        self.end[tid] = self.now
+        self.done += 1
+        tasks, to_check = self.tasks, self.to_check
         t = tasks[tid]
-        for b in t.releases:
-            refs[b] -= 1
-            if refs[b] == 0:
-                buf = graph.buffers[b]
-                charge(buf.device, -buf.nbytes)
-                order[buf.device].append((b, False))
-                to_check.update(waits_on.pop(buf.device, ()))
+        if t.releases:
+            refs, buffers = self.refs, self.graph.buffers
+            for b in t.releases:
+                refs[b] -= 1
+                if refs[b] == 0:
+                    buf = buffers[b]
+                    self.charge(buf.device, -buf.nbytes)
+                    self.order[buf.device].append((b, False))
+                    to_check.update(self.waits_on.pop(buf.device, ()))
+        lane_of = self.lane_of
         lane = lane_of[tid]
-        busy[lane] = False
+        self.busy[lane] = False
         to_check.add(lane)
-        for d in dependents[tid]:
+        waiting, ready = self.waiting, self.ready
+        for d in self.dependents[tid]:
             waiting[d] -= 1
             if waiting[d] == 0:
                 dl = lane_of[d]
@@ -202,16 +248,22 @@ def play(graph: TaskGraph) -> Played:
                 if dl in ready:
                     heapq.heappush(ready[dl], (tasks[d].seq, d))
 
-    def urgency(lane: str) -> tuple:
-        """The seq of the task ``lane`` would start next (lanes that may start
-        something go most urgent first, so the most urgent copy gets room first)."""
-        if lane in ready:
-            return ready[lane][0][0] if ready[lane] else (math.inf,)
-        ids = lanes[lane]
-        return tasks[ids[head[lane]]].seq if head[lane] < len(ids) else (math.inf,)
-
-    while done < n:
-        # Start what can start now.
+    def start_what_can(self) -> None:
+        """Start what can start now, the most urgent lane first."""
+        to_check, busy, ready, head, urgency = (
+            self.to_check,
+            self.busy,
+            self.ready,
+            self.head,
+            self.urgency,
+        )
+        lanes, waiting, waits_on, fits, begin = (
+            self.lanes,
+            self.waiting,
+            self.waits_on,
+            self.fits,
+            self.begin,
+        )
         while to_check:
             if len(to_check) == 1:
                 lane = to_check.pop()
@@ -235,45 +287,51 @@ def play(graph: TaskGraph) -> Played:
                 tid = ids[head[lane]]
                 head[lane] += 1
             begin(lane, tid)
-        if done == n:
-            break
-        held_back = [lane for lanes_ in waits_on.values() for lane in lanes_ if ready[lane]]
-        if not computing and not moving and held_back:
-            # nothing runs, so nothing will be freed: the most urgent waiting copy goes
-            lane = min(held_back, key=lambda x: ready[x][0])
-            waits_on.clear()
-            begin(lane, heapq.heappop(ready[lane])[1])
-            to_check.update(held_back)
-            continue
-        if rates_stale:
-            rates = fair_rates(
-                {tid: (tasks[tid].links, tasks[tid].max_rate, costs[tid]) for tid in moving},
-                graph.links,
+
+    def start_held_back(self) -> bool:
+        """Where nothing runs, so nothing will be freed, the most urgent copy waiting
+        for room starts anyway; whether one did."""
+        ready = self.ready
+        held_back = [lane for lanes_ in self.waits_on.values() for lane in lanes_ if ready[lane]]
+        if self.computing or self.moving or not held_back:
+            return False
+        lane = min(held_back, key=lambda x: ready[x][0])
+        self.waits_on.clear()
+        self.begin(lane, heapq.heappop(ready[lane])[1])
+        self.to_check.update(held_back)
+        return True
+
+    def advance(self) -> None:
+        """Advance the clock to the next end, and finish what ends then."""
+        tasks, moving, computing = self.tasks, self.moving, self.computing
+        if self.rates_stale:
+            self.rates = fair_rates(
+                {tid: (tasks[tid].links, tasks[tid].max_rate, self.costs[tid]) for tid in moving},
+                self.graph.links,
             )
-            rates_stale = False
-        # Advance to the next end.
+            self.rates_stale = False
+        rates, now = self.rates, self.now
         t_next = computing[0][0] if computing else math.inf
         finish_at = {tid: now + left / rates[tid] for tid, left in moving.items()}
         if finish_at:
             t_next = min(t_next, min(finish_at.values()))
         if t_next == math.inf:
-            raise _deadlock(graph, start, end)
+            raise _deadlock(self.graph, self.start, self.end)
         dt = t_next - now
-        now = t_next
+        self.now = now = t_next
         ended = []
         for tid, at in finish_at.items():
             # ends by its finish time, not by bytes left: `now + tiny` can round to `now`
             if at <= now * (1 + 1e-12) + _EPS:
                 del moving[tid]
                 ended.append(tid)
-                rates_stale = True
+                self.rates_stale = True
             else:
                 moving[tid] -= rates[tid] * dt
         while computing and computing[0][0] <= now + _EPS:
             ended.append(heapq.heappop(computing)[1])
         for tid in ended:
-            finish(tid)
-    return Played(start, end, peak, dict(memory), dict(order))
+            self.finish(tid)
 
 
 def _deadlock(graph: TaskGraph, start: list[float], end: list[float]) -> DeadlockError:

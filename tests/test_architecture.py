@@ -168,19 +168,11 @@ def test_the_component_finder_finds_components():
     assert _components({"a": set()}) == [{"a"}]
 
 
-#: the decompose / hf modules: their import cycle is tracked and untied separately
-UNTIED_ELSEWHERE = ("harmony.engine.decompose", "harmony.engine.hf")
-
-
 def test_engine_modules_import_each_other_in_small_knots_only():
     """Counting every import (inside functions and under ``TYPE_CHECKING`` too), no
     more than three modules of the engine import each other in a circle, and the
     Engine's module is on no circle: its parts are given what they use."""
-    engine = {
-        name: path
-        for name, path in MODULES.items()
-        if name.startswith("harmony.engine.") and not name.startswith(UNTIED_ELSEWHERE)
-    }
+    engine = {name: path for name, path in MODULES.items() if name.startswith("harmony.engine.")}
     edges = {
         name: _imports(name, path, everywhere=True) & set(engine) for name, path in engine.items()
     }
@@ -201,3 +193,86 @@ def test_the_storage_tier_is_a_leaf():
                 if t.startswith("harmony.engine") and not t.startswith("harmony.engine.tiers")
             }
             assert not above, f"{name} imports {sorted(above)}"
+
+
+def _reaches(edges: dict[str, set[str]], start: str) -> set[str]:
+    """The modules ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = list(edges.get(start, ()))
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(edges.get(node, ()))
+    return seen
+
+
+def test_the_decompose_modules_are_in_no_import_cycle():
+    """Counting every import (inside functions and under ``TYPE_CHECKING`` too), no
+    decompose module (``decompose*``, ``hf/``) imports itself through others: what
+    they share lives in ``decompose_shared``, which imports none of them."""
+    everywhere = {name: _imports(name, path, everywhere=True) for name, path in MODULES.items()}
+    decompose = [
+        m for m in MODULES if m.startswith(("harmony.engine.decompose", "harmony.engine.hf"))
+    ]
+    assert "harmony.engine.decompose_shared" in decompose
+    in_cycles = {
+        m: sorted(c for c in _reaches(everywhere, m) if m in _reaches(everywhere, c))
+        for m in decompose
+    }
+    assert not any(in_cycles.values()), {m: c for m, c in in_cycles.items() if c}
+
+
+def test_the_cycle_reach_finds_cycles():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert _reaches(edges, "a") == {"a", "b", "c", "d"}
+    assert _reaches(edges, "d") == set()
+
+
+# ---- sizes -----------------------------------------------------------------------
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _oversized(text: str, where: str) -> list[str]:
+    """What in module ``text`` (at ``where``) is over the limits: the module, and every
+    function (nested ones too) by its lines from ``def`` to its end."""
+    found = []
+    lines = len(text.splitlines())
+    if lines > MAX_MODULE_LINES:
+        found.append(f"{where}: {lines} lines")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{where}:{node.lineno} {node.name}(): {length} lines")
+    return found
+
+
+@pytest.mark.parametrize("group", sorted({_package(m) for m in MODULES}))
+def test_modules_and_functions_stay_small(group):
+    """No module over 500 lines, no function over 80 (nested ones counted on their
+    own and inside the function around them)."""
+    offenders = [
+        o
+        for name, path in sorted(MODULES.items())
+        if _package(name) == group
+        for o in _oversized(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    ]
+    assert not offenders, (
+        f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function: "
+        + "; ".join(offenders)
+    )
+
+
+def test_the_size_check_counts_nested_functions():
+    body = "\n".join(["        x = 1"] * 79)
+    assert _oversized(f"def outer():\n    def inner():\n{body}\n", "m.py") == [
+        "m.py:1 outer(): 81 lines"
+    ]
+    body += "\n        x = 1"
+    assert _oversized(f"def outer():\n    def inner():\n{body}\n", "m.py") == [
+        "m.py:1 outer(): 82 lines",
+        "m.py:2 inner(): 81 lines",
+    ]
+    assert _oversized("\n".join(["x = 1"] * 501), "m.py") == ["m.py: 501 lines"]

@@ -55,19 +55,14 @@ from torch import fx, nn
 
 from ..errors import HarmonyError
 from .decompose_checks import (
-    GUIDE,
     check_reference,
     evaluating,
     refuse_raw_blocks,
     warn_if_unsplit,
 )
+from .decompose_shared import HOW_TO
 
 __all__ = ["Chain", "decompose"]
-
-_HOW_TO = (
-    "pass an nn.Sequential or a list of modules (blocks) "
-    f"that follow the chain's calling convention ({GUIDE})"
-)
 
 
 @dataclass(frozen=True)
@@ -142,7 +137,7 @@ def decompose(model, *, example_inputs=None, reference=None) -> Chain:
 def _from_module(model, example_inputs) -> Chain:
     if not isinstance(model, nn.Module):
         raise HarmonyError(
-            f"cannot split a {type(model).__name__} into layers: {_HOW_TO}, "
+            f"cannot split a {type(model).__name__} into layers: {HOW_TO}, "
             "or an nn.Module whose forward torch.fx can trace"
         )
     if isinstance(model, nn.ModuleList):
@@ -322,7 +317,7 @@ def _from_fx(model: nn.Module, example_inputs) -> tuple[list[nn.Module], list[st
         raise HarmonyError(
             f"cannot split {kind} into layers: torch.fx could not trace its forward "
             f"({type(e).__name__}: {e}). Data-dependent control flow or Python code on tensor "
-            f"values in {kind}.forward cannot be traced; {_HOW_TO}, or move that code into a "
+            f"values in {kind}.forward cannot be traced; {HOW_TO}, or move that code into a "
             "child module (children are not traced into)"
         ) from None
     gm = fx.GraphModule(tracer.root, graph, kind)
@@ -481,6 +476,6 @@ def _finish(layers: list[nn.Module], names: list[str], canonical: dict[int, str]
             )
             raise HarmonyError(
                 f"parameters of {type(model).__name__} belong to no layer: {shown}. Its forward "
-                f"does not use them; remove them from the model, or {_HOW_TO} that holds them"
+                f"does not use them; remove them from the model, or {HOW_TO} that holds them"
             )
     return Chain(layers=layers, names=names, tied=tied)

@@ -16,10 +16,8 @@ import torch
 from torch import nn
 
 from ..errors import HarmonyError
+from .decompose_shared import GUIDE, reference_forward
 from .describe import evaluating
-
-#: where the README defines the calling convention and shows a wrapper end to end
-GUIDE = "README.md, section 'Your own blocks: the calling convention'"
 
 #: block arguments a transformers model's forward computes once and hands every block
 _BLOCK_ARGUMENTS = {
@@ -196,8 +194,6 @@ def check_reference(layers: list, names: list[str], reference: nn.Module, exampl
         )
     kind = type(reference).__name__
     if type(reference).__module__.startswith("transformers."):
-        from .decompose_hf import reference_forward
-
         forward = reference_forward(reference, example_inputs)
     else:
 

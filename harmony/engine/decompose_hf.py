@@ -30,14 +30,14 @@ engine could find) says so with ``draws_random = True``.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import transformers
 from torch import nn
 
 from ..errors import HarmonyError
-from .decompose_checks import GUIDE, check_chain, evaluating
+from .decompose_checks import check_chain
+from .decompose_shared import GUIDE, reference_forward
+from .describe import evaluating
 from .hf.layers import FOLLOWED
 from .hf.layout import decoder_layout
 from .hf.recipes import FAMILIES, RECIPES, Split
@@ -95,27 +95,6 @@ def _example(model: nn.Module, chain: Split) -> tuple:
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
     return ids.to(weight.device), mask.to(weight.device)
-
-
-def reference_forward(model: nn.Module, inputs: tuple, outputs: tuple[str, ...] | None = None):
-    """A call of transformers ``model``'s own forward on what a chain takes (by name,
-    without a cache) returning what the chain's last layer returns: the ``outputs``
-    fields, else the logits or the last hidden state."""
-    parameters = inspect.signature(model.forward).parameters
-    names = (
-        ("pixel_values",)
-        if "pixel_values" in parameters
-        else ("input_ids", "attention_mask", "token_type_ids")
-    )
-    extra = {"use_cache": False} if "use_cache" in parameters else {}
-
-    def forward():
-        out = model(**dict(zip(names, inputs)), **extra)
-        fields = outputs or (("logits",) if "logits" in out else ("last_hidden_state",))
-        found = tuple(getattr(out, name) for name in fields)
-        return found if len(found) > 1 else found[0]
-
-    return forward
 
 
 def _check(model: nn.Module, chain: Split, inputs: tuple) -> None:

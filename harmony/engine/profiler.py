@@ -98,28 +98,8 @@ def profile(
     )
     sizes = [u for u in sizes or default_sizes(target.shape[0]) if u >= spec.min_microbatch]
 
-    times: list[tuple[list[float], list[float]]] = []
-    # layers of one structure on inputs of one shape (a transformer's blocks) are timed
-    # once: their times differ by noise only, and a deep model's profile takes the
-    # time of its few kinds of layer instead of all of them
-    timed: dict[tuple, tuple[list[float], list[float]]] = {}
-    # the input of the layer being measured, per microbatch size
     acts = {u: tuple(t[:u].to(device) for t in inputs) for u in sizes}
-    for i, original in enumerate(layers):
-        last = i == len(layers) - 1
-        key = structure(original, acts.values(), last)
-        # one layer copied to the device at a time: a model near the size of host memory
-        # (or larger: its weights unmade, see lazy_weights) is never copied whole
-        layer = copy.deepcopy(original).to(device)
-        if key not in timed:
-            timed[key] = _time_layer(
-                layer, acts, target, loss_fn if last else None, device, dtype, repeats, sync
-            )
-        times.append(timed[key])
-        if not last:
-            for u, x in acts.items():  # the next layer's input
-                acts[u] = layer_inputs([layer], x)[1]
-        layer = None  # freed before the next layer is copied
+    times = _time_layers(layers, acts, target, loss_fn, device, dtype, repeats, sync)
     updates: dict[tuple, float] = {}
     measured = tuple(
         replace(
@@ -136,8 +116,42 @@ def profile(
         spec,
         layers=measured,
         source=f"profiled on {device} ({repeats} repeats per point; "
-        f"{len(timed)} kinds of layer timed for {len(layers)} layers)",
+        f"{len(set(map(id, times)))} kinds of layer timed for {len(layers)} layers)",
     )
+
+
+def _time_layers(
+    layers: Sequence[nn.Module],
+    acts: dict[int, tuple],
+    target: torch.Tensor,
+    loss_fn: Callable,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    repeats: int,
+    sync: Callable[[], None],
+) -> list[tuple[list[float], list[float]]]:
+    """Each layer's forward and backward times at each microbatch size (``acts``:
+    size -> the first layer's input). Layers of one structure on inputs of one
+    shape (a transformer's blocks) are timed once and share the one result: their
+    times differ by noise only, and a deep model's profile takes the time of its few
+    kinds of layer instead of all of them."""
+    times, timed = [], {}
+    for i, original in enumerate(layers):
+        last = i == len(layers) - 1
+        key = structure(original, acts.values(), last)
+        # one layer copied to the device at a time: a model near the size of host memory
+        # (or larger: its weights unmade, see lazy_weights) is never copied whole
+        layer = copy.deepcopy(original).to(device)
+        if key not in timed:
+            timed[key] = _time_layer(
+                layer, acts, target, loss_fn if last else None, device, dtype, repeats, sync
+            )
+        times.append(timed[key])
+        if not last:
+            for u, x in acts.items():  # the next layer's input
+                acts[u] = layer_inputs([layer], x)[1]
+        layer = None  # freed before the next layer is copied
+    return times
 
 
 def _time_layer(

@@ -112,7 +112,7 @@ def split_for_staging(
     gradients (they stay in host memory): every pack's or, with ``window`` (a
     policy that holds them in slots where host memory is short),
     :data:`~harmony.costs.placement.GRADIENT_SLOTS` of its own. A larger pack
-    cannot be placed (:func:`harmony.policies.disk_tier.place` refuses it); a
+    cannot be placed (:func:`harmony.policies.tier_placement.place` refuses it); a
     single layer over the limit stays whole, for the simulator to refuse.
     Stashes (and tied gradients) also take host memory: the limit is an upper
     bound."""

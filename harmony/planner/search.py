@@ -99,13 +99,48 @@ def search(
     t0 = time.perf_counter()
     if precision is not None:
         spec = spec.in_precision(precision)
+    minibatch_size = _checked_minibatch(minibatch_size)
+    policies = _checked_policies(policies)
+    gpu_counts = _gpu_counts(hardware, n_gpus)
+    worst, need = _check_one_layer_fits(spec, hardware)
+
+    bar = _progress(progress)
+    runner = _Runner(_Pool(spec, hardware, workers), bar)
+    stages = _Stages(spec, hardware, minibatch_size, top_k, equal_microbatches, precision)
+    for policy in policies:
+        for n in gpu_counts:
+            stages.run(runner, policy, n)
+    runner.close()
+    if not runner.rows and runner.no_host_room and not runner.rejected:
+        raise runner.no_host_room[0]
+    if not runner.rows:
+        raise _no_plan_error(spec, hardware, minibatch_size, runner.rejected, worst, need)
+    df = pd.DataFrame(runner.rows).sort_values("iteration_s", kind="stable")
+    df = df.reset_index(drop=True)
+    df.insert(0, "rank", range(1, len(df) + 1))
+    df.attrs.update(
+        search_s=time.perf_counter() - t0,
+        simulated=len(runner.seen),
+        rejected_memory=runner.rejected,
+        rejected_host_memory=len(runner.no_host_room),
+        model=spec.name,
+        hardware=hardware.name,
+        minibatch=minibatch_size,
+    )
+    return df
+
+
+def _checked_minibatch(minibatch_size) -> int:
     if (
         not isinstance(minibatch_size, numbers.Integral)
         or isinstance(minibatch_size, bool)
         or minibatch_size < 1
     ):
         raise HarmonyError(f"minibatch size must be a positive integer, got {minibatch_size!r}")
-    minibatch_size = int(minibatch_size)
+    return int(minibatch_size)
+
+
+def _checked_policies(policies: Iterable[str]) -> list[str]:
     policies = list(policies)
     for p in policies:
         if get_policy(p).NAME not in SEARCHABLE:
@@ -113,6 +148,10 @@ def search(
                 f"the search plans {', '.join(SEARCHABLE)}; for {p} use "
                 f"harmony.planner.plan_for({p!r}, ...)"
             )
+    return policies
+
+
+def _gpu_counts(hardware: Hardware, n_gpus: Iterable[int] | int | None) -> list[int]:
     if n_gpus is None:
         gpu_counts = [hardware.n_gpus]
     else:
@@ -122,6 +161,12 @@ def search(
             raise HarmonyError(
                 f"n_gpus={n} is outside 1..{hardware.n_gpus} for hardware {hardware.name!r}"
             )
+    return gpu_counts
+
+
+def _check_one_layer_fits(spec: ModelSpec, hardware: Hardware) -> tuple[int, float]:
+    """The most demanding layer and its backward bytes; an error if it alone does
+    not fit one GPU."""
     worst, need = _min_layer_bytes(spec)
     if need > hardware.gpu_memory:
         raise OutOfMemoryError(
@@ -130,119 +175,139 @@ def search(
             f"more than the {format_bytes(hardware.gpu_memory)} of one GPU of {hardware.name!r}: "
             "no plan can fit; split that layer or use bigger GPUs"
         )
+    return worst, need
 
-    rows: list[dict] = []
-    seen: set[Plan] = set()
-    rejected = 0
-    no_host_room: list[HostMemoryError] = []  # candidates whose state does not fit the host
-    bar = _progress(progress)
 
-    pool = _Pool(spec, hardware, workers)
+def _no_plan_error(
+    spec: ModelSpec,
+    hardware: Hardware,
+    minibatch_size: int,
+    rejected: int,
+    worst: int,
+    need: float,
+) -> OutOfMemoryError:
+    tried = (
+        f"{rejected} candidates simulated, all over capacity"
+        if rejected
+        else "no packing of the layers fits the planner's per-pack budget"
+    )
+    return OutOfMemoryError(
+        f"no plan for {spec.name} at minibatch {minibatch_size} fits in "
+        f"{format_bytes(hardware.gpu_memory)} per GPU ({tried}); the most demanding layer, "
+        f"{worst} ({spec.layers[worst].name}), needs {format_bytes(need)} for backward at "
+        f"microbatch {spec.min_microbatch}. Use GPUs with more memory or split that layer."
+    )
 
-    def run(cands: list[_Candidate]) -> list[dict]:
-        nonlocal rejected
+
+class _Runner:
+    """Simulates candidates not seen before, keeps the rows of those that fit, and
+    counts those that do not (over GPU memory, or their state over the host's)."""
+
+    def __init__(self, pool: _Pool, bar) -> None:
+        self.pool, self.bar = pool, bar
+        self.rows: list[dict] = []
+        self.seen: set[Plan] = set()
+        self.rejected = 0
+        self.no_host_room: list[HostMemoryError] = []
+
+    def run(self, cands: list[_Candidate]) -> list[dict]:
+        """The rows of the new candidates among ``cands`` that fit."""
         fresh = []
         for c in cands:
-            if c.plan not in seen:
-                seen.add(c.plan)
+            if c.plan not in self.seen:
+                self.seen.add(c.plan)
                 fresh.append(c)
         out = []
-        for c, s in zip(fresh, pool.map([c.plan for c in fresh])):
-            bar.update(1)
+        for c, s in zip(fresh, self.pool.map([c.plan for c in fresh])):
+            self.bar.update(1)
             if isinstance(s, HostMemoryError):
-                no_host_room.append(s)
+                self.no_host_room.append(s)
                 continue
             if not s.fits:
-                rejected += 1
+                self.rejected += 1
                 continue
             out.append(_row(c, s))
-        rows.extend(out)
+        self.rows.extend(out)
         return out
 
-    fcap, bcap = max_profiled(spec)
-    for policy in policies:
-        for n in gpu_counts:
-            share = -(-minibatch_size // n) if policy != "harmony-pp" else minibatch_size
+    def close(self) -> None:
+        self.bar.close()
+        self.pool.close()
 
-            def plan_for(ub: int, packing: tuple[tuple[Pack, ...], dict]) -> _Candidate:
-                # forward packs on the backward boundaries, uF = uB
-                bwd, options = packing
-                if precision is not None:
-                    options = {**options, "precision": precision}
-                return _Candidate(
-                    Plan(policy, n, minibatch_size, ub, ub, bwd[:-1], bwd, options), "A"
-                )
 
-            # Stage A: the backward microbatch size, with the largest packs that fit ...
-            packings = {
-                ub: _bwd_packings(spec, ub, hardware, n, policy)
-                for ub in microbatch_sizes(share, bcap, spec.min_microbatch)
-            }
-            found = run([plan_for(ub, ps[0]) for ub, ps in packings.items() if ps])
-            # ... then every backward packing for the best sizes.
-            sizes = [r["plan"].bwd_microbatch for r in _fastest(found, top_k)]
-            found += run([plan_for(ub, bwd) for ub in sizes for bwd in packings[ub][1:]])
-            best = _fastest(found, top_k)
-            # Stage B: the forward side around the best backward choices ...
-            stage_b = []
-            for r in best:
-                p: Plan = r["plan"]
-                # Forward needs no autograd memory, so only sizes >= uB are worth trying.
-                ufs = [
-                    u
-                    for u in microbatch_sizes(share, fcap, spec.min_microbatch)
-                    if u >= p.bwd_microbatch
-                ]
-                one_size = get_policy(policy).PER_MICROBATCH or equal_microbatches
-                for uf in [p.bwd_microbatch] if one_size else ufs:
-                    for fwd in _fwd_packings(spec, p, uf, hardware):
-                        stage_b.append(
-                            _Candidate(replace(p, fwd_microbatch=uf, fwd_packs=fwd), "B")
-                        )
-            found += run(stage_b)
-            # ... and activations through host memory for the best plans, where that changes
-            # anything.
-            if _offload_matters(policy, n):
-                run(
-                    [
-                        _Candidate(
-                            replace(
-                                r["plan"],
-                                options={**dict(r["plan"].options), "offload_activations": True},
-                            ),
-                            "C",
-                        )
-                        for r in _fastest(found, top_k)
-                    ]
-                )
-    bar.close()
-    pool.close()
-    if not rows and no_host_room and not rejected:
-        raise no_host_room[0]
-    if not rows:
-        tried = (
-            f"{rejected} candidates simulated, all over capacity"
-            if rejected
-            else "no packing of the layers fits the planner's per-pack budget"
+@dataclass
+class _Stages:
+    """The search's stages for one policy on ``n`` GPUs (the module docstring's)."""
+
+    spec: ModelSpec
+    hardware: Hardware
+    minibatch_size: int
+    top_k: int
+    equal_microbatches: bool
+    precision: str | None
+
+    def __post_init__(self) -> None:
+        self.fcap, self.bcap = max_profiled(self.spec)
+
+    def run(self, runner: _Runner, policy: str, n: int) -> None:
+        spec, top_k, fcap, bcap = self.spec, self.top_k, self.fcap, self.bcap
+        share = -(-self.minibatch_size // n) if policy != "harmony-pp" else self.minibatch_size
+        # Stage A: the backward microbatch size, with the largest packs that fit ...
+        packings = {
+            ub: _bwd_packings(spec, ub, self.hardware, n, policy)
+            for ub in microbatch_sizes(share, bcap, spec.min_microbatch)
+        }
+        found = runner.run(
+            [self.plan_for(policy, n, ub, ps[0]) for ub, ps in packings.items() if ps]
         )
-        raise OutOfMemoryError(
-            f"no plan for {spec.name} at minibatch {minibatch_size} fits in "
-            f"{format_bytes(hardware.gpu_memory)} per GPU ({tried}); the most demanding layer, "
-            f"{worst} ({spec.layers[worst].name}), needs {format_bytes(need)} for backward at "
-            f"microbatch {spec.min_microbatch}. Use GPUs with more memory or split that layer."
+        # ... then every backward packing for the best sizes.
+        sizes = [r["plan"].bwd_microbatch for r in _fastest(found, top_k)]
+        found += runner.run(
+            [self.plan_for(policy, n, ub, bwd) for ub in sizes for bwd in packings[ub][1:]]
         )
-    df = pd.DataFrame(rows).sort_values("iteration_s", kind="stable").reset_index(drop=True)
-    df.insert(0, "rank", range(1, len(df) + 1))
-    df.attrs.update(
-        search_s=time.perf_counter() - t0,
-        simulated=len(seen),
-        rejected_memory=rejected,
-        rejected_host_memory=len(no_host_room),
-        model=spec.name,
-        hardware=hardware.name,
-        minibatch=minibatch_size,
+        # Stage B: the forward side around the best backward choices ...
+        found += runner.run(self.forward_side(policy, share, fcap, _fastest(found, top_k)))
+        # ... and activations through host memory for the best plans, where that changes
+        # anything.
+        if _offload_matters(policy, n):
+            runner.run([_offloading(r["plan"]) for r in _fastest(found, top_k)])
+
+    def plan_for(
+        self, policy: str, n: int, ub: int, packing: tuple[tuple[Pack, ...], dict]
+    ) -> _Candidate:
+        """A stage A candidate: forward packs on the backward boundaries, uF = uB."""
+        bwd, options = packing
+        if self.precision is not None:
+            options = {**options, "precision": self.precision}
+        return _Candidate(
+            Plan(policy, n, self.minibatch_size, ub, ub, bwd[:-1], bwd, options), "A"
+        )
+
+    def forward_side(
+        self, policy: str, share: int, fcap: int | None, best: list[dict]
+    ) -> list[_Candidate]:
+        """Stage B: forward microbatch sizes and forward packs for the ``best`` rows."""
+        stage_b = []
+        for r in best:
+            p: Plan = r["plan"]
+            # Forward needs no autograd memory, so only sizes >= uB are worth trying.
+            ufs = [
+                u
+                for u in microbatch_sizes(share, fcap, self.spec.min_microbatch)
+                if u >= p.bwd_microbatch
+            ]
+            one_size = get_policy(policy).PER_MICROBATCH or self.equal_microbatches
+            for uf in [p.bwd_microbatch] if one_size else ufs:
+                for fwd in _fwd_packings(self.spec, p, uf, self.hardware):
+                    stage_b.append(_Candidate(replace(p, fwd_microbatch=uf, fwd_packs=fwd), "B"))
+        return stage_b
+
+
+def _offloading(plan: Plan) -> _Candidate:
+    """A stage C candidate: ``plan`` with its activations through host memory."""
+    return _Candidate(
+        replace(plan, options={**dict(plan.options), "offload_activations": True}), "C"
     )
-    return df
 
 
 def _bwd_packings(

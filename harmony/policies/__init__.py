@@ -30,8 +30,8 @@ from . import (
     zero_offload,
 )
 from .common import replica_shares
-from .disk_tier import place, stashes_in_flight  # noqa: F401  (the engine reads it here)
 from .swapping import OPTIONS as STATE_OPTIONS
+from .tier_placement import place, stashes_in_flight  # noqa: F401  (the engine reads it here)
 
 POLICIES: dict[str, ModuleType] = {
     m.NAME: m
@@ -150,7 +150,7 @@ def gradient_window(policy: str) -> bool:
 
 
 def _disk_traits(plan: Plan) -> tuple[bool, bool]:
-    """What :func:`.disk_tier.place` needs of ``plan``'s policy: its ``GRADIENT_WINDOW``
+    """What :func:`.tier_placement.place` needs of ``plan``'s policy: its ``GRADIENT_WINDOW``
     and its ``WEIGHTS_WITH_UPDATE``."""
     policy = get_policy(plan.policy)
     return gradient_window(plan.policy), getattr(policy, "WEIGHTS_WITH_UPDATE", False)

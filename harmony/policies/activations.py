@@ -2,7 +2,8 @@
 each value is (a GPU, or host memory) after the task that made it, and the
 transfers that bring it to the op that needs it (nothing on the same GPU, a
 P2P copy from another, a copy in from host memory), prefetched while the op
-two before it on that GPU computes."""
+two before it on that GPU computes; and the minibatch's inputs and labels,
+copied in from host memory the same way."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 from ..costs.hardware import Hardware
 from ..costs.spec import ModelSpec
-from ..graph import ACT_OUT, P2P, STASH_IN, STASH_OUT, Activation, Task
+from ..graph import ACT_OUT, DATA_IN, P2P, STASH_IN, STASH_OUT, Activation, Batch, Task
 from ..plan import Plan
 from .base import HOST, GraphBase, Op
 
@@ -110,6 +111,25 @@ class ActivationFlow(GraphBase):
                 out.append(values[i])
             i += 1
         return out
+
+    def _batch_in(self, op: Op, k: int, what: str, nbytes: float) -> Task:
+        """The copy of the minibatch's ``what`` ("inputs" or "labels") for the op's
+        samples from host memory to its GPU."""
+        dev = f"gpu{op.gpu}"
+        return self.transfer(
+            DATA_IN,
+            f"{dev}.h2d",
+            dev,
+            self.h2d_route(op.gpu),
+            nbytes,
+            self._release_dep(op.gpu, 2),
+            f"{what} {op.samples}",
+            alloc_on=dev,
+            for_op=k,
+            data=Batch(what, op.samples),
+            microbatch=op.microbatch,
+            samples=op.samples,
+        )
 
     def _bring(
         self, key: tuple, op: Op, k: int, kind_via_host: str, nbytes: float

@@ -54,7 +54,6 @@ from ..costs.spec import ModelSpec
 from ..graph import (
     ACT_IN,
     BWD,
-    DATA_IN,
     FWD,
     FWDBWD,
     G_OUT,
@@ -62,7 +61,6 @@ from ..graph import (
     STASH_IN,
     UPD,
     W_IN,
-    Batch,
     Gradients,
     Task,
     TaskGraph,
@@ -193,16 +191,35 @@ class GraphBuilder(ActivationFlow):
                 self._close_group(g)
 
     def _op(self, op: Op) -> None:
+        k = self._k + 1  # this op's place in the global order
+        group, opens_group = self._weights_for(op, k)
+        deps: list[int] = [group.w_task]
+        local: list[int] = []  # buffers this op releases when it ends
+        io: dict = {"weights": self.tasks[group.w_task].io["weights"]}
+        if group.bwd is not None:
+            io["grads"] = group.bwd.grad_buffer
+        self._inputs(op, k, deps, local, io)
+        input_buffers = list(local)
+        if op.kind == FWDBWD:
+            y = self._batch_in(
+                op, k, "labels", self.spec.target_bytes(op.samples[1] - op.samples[0])
+            )
+            deps.append(y.id)
+            local += y.allocs
+            io["labels"] = y.io["dst"]
+        self._k = k
+        t = self._compute_op(op, k, deps, local, io, opens_group)
+        group.ops.append(t.id)
+        if group.bwd is not None:
+            group.bwd.ops.append(t.id)
+        self._outputs(op, t, io, input_buffers)
+
+    def _weights_for(self, op: Op, k: int) -> tuple[_Group, bool]:
+        """The weight group of ``op`` on its GPU, and whether the op opens it: then the
+        weights' load (W_IN; for backward, with the gradient accumulator)."""
         spec, g = self.spec, op.gpu
         dev = f"gpu{g}"
         s, e = op.layers
-        a, b = op.samples
-        n = b - a
-        deps: list[int] = []
-        local: list[int] = []  # buffers this op releases when it ends
-        k = self._k + 1  # this op's place in the global order
-
-        # Weights (and, for backward, the gradient accumulator).
         groups = self._groups_on[g]
         opens_group = not groups or groups[-1].key != op.group
         if opens_group:
@@ -236,60 +253,34 @@ class GraphBuilder(ActivationFlow):
                 bwd = BwdGroup(g, op.pack, op.layers, grad_buffer=grad)
                 self.bwd_groups.append(bwd)
             groups.append(_Group(op.group, w.id, [], bwd))
-        group = groups[-1]
-        deps.append(group.w_task)
-        io: dict = {"weights": self.tasks[group.w_task].io["weights"]}
-        if group.bwd is not None:
-            io["grads"] = group.bwd.grad_buffer
+        return groups[-1], opens_group
 
-        # Inputs.
-        if op.kind == FWD or op.kind == FWDBWD:
-            if s == 0:
-                x = self.transfer(
-                    DATA_IN,
-                    f"{dev}.h2d",
-                    dev,
-                    self.h2d_route(g),
-                    spec.input_bytes(0, n),
-                    self._release_dep(g, 2),
-                    f"inputs {op.samples}",
-                    alloc_on=dev,
-                    for_op=k,
-                    data=Batch("inputs", (a, b)),
-                    microbatch=op.microbatch,
-                    samples=op.samples,
-                )
-                deps.append(x.id)
-                local += x.allocs
-            else:
-                d, bufs = self._bring(("act", s), op, k, ACT_IN, spec.input_bytes(s, n))
-                deps += d
-                local += bufs
-            io["input"] = list(local)
-        input_buffers = list(local)
-        if op.kind == FWDBWD:
-            y = self.transfer(
-                DATA_IN,
-                f"{dev}.h2d",
-                dev,
-                self.h2d_route(g),
-                spec.target_bytes(n),
-                self._release_dep(g, 2),
-                f"labels {op.samples}",
-                alloc_on=dev,
-                for_op=k,
-                data=Batch("labels", (a, b)),
-                microbatch=op.microbatch,
-                samples=op.samples,
-            )
-            deps.append(y.id)
-            local += y.allocs
-            io["labels"] = y.io["dst"]
-        self._k = k
+    def _inputs(self, op: Op, k: int, deps: list[int], local: list[int], io: dict) -> None:
+        """A forward op's input: the minibatch's from host memory, or the activations
+        that reach its first layer."""
+        if op.kind != FWD and op.kind != FWDBWD:
+            return
+        s, n = op.layers[0], op.samples[1] - op.samples[0]
+        if s == 0:
+            x = self._batch_in(op, k, "inputs", self.spec.input_bytes(0, n))
+            deps.append(x.id)
+            local += x.allocs
+        else:
+            d, bufs = self._bring(("act", s), op, k, ACT_IN, self.spec.input_bytes(s, n))
+            deps += d
+            local += bufs
+        io["input"] = list(local)
+
+    def _compute_op(
+        self, op: Op, k: int, deps: list[int], local: list[int], io: dict, opens_group: bool
+    ) -> Task:
+        """The op's compute task (for backward, REC then BWD), which releases what the
+        op used; the task that ends it."""
         if op.kind == BWD:
             # REC: the recompute, once the weights and the stashed input are in (and,
             # without overlap, the gradient too); its working memory is what autograd
             # saves, kept until BWD, the backward proper, has used it.
+            (s, e), n, spec = op.layers, op.samples[1] - op.samples[0], self.spec
             stash_deps, stash = self._bring(("stash", s), op, k, STASH_IN, spec.input_bytes(s, n))
             grad_deps, grad = self._bring(("grad", e), op, k, ACT_IN, spec.input_grad_bytes(e, n))
             waits = deps + stash_deps + ([] if self._overlap else grad_deps)
@@ -311,18 +302,22 @@ class GraphBuilder(ActivationFlow):
             self.release(t, io["work"])
         for buf in local:
             self.release(t, buf)
-        self._ops_on[g].append(t.id)
-        group.ops.append(t.id)
-        if group.bwd is not None:
-            group.bwd.ops.append(t.id)
+        self._ops_on[op.gpu].append(t.id)
+        return t
 
-        # Outputs.
+    def _outputs(self, op: Op, t: Task, io: dict, input_buffers: list[int]) -> None:
+        """What the op's task ``t`` hands on: a tied parameter's gradient piece, the
+        stashes, and the activations (forward) or their gradient (backward)."""
+        dev, (s, e), n = f"gpu{op.gpu}", op.layers, op.samples[1] - op.samples[0]
         if op.kind != FWD and self._split_bytes(s, e):
             self._tie_piece(op, t)
         if op.kind == FWD:
             self._stash(op, t, input_buffers)
             out = self.buffer(
-                dev, spec.input_bytes(e, n), f"activations into layer {e} {op.samples}", op.samples
+                dev,
+                self.spec.input_bytes(e, n),
+                f"activations into layer {e} {op.samples}",
+                op.samples,
             )
             t.allocs.append(out)
             io["output"] = out
@@ -330,7 +325,7 @@ class GraphBuilder(ActivationFlow):
         elif s > 0:
             out = self.buffer(
                 dev,
-                spec.input_grad_bytes(s, n),
+                self.spec.input_grad_bytes(s, n),
                 f"gradient into layer {s} {op.samples}",
                 op.samples,
             )

@@ -24,7 +24,7 @@ from ..graph import (
 )
 from ..plan import Plan, split_samples
 from .builder import BwdGroup, GraphBuilder, Op
-from .disk_tier import disk_volume
+from .tier_placement import disk_volume
 
 
 def replica_shares(minibatch: int, n: int) -> list[tuple[int, int]]:
@@ -266,8 +266,8 @@ def volume(
     microbatch anyway), the minibatch's stashes and data, ``p2p`` bytes of
     activations between GPUs, ``via_host`` bytes of activations out to host
     memory (and as many back) and ``reduce`` bytes of gradient exchange between
-    GPUs; with ``disk``, the plan's placement (:func:`.disk_tier.place`), the
-    disk tier's bytes too (:func:`.disk_tier.disk_volume`)."""
+    GPUs; with ``disk``, the plan's placement (:func:`.tier_placement.place`), the
+    disk tier's bytes too (:func:`.tier_placement.disk_volume`)."""
     B = plan.minibatch
     stash_out, stash_in = stash_bytes(spec, plan, B)
     grads = sum(

@@ -59,8 +59,8 @@ from ..graph import (
 from ..plan import Plan
 from .builder import BwdGroup, GraphBuilder
 from .common import check_one_microbatch_size, data_bytes, microbatches, replica_shares
-from .disk_tier import disk_volume
 from .swapping import gpu_update_seconds
+from .tier_placement import disk_volume
 
 NAME = "model-parallel"
 #: what it is to the workbench: "harmony" (Harmony's own placements), "ablation" (Harmony

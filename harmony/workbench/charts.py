@@ -153,17 +153,7 @@ def timeline_chart(
         layers=df["layers"].astype(str),
         means=df.kind.map(palette.KIND_WORDS).fillna(""),
     )
-    if color == "kind":
-        legend_color = alt.Color(
-            "kind:N", scale=alt.Scale(**palette.kind_scale(df.kind)), legend=_kind_legend(alt)
-        )
-    else:
-        legend_color = alt.Color(
-            "kind:N",
-            scale=alt.Scale(scheme="tableau10"),
-            title=color,
-            legend=alt.Legend(orient="bottom", columns=4),
-        )
+    legend_color = _timeline_color(alt, df, color)
     lanes = sorted(df.lane.unique(), key=_lane_order)
     disk = DISK_LANES if any(lane.startswith("host.disk") for lane in lanes) else ""
     chart = (
@@ -209,6 +199,21 @@ def timeline_chart(
     )
     return (
         chart.add_params(alt.selection_interval(bind="scales", encodings=["x"])) if zoom else chart
+    )
+
+
+def _timeline_color(alt, df, color: str):
+    """The bars' colour: by task kind (the palette, the legend in words), or by the
+    column ``color`` (Tableau's ten colours)."""
+    if color == "kind":
+        return alt.Color(
+            "kind:N", scale=alt.Scale(**palette.kind_scale(df.kind)), legend=_kind_legend(alt)
+        )
+    return alt.Color(
+        "kind:N",
+        scale=alt.Scale(scheme="tableau10"),
+        title=color,
+        legend=alt.Legend(orient="bottom", columns=4),
     )
 
 

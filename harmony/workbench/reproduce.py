@@ -325,7 +325,6 @@ def run_experiment(
     """Run (or skip) one experiment; never raises for a failing notebook."""
     mode = "full" if full else "quick"
     run_dir = (runs_dir / exp.name).resolve()
-    stamp_path = run_dir / STAMP
     base = dict(
         name=exp.name,
         claim=exp.claim,
@@ -341,25 +340,66 @@ def run_experiment(
         digest = run_hash(exp, params, kernel_name)
     except OSError as e:
         return Outcome(**base, ours="n/a", status="failed", seconds=0.0, error=_error_text(e))
-    if not force and stamp_path.exists():
-        try:
-            stamp = json.loads(stamp_path.read_text())
-        except ValueError:
-            stamp = {}
-        if (
-            stamp.get("hash") == digest
-            and stamp.get("status") == "ok"
-            and (run_dir / "results.json").exists()
-        ):
-            results = _results(run_dir)
-            return Outcome(
-                **{**base, "gap": fill_gap(exp.gap, results)},
-                ours=_our_number(exp.summary, results),
-                status="skipped",
-                seconds=float(stamp.get("seconds", 0.0)),
-                files=_copy_outputs(exp, run_dir, out),
-            )
+    if not force and (done := _done_before(exp, run_dir, out, digest, base)) is not None:
+        return done
+    seconds, error = _execute(exp, run_dir, params, kernel_name, timeout)
+    status = "failed" if error else "ok"
+    files = [] if error else _copy_outputs(exp, run_dir, out)
+    results = _results(run_dir)
+    ours = _our_number(exp.summary, results)
+    base["gap"] = fill_gap(exp.gap, results)
+    (run_dir / STAMP).write_text(
+        json.dumps(
+            {
+                "hash": digest,
+                "status": status,
+                "mode": mode,
+                "params": params,
+                "seconds": seconds,
+                "ours": ours,
+                "error": error,
+                "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+            },
+            indent=2,
+            default=str,
+        )
+    )
+    return Outcome(**base, ours=ours, status=status, seconds=seconds, error=error, files=files)
 
+
+def _done_before(
+    exp: Experiment, run_dir: Path, out: Path, digest: str, base: dict
+) -> Outcome | None:
+    """The "skipped" outcome of a run already done with the same code and parameters
+    (its stamp has this ``digest``, status ok, and it left results), else None."""
+    stamp_path = run_dir / STAMP
+    if not stamp_path.exists():
+        return None
+    try:
+        stamp = json.loads(stamp_path.read_text())
+    except ValueError:
+        stamp = {}
+    if not (
+        stamp.get("hash") == digest
+        and stamp.get("status") == "ok"
+        and (run_dir / "results.json").exists()
+    ):
+        return None
+    results = _results(run_dir)
+    return Outcome(
+        **{**base, "gap": fill_gap(exp.gap, results)},
+        ours=_our_number(exp.summary, results),
+        status="skipped",
+        seconds=float(stamp.get("seconds", 0.0)),
+        files=_copy_outputs(exp, run_dir, out),
+    )
+
+
+def _execute(
+    exp: Experiment, run_dir: Path, params: dict, kernel_name: str, timeout: float | None
+) -> tuple[float, str]:
+    """Run the experiment's notebook into a fresh ``run_dir``: the seconds it took, and
+    what went wrong ("" if nothing did)."""
     import papermill as pm
 
     if run_dir.exists():
@@ -383,29 +423,7 @@ def run_experiment(
             error = "the notebook wrote no results.json into out_dir"
     except Exception as e:  # a failing notebook must not stop the others
         error = _error_text(e)
-    seconds = time.perf_counter() - t0
-    status = "failed" if error else "ok"
-    files = [] if error else _copy_outputs(exp, run_dir, out)
-    results = _results(run_dir)
-    ours = _our_number(exp.summary, results)
-    base["gap"] = fill_gap(exp.gap, results)
-    stamp_path.write_text(
-        json.dumps(
-            {
-                "hash": digest,
-                "status": status,
-                "mode": mode,
-                "params": params,
-                "seconds": seconds,
-                "ours": ours,
-                "error": error,
-                "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-            },
-            indent=2,
-            default=str,
-        )
-    )
-    return Outcome(**base, ours=ours, status=status, seconds=seconds, error=error, files=files)
+    return time.perf_counter() - t0, error
 
 
 def reproduce(

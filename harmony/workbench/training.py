@@ -149,41 +149,25 @@ def train(
     (:class:`HostOptions`); a checkpoint refers to the tier's state, which the
     tier keeps for its last two steps, so with a tier a checkpoint is written
     every step. Close the result's engine (and ``host``) when done."""
-    if checkpoint_every and checkpoints is None:
-        raise HarmonyError("checkpoint_every needs a checkpoint directory (--checkpoint-dir)")
-    if resume and checkpoints is None:
-        raise HarmonyError("resume needs a checkpoint directory (--checkpoint-dir)")
-    options = (host or HostOptions()).engine_options(checkpoints)
-    if options["disk_dir"] is not None and checkpoints is not None and checkpoint_every > 1:
-        raise HarmonyError(
-            f"--checkpoint-every {checkpoint_every} with a disk tier: a checkpoint refers to "
-            "the tier's state, which the tier keeps for its last two steps only; checkpoint "
-            "every step (--checkpoint-every 1)"
-        )
+    options = _engine_options(host, checkpoints, checkpoint_every, resume)
     distributed = init_from_env(timeout_s)
     rank = torch.distributed.get_rank() if distributed else 0
-    given = {k: v for k, v in options.items() if v is not None}  # else the checkpoint's
-    if distributed:  # built on every server, rank 0's weights broadcast to the others
-        model = build_model(name, seed, **overrides)
-    else:  # made by the engine where they live (a model larger than host memory)
-        model, given["init"] = empty_model(name, **overrides), zoo.layer_init(name)
-    optimizer, loss_fn = (lambda ps: FlatAdamW(ps, lr=lr)), loss_for(name)
-    common = dict(device=device, precision=precision, nonfinite=nonfinite, **given)
-    found = checkpoints.latest(log) if resume else None
-    if found and "disk" in found[1]:  # the run's state is partly on its tier
-        path = found[0]
-        given = plan if isinstance(plan, Plan) else None
-        engine = Engine.load(path, model, optimizer, loss_fn, plan=given, **common)
-    else:
-        engine = Engine(
-            model, optimizer, loss_fn, minibatch_size=minibatch, plan=plan, seed=seed, **common
-        )
-        if found:  # the checkpoint's plan, unless one was given
-            engine.load_state_dict(found[1])
-    if found:
-        log(f"resumed from {found[0]} at step {engine.step_count}")
-    elif resume:
-        log(f"no checkpoint in {checkpoints.directory}: starting at step 0")
+    engine = _start_engine(
+        name,
+        minibatch,
+        device,
+        plan,
+        lr,
+        seed,
+        distributed,
+        options,
+        overrides,
+        precision=precision,
+        nonfinite=nonfinite,
+        checkpoints=checkpoints,
+        resume=resume,
+        log=log,
+    )
     losses, t0, timed = [], None, 0
     for step in range(engine.step_count, steps):
         inputs, target = synthetic_batch(name, minibatch, step, rank, seed, **overrides)
@@ -206,6 +190,73 @@ def train(
                 log(f"checkpoint {checkpoints.save(state, engine.step_count)}")
     rate = timed * minibatch / (time.perf_counter() - t0) if timed else float("nan")
     return TrainResult(losses, rate, engine)
+
+
+def _engine_options(
+    host: HostOptions | None,
+    checkpoints: CheckpointDir | None,
+    checkpoint_every: int,
+    resume: bool,
+) -> dict:
+    """The engine's host memory and disk tier options, once the checkpointing asked
+    for is known to work with them."""
+    if checkpoint_every and checkpoints is None:
+        raise HarmonyError("checkpoint_every needs a checkpoint directory (--checkpoint-dir)")
+    if resume and checkpoints is None:
+        raise HarmonyError("resume needs a checkpoint directory (--checkpoint-dir)")
+    options = (host or HostOptions()).engine_options(checkpoints)
+    if options["disk_dir"] is not None and checkpoints is not None and checkpoint_every > 1:
+        raise HarmonyError(
+            f"--checkpoint-every {checkpoint_every} with a disk tier: a checkpoint refers to "
+            "the tier's state, which the tier keeps for its last two steps only; checkpoint "
+            "every step (--checkpoint-every 1)"
+        )
+    return options
+
+
+def _start_engine(
+    name: str,
+    minibatch: int,
+    device,
+    plan: Plan | str,
+    lr: float,
+    seed: int,
+    distributed: bool,
+    options: dict,
+    overrides: dict,
+    *,
+    precision: str,
+    nonfinite: str,
+    checkpoints: CheckpointDir | None,
+    resume: bool,
+    log,
+) -> Engine:
+    """The engine for :func:`train`: the model's weights made where they live (one
+    server) or built and broadcast (several), resumed from the newest good
+    checkpoint when asked."""
+    given = {k: v for k, v in options.items() if v is not None}  # else the checkpoint's
+    if distributed:  # built on every server, rank 0's weights broadcast to the others
+        model = build_model(name, seed, **overrides)
+    else:  # made by the engine where they live (a model larger than host memory)
+        model, given["init"] = empty_model(name, **overrides), zoo.layer_init(name)
+    optimizer, loss_fn = (lambda ps: FlatAdamW(ps, lr=lr)), loss_for(name)
+    common = dict(device=device, precision=precision, nonfinite=nonfinite, **given)
+    found = checkpoints.latest(log) if resume else None
+    if found and "disk" in found[1]:  # the run's state is partly on its tier
+        path = found[0]
+        given = plan if isinstance(plan, Plan) else None
+        engine = Engine.load(path, model, optimizer, loss_fn, plan=given, **common)
+    else:
+        engine = Engine(
+            model, optimizer, loss_fn, minibatch_size=minibatch, plan=plan, seed=seed, **common
+        )
+        if found:  # the checkpoint's plan, unless one was given
+            engine.load_state_dict(found[1])
+    if found:
+        log(f"resumed from {found[0]} at step {engine.step_count}")
+    elif resume:
+        log(f"no checkpoint in {checkpoints.directory}: starting at step 0")
+    return engine
 
 
 def device_from_args(

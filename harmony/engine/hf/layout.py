@@ -21,7 +21,7 @@ import re
 from torch import nn
 
 from .layers import HFBlock, HFHead, HFTokenEmbeddings, Softcap
-from .recipes import _TEXT_INPUTS, Split, _Parts
+from .recipes import TEXT_INPUTS, Parts, Split
 
 _CALL = re.compile(r"self\.(\w+)\(")
 _LOOP = re.compile(r"for [^\n]*? in [^\n]*?self\.(\w+)")
@@ -86,7 +86,7 @@ def _masks(config, source: str, count: int) -> list[str] | None:
     return ["causal"] * count if "create_causal_mask" in source else None
 
 
-def _head(model: nn.Module, m: _Parts) -> tuple[dict, tuple[str, ...]] | None:
+def _head(model: nn.Module, m: Parts) -> tuple[dict, tuple[str, ...]] | None:
     """The LM head's steps and their names, None where the model has another head."""
     if m.body is model:
         return {}, ()
@@ -111,7 +111,7 @@ def decoder_layout(model: nn.Module) -> Split | None:
     source = _source(type(body).forward)
     roles = _Roles(body, source)
     prefix = "" if body is model else model.base_model_prefix
-    m = _Parts(model, prefix)
+    m = Parts(model, prefix)
     if roles.missing:  # raises, naming it
         m.get(roles.missing, "a module its forward calls")
     if not roles.ok:
@@ -138,7 +138,7 @@ def decoder_layout(model: nn.Module) -> Split | None:
             HFHead(**{norm: m.get(norm, "the final norm")}, **steps),
         ],
         [m.name(first), *names, m.name([norm], head_names)],
-        _TEXT_INPUTS,
+        TEXT_INPUTS,
         ("logits",) if head_names else ("last_hidden_state",),
         cache="use_cache" in inspect.signature(model.forward).parameters,
     )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...errors import HarmonyError
-from ..decompose import _HOW_TO
+from ..decompose_shared import HOW_TO
 from .alibi import HFBloomBlock, HFFalconBlock
 from .layers import (
     FirstToken,
@@ -39,14 +39,14 @@ class Split:
     cache: bool = False  # the forward takes use_cache (decoders: the chain runs without a cache)
 
 
-_TEXT_INPUTS = ("input_ids", "attention_mask")
+TEXT_INPUTS = ("input_ids", "attention_mask")
 WAY_OUT = (
     "e.g. [embeddings, *blocks, head] with small wrappers that call each part as the "
     "model's forward does"
 )
 
 
-class _Parts:
+class Parts:
     """A model and its base model (``body``: where the blocks are, at ``path``),
     with lookups that fail naming the model and the part it lacks."""
 
@@ -65,7 +65,7 @@ class _Parts:
                 shown = self.prefix + path if in_body else path
                 raise HarmonyError(
                     f"cannot split {self.kind}: it has no {shown} ({what}) where "
-                    f"its family keeps it; {_HOW_TO}, {WAY_OUT}"
+                    f"its family keeps it; {HOW_TO}, {WAY_OUT}"
                 )
         return found
 
@@ -84,7 +84,7 @@ class _Parts:
 
 def _gpt2(model, kind: str) -> Split:
     lm = kind == "GPT2LMHeadModel"
-    m = _Parts(model, "transformer" if lm else "")
+    m = Parts(model, "transformer" if lm else "")
     blocks, names = m.blocks("h", lambda i, b: HFBlock(b, m.config))
     embeddings = HFGPT2Embeddings(
         m.get("wte", "the token embedding"),
@@ -98,13 +98,13 @@ def _gpt2(model, kind: str) -> Split:
     return Split(
         [embeddings, *blocks, head],
         [m.name(["wte", "wpe", "drop"]), *names, m.name(["ln_f"], ("lm_head",) * lm)],
-        _TEXT_INPUTS,
+        TEXT_INPUTS,
         ("logits",) if lm else ("last_hidden_state",),
         cache=True,
     )
 
 
-def _lm_split(model, m: _Parts, lm: bool, first: list[str], layers: tuple) -> Split:
+def _lm_split(model, m: Parts, lm: bool, first: list[str], layers: tuple) -> Split:
     """A decoder's split: token embeddings and the modules after them (``first``),
     the blocks (``layers``: the wrappers and their names), the final norm ``ln_f``
     and, where ``lm``, the LM head."""
@@ -116,7 +116,7 @@ def _lm_split(model, m: _Parts, lm: bool, first: list[str], layers: tuple) -> Sp
     return Split(
         [HFTokenEmbeddings(*(m.get(n, n) for n in first)), *blocks, head],
         [m.name(first), *names, m.name(["ln_f"], ("lm_head",) * lm)],
-        _TEXT_INPUTS,
+        TEXT_INPUTS,
         ("logits",) if lm else ("last_hidden_state",),
         cache=True,
     )
@@ -124,14 +124,14 @@ def _lm_split(model, m: _Parts, lm: bool, first: list[str], layers: tuple) -> Sp
 
 def _bloom(model, kind: str) -> Split:
     lm = kind == "BloomForCausalLM"
-    m = _Parts(model, "transformer" if lm else "")
+    m = Parts(model, "transformer" if lm else "")
     layers = m.blocks("h", lambda i, b: HFBloomBlock(b, m.config, False))
     return _lm_split(model, m, lm, ["word_embeddings", "word_embeddings_layernorm"], layers)
 
 
 def _falcon(model, kind: str) -> Split:
     lm = kind == "FalconForCausalLM"
-    m = _Parts(model, "transformer" if lm else "")
+    m = Parts(model, "transformer" if lm else "")
     rotary = m.get("rotary_emb", "the rotary position embedding")
     layers = m.blocks("h", lambda i, b: HFFalconBlock(b, m.config, rotary))
     return _lm_split(model, m, lm, ["word_embeddings"], layers)
@@ -139,7 +139,7 @@ def _falcon(model, kind: str) -> Split:
 
 def _opt(model, kind: str) -> Split:
     lm = kind == "OPTForCausalLM"
-    m = _Parts(model, "model.decoder" if lm else "decoder")
+    m = Parts(model, "model.decoder" if lm else "decoder")
     decoder = m.body
     if decoder.layerdrop > 0:
         raise HarmonyError(
@@ -164,13 +164,13 @@ def _opt(model, kind: str) -> Split:
             *names,
             m.name(present("final_layer_norm", "project_out"), ("lm_head",) * lm),
         ],
-        _TEXT_INPUTS,
+        TEXT_INPUTS,
         ("logits",) if lm else ("last_hidden_state",),
         cache=True,
     )
 
 
-def _encoder_head(model, m: _Parts, kind: str, family: str) -> tuple[list, list, tuple]:
+def _encoder_head(model, m: Parts, kind: str, family: str) -> tuple[list, list, tuple]:
     """The layers after the blocks of a BERT-like model, their names and the outputs."""
     pooler = getattr(m.body, "pooler", None)
     if m.body is model and pooler is None:
@@ -197,7 +197,7 @@ def _encoder_head(model, m: _Parts, kind: str, family: str) -> tuple[list, list,
 def _encoder(model, kind: str) -> Split:
     """BERT, RoBERTa and ELECTRA: the bare model, masked LM and sequence classification."""
     family = next(f for f in ("bert", "roberta", "electra") if kind.lower().startswith(f))
-    m = _Parts(model, "" if kind.endswith("Model") and "LM" not in kind else family)
+    m = Parts(model, "" if kind.endswith("Model") and "LM" not in kind else family)
     if getattr(m.config, "add_cross_attention", False):
         raise HarmonyError(
             f"cannot split {kind}: its blocks attend to encoder states "
@@ -214,7 +214,7 @@ def _encoder(model, kind: str) -> Split:
         [embeddings, *layers, *head],
         [m.name(["embeddings", "embeddings_project"][: 1 + (project is not None)]), *names]
         + head_names,
-        (*_TEXT_INPUTS, "token_type_ids"),
+        (*TEXT_INPUTS, "token_type_ids"),
         outputs,
     )
 
@@ -222,7 +222,7 @@ def _encoder(model, kind: str) -> Split:
 def _distilbert(model, kind: str) -> Split:
     """DistilBERT: the bare model, masked LM and sequence classification."""
     bare = kind == "DistilBertModel"
-    m = _Parts(model, "" if bare else "distilbert")
+    m = Parts(model, "" if bare else "distilbert")
     layers, names = m.blocks("transformer.layer", lambda i, b: HFEncoderBlock(b, m.config, False))
     layers[-1].last = bare  # the bare model's last block ends the chain
     if kind == "DistilBertForMaskedLM":
@@ -244,7 +244,7 @@ def _distilbert(model, kind: str) -> Split:
     return Split(
         [embeddings, *layers],
         [m.name(["embeddings"]), *names],
-        _TEXT_INPUTS,
+        TEXT_INPUTS,
         ("logits",) if not bare else ("last_hidden_state",),
     )
 
@@ -252,7 +252,7 @@ def _distilbert(model, kind: str) -> Split:
 def _vit(model, kind: str) -> Split:
     """ViT and DeiT: the bare model and image classification (on the first token)."""
     bare = kind.endswith("Model")
-    m = _Parts(model, "" if bare else kind[: kind.index("For")].lower())
+    m = Parts(model, "" if bare else kind[: kind.index("For")].lower())
     blocks, names = m.blocks("layers", lambda i, b: HFEncoderBlock(b, m.config, False))
     norm = m.get("layernorm", "the final norm")
     if not bare:

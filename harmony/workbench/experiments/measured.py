@@ -154,41 +154,11 @@ def exactness_variants(
     expected, max |loss difference|, max |weight difference|, bitwise equal.
     A variant the engine refuses gets a row that says why (``status``)."""
     n_layers = len(gpt2_tiny(seed))
-
-    def plan(
-        policy: str = "harmony-pp", n_gpus: int = 1, fwd_microbatch: int | None = None
-    ) -> Plan:
-        return Plan.uniform(
-            policy,
-            n_gpus,
-            minibatch,
-            microbatch,
-            n_layers,
-            layers_per_pack,
-            fwd_microbatch=fwd_microbatch,
-        )
-
     one = EmulatedDevice(memory=memory, h2d=bandwidth, d2h=bandwidth)
     many = EmulatedServer(gpus=multi_gpu, memory=memory, h2d=bandwidth, d2h=bandwidth)
-    variants = [
-        ("harmony-pp x1, uF = uB", "bitwise", dropout, one, plan()),
-        (f"{BASELINE} x1", "bitwise", dropout, one, plan(BASELINE).with_options(**BASELINE_STATE)),
-        (
-            "harmony-pp x1, uF = 2 uB (no dropout)",
-            "allclose (forward batched differently)",
-            0.0,
-            one,
-            plan(fwd_microbatch=min(2 * microbatch, minibatch)),
-        ),
-        (f"harmony-pp x{multi_gpu}", "bitwise", dropout, many, plan("harmony-pp", multi_gpu)),
-        (
-            f"harmony-dp x{multi_gpu}",
-            "allclose (gradients summed across GPUs)",
-            dropout,
-            many,
-            plan("harmony-dp", multi_gpu),
-        ),
-    ]
+    variants = _exactness_plans(
+        minibatch, microbatch, n_layers, layers_per_pack, dropout, multi_gpu, one, many
+    )
     rows, runs = [], {}
     for name, expected, p, device, chosen in variants:
         row = {"variant": name, "plan": chosen.describe(), "dropout": p, "expected": expected}
@@ -220,6 +190,53 @@ def exactness_variants(
             }
         )
     return pd.DataFrame(rows), runs
+
+
+def _exactness_plans(
+    minibatch: int,
+    microbatch: int,
+    n_layers: int,
+    layers_per_pack: int,
+    dropout: float,
+    multi_gpu: int,
+    one: EmulatedDevice,
+    many: EmulatedServer,
+) -> list[tuple[str, str, float, object, Plan]]:
+    """:func:`exactness_variants`' variants: (name, what is expected, dropout, device,
+    plan)."""
+
+    def plan(
+        policy: str = "harmony-pp", n_gpus: int = 1, fwd_microbatch: int | None = None
+    ) -> Plan:
+        return Plan.uniform(
+            policy,
+            n_gpus,
+            minibatch,
+            microbatch,
+            n_layers,
+            layers_per_pack,
+            fwd_microbatch=fwd_microbatch,
+        )
+
+    return [
+        ("harmony-pp x1, uF = uB", "bitwise", dropout, one, plan()),
+        (f"{BASELINE} x1", "bitwise", dropout, one, plan(BASELINE).with_options(**BASELINE_STATE)),
+        (
+            "harmony-pp x1, uF = 2 uB (no dropout)",
+            "allclose (forward batched differently)",
+            0.0,
+            one,
+            plan(fwd_microbatch=min(2 * microbatch, minibatch)),
+        ),
+        (f"harmony-pp x{multi_gpu}", "bitwise", dropout, many, plan("harmony-pp", multi_gpu)),
+        (
+            f"harmony-dp x{multi_gpu}",
+            "allclose (gradients summed across GPUs)",
+            dropout,
+            many,
+            plan("harmony-dp", multi_gpu),
+        ),
+    ]
 
 
 def baseline_comparison(

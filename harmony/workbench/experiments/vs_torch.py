@@ -74,11 +74,7 @@ def torch_offload_comparison(
         plan = best["plan"]
         details: dict[str, Any] = {
             "model": f"GPT-2 {blocks} x {hidden}, seq {seq_len}",
-            "params": params,
-            "link_mb_s": rate / 1e6,
-            "capacity_mb": device.capacity / 1e6,
-            "weights_mb": params * 4 / 1e6,
-            "footprint_mb": (params * 16 + sum(c.bwd_extra(minibatch) for c in spec.layers)) / 1e6,
+            **_sizes(params, rate, device, spec, minibatch),
             "harmony_plan": plan.describe(),
             "harmony_simulated_s": float(best["iteration_s"]),
             "tuning": [],
@@ -87,16 +83,7 @@ def torch_offload_comparison(
         def recipe(u: int) -> TorchOffload:
             return TorchOffload(copy.deepcopy(model), optimizer, lm_loss, device, u, spec)
 
-        try:  # weights and gradients alone may not fit, whatever the microbatch size
-            recipe(minibatch)
-        except OutOfMemoryError:
-            u = None
-        else:
-            u = fastest_microbatch(
-                lambda u: timed(lambda: recipe(u).step(x, y)),
-                default_sizes(minibatch) + [plan.fwd_microbatch],
-                log=details["tuning"].append,
-            )
+        u = _recipe_microbatch(recipe, minibatch, plan.fwd_microbatch, x, y, details["tuning"])
         systems = {
             "harmony-pp": Engine(
                 copy.deepcopy(model),
@@ -109,17 +96,58 @@ def torch_offload_comparison(
         }
         if u is not None:
             systems["torch offload"] = recipe(u)
-        times: dict[str, list[float]] = {name: [] for name in systems}
-        for step in range(steps + 1):
-            for name, system in systems.items():
-                times[name].append(timed(lambda: system.step(x, y)))
-            if step == 0 and u is not None:
-                details["first_step_max_weight_diff"] = max(
-                    (a - b).abs().max().item()
-                    for a, b in zip(
-                        systems["harmony-pp"].model.parameters(), systems["torch offload"].master
-                    )
+        times = _race(systems, steps, x, y, details)
+    df = _comparison(systems, times, plan, u, minibatch, device.capacity)
+    return df, details
+
+
+def _sizes(params: int, rate: float, device, spec, minibatch: int) -> dict[str, float]:
+    """The comparison's sizes: parameters, the link, the GPU, the training footprint."""
+    return {
+        "params": params,
+        "link_mb_s": rate / 1e6,
+        "capacity_mb": device.capacity / 1e6,
+        "weights_mb": params * 4 / 1e6,
+        "footprint_mb": (params * 16 + sum(c.bwd_extra(minibatch) for c in spec.layers)) / 1e6,
+    }
+
+
+def _recipe_microbatch(recipe, minibatch: int, harmony_u: int, x, y, log: list) -> int | None:
+    """The microbatch size a user would pick for the recipe: the fastest that fits,
+    tried from the minibatch down (and Harmony's forward size); None if none fits."""
+    try:  # weights and gradients alone may not fit, whatever the microbatch size
+        recipe(minibatch)
+    except OutOfMemoryError:
+        return None
+    return fastest_microbatch(
+        lambda u: timed(lambda: recipe(u).step(x, y)),
+        default_sizes(minibatch) + [harmony_u],
+        log=log.append,
+    )
+
+
+def _race(systems: dict, steps: int, x, y, details: dict) -> dict[str, list[float]]:
+    """Seconds of each system's steps, a warm-up and ``steps`` more, interleaved; after
+    the first, how far apart the two systems' weights are (where both run)."""
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for step in range(steps + 1):
+        for name, system in systems.items():
+            times[name].append(timed(lambda: system.step(x, y)))
+        if step == 0 and "torch offload" in systems:
+            details["first_step_max_weight_diff"] = max(
+                (a - b).abs().max().item()
+                for a, b in zip(
+                    systems["harmony-pp"].model.parameters(), systems["torch offload"].master
                 )
+            )
+    return times
+
+
+def _comparison(
+    systems: dict, times: dict[str, list[float]], plan, u: int | None, minibatch: int, capacity
+) -> pd.DataFrame:
+    """One row per system from its median step after the warm-up, and Harmony's
+    speed-up and bytes ratio over each."""
     rows = []
     for name, system in systems.items():
         seconds = statistics.median(times[name][1:])
@@ -141,7 +169,7 @@ def torch_offload_comparison(
                 "samples_per_s": minibatch / seconds,
                 "host_link_mb": moved / 1e6,
                 "peak_mb": peak / 1e6,
-                "peak_share": peak / device.capacity,
+                "peak_share": peak / capacity,
             }
         )
     if u is None:
@@ -150,4 +178,4 @@ def torch_offload_comparison(
     first = df.iloc[0]
     df["harmony_speedup"] = first.samples_per_s / df.samples_per_s
     df["harmony_bytes_ratio"] = first.host_link_mb / df.host_link_mb
-    return df, details
+    return df

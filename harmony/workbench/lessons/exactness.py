@@ -183,39 +183,7 @@ def exactness_table(
     n = len(char_gpt2(corpus, seed, 0.0, n_layer, seq_len))
     one = EmulatedDevice(memory=memory, h2d=bandwidth, d2h=bandwidth)
     many = EmulatedServer(gpus=gpus, memory=memory, h2d=bandwidth, d2h=bandwidth)
-
-    def plan(policy: str, n_gpus: int = 1, fwd: int | None = None) -> Plan:
-        return Plan.uniform(
-            policy, n_gpus, minibatch, microbatch, n, layers_per_pack, fwd_microbatch=fwd
-        )
-
-    twice = min(2 * microbatch, minibatch)
-    variants = [
-        (f"{PIPELINE} x1, uF = uB", "bitwise", dropout, one, plan(PIPELINE)),
-        (f"{BASELINE} x1", "bitwise", dropout, one, plan(BASELINE).with_options(**BASELINE_STATE)),
-        (f"{PIPELINE} x{gpus}", "bitwise", dropout, many, plan(PIPELINE, gpus)),
-        (
-            f"{DATA_PARALLEL} x{gpus}",
-            "close: per-GPU gradients summed in another order",
-            dropout,
-            many,
-            plan(DATA_PARALLEL, gpus),
-        ),
-        (
-            f"{PIPELINE} x1, uF = {twice}, uB = {microbatch}, dropout {dropout}",
-            "refused: recompute could not redraw the forward's masks",
-            dropout,
-            one,
-            plan(PIPELINE, fwd=twice),
-        ),
-        (
-            f"{PIPELINE} x1, uF = {twice}, uB = {microbatch}, no dropout",
-            "close, not promised bitwise: the forward runs on other batch shapes",
-            0.0,
-            one,
-            plan(PIPELINE, fwd=twice),
-        ),
-    ]
+    variants = _variants(minibatch, microbatch, n, layers_per_pack, dropout, gpus, one, many)
     rows = []
     for name, expected, p, device, chosen in variants:
         row = {"variant": name, "plan": chosen.describe(), "dropout": p, "expected": expected}
@@ -244,6 +212,53 @@ def exactness_table(
             }
         )
     return pd.DataFrame(rows)
+
+
+def _variants(
+    minibatch: int,
+    microbatch: int,
+    n: int,
+    layers_per_pack: int,
+    dropout: float,
+    gpus: int,
+    one: EmulatedDevice,
+    many: EmulatedServer,
+) -> list[tuple[str, str, float, object, Plan]]:
+    """:func:`exactness_table`'s rows to be: (name, what is expected, dropout, device,
+    plan) for a model of ``n`` layers."""
+
+    def plan(policy: str, n_gpus: int = 1, fwd: int | None = None) -> Plan:
+        return Plan.uniform(
+            policy, n_gpus, minibatch, microbatch, n, layers_per_pack, fwd_microbatch=fwd
+        )
+
+    twice = min(2 * microbatch, minibatch)
+    return [
+        (f"{PIPELINE} x1, uF = uB", "bitwise", dropout, one, plan(PIPELINE)),
+        (f"{BASELINE} x1", "bitwise", dropout, one, plan(BASELINE).with_options(**BASELINE_STATE)),
+        (f"{PIPELINE} x{gpus}", "bitwise", dropout, many, plan(PIPELINE, gpus)),
+        (
+            f"{DATA_PARALLEL} x{gpus}",
+            "close: per-GPU gradients summed in another order",
+            dropout,
+            many,
+            plan(DATA_PARALLEL, gpus),
+        ),
+        (
+            f"{PIPELINE} x1, uF = {twice}, uB = {microbatch}, dropout {dropout}",
+            "refused: recompute could not redraw the forward's masks",
+            dropout,
+            one,
+            plan(PIPELINE, fwd=twice),
+        ),
+        (
+            f"{PIPELINE} x1, uF = {twice}, uB = {microbatch}, no dropout",
+            "close, not promised bitwise: the forward runs on other batch shapes",
+            0.0,
+            one,
+            plan(PIPELINE, fwd=twice),
+        ),
+    ]
 
 
 def _outcome(run: TrainingRun) -> str:
