@@ -1,8 +1,9 @@
 # Two commands do all set-up on a fresh machine:
 #   make figures   create .venv, install, run the main job (quick mode, CPU)
 #   make test      create .venv if missing, install, run the test suite
-#                  (the browser test needs chromium: apt-get install chromium)
-#   make browser   only the browser test: the notebooks in JupyterLab, offline
+#   make browser   the browser test: the notebooks in JupyterLab in headless
+#                  Chromium, offline (needs chromium: apt-get install chromium);
+#                  CI runs it after make test
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -35,7 +36,7 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m ""
 
 browser: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m browser tests/test_browser.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 -m browser tests/test_browser.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/swap_volume.py
