@@ -459,17 +459,10 @@ def test_run_for_real_reports_a_device_too_small():
 @pytest.mark.skipif(
     importlib.util.find_spec("papermill") is None, reason="papermill is not installed"
 )
-def test_notebook_runs_in_batch(tmp_path):
-    import papermill
-
-    out = tmp_path / "out"
-    papermill.execute_notebook(
-        str(NOTEBOOK),
-        str(tmp_path / "run.ipynb"),
-        kernel_name="python3",
-        parameters={"minibatch": 8, "out_dir": str(out)},
-        progress_bar=False,
-    )
+def test_notebook_runs_in_batch(executed_notebook):
+    """The explorer's notebook run by papermill (the run the notebook tests check too):
+    what it writes is the widgets' results, and figures of them."""
+    out = executed_notebook(NOTEBOOK).out
     results = json.loads((out / "results.json").read_text())
     assert results["explorer"]["problem"] is None and len(
         results["explorer"]["comparison"]
