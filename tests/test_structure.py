@@ -1,7 +1,6 @@
-"""Layers of one structure are measured once (harmony.engine.structure): the key
-tells apart what changes a layer's times or memory, and a description or a
-profile that shares measurements between equal layers equals one that measures
-every layer."""
+"""Layers of one structure are described once (harmony.engine.structure): the key
+tells apart what changes a layer's memory, and a description that shares
+measurements between equal layers equals one that measures every layer."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from torch import nn
 import harmony
 import harmony.engine.describe as describe_module
 from harmony.engine.describe import describe, layer_inputs
-from harmony.engine.profiler import profile
 from harmony.engine.structure import structure
 from harmony.testing import random_model
 
@@ -64,7 +62,7 @@ def test_the_input_shape_aliasing_and_the_loss_are_part_of_the_key():
 
 
 def _per_layer(monkeypatch):
-    """describe and profile with no measurement shared between layers."""
+    """describe with no measurement shared between layers."""
     monkeypatch.setattr(describe_module, "structure", lambda layer, inputs, last: id(layer))
 
 
@@ -93,22 +91,18 @@ def _llama(blocks: int) -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def test_a_transformers_models_blocks_are_timed_once():
-    """Llama's blocks differ only in ``layer_idx``: one block is timed for all four,
-    and each block's curves are that block's."""
+def test_a_transformers_models_blocks_are_described_once(monkeypatch):
+    """Llama's blocks differ only in ``layer_idx``: they share one key, and the
+    description that measures one block for all four equals the per-layer one."""
     layers = list(harmony.decompose(_llama(4)))
     x = torch.randint(0, 64, (4, 16))
     acts = layer_inputs(layers, (x,))
     keys = [structure(layer, [acts[i]], i == len(layers) - 1) for i, layer in enumerate(layers)]
-    blocks = [i for i, layer in enumerate(layers) if keys[i] == keys[1]]
-    assert len(blocks) == 4
+    assert sum(k == keys[1] for k in keys) == 4
 
     def loss(out, y):
         return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
 
-    spec = profile(layers, (x,), x, loss, sizes=[2, 4], repeats=1)
-    assert f"{len(set(keys))} kinds of layer timed for {len(layers)} layers" in spec.source
-    first = spec.layers[blocks[0]]
-    for i in blocks[1:]:
-        assert spec.layers[i].fwd_time == first.fwd_time
-        assert spec.layers[i].bwd_time == first.bwd_time
+    shared = describe(layers, (x,), x, loss_fn=loss)
+    _per_layer(monkeypatch)
+    assert describe(layers, (x,), x, loss_fn=loss) == shared

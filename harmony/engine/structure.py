@@ -1,7 +1,10 @@
-"""What a layer's measurements depend on, as a key: layers with equal keys (a
-transformer's blocks) are measured once and share the result.
+"""What a layer's description depends on, as a key: layers with equal keys (a
+transformer's blocks) are described once (:func:`~.describe.describe`: the memory
+autograd keeps for them, their FLOPs) and share the result. Their times are still
+measured one by one (:mod:`.profiler`): one block timed for all of them left the
+simulator 9% optimistic on an emulated GPU.
 
-A layer's times and the memory autograd keeps for it depend on its class, its
+The memory autograd keeps for a layer depends on its class, its
 modules' hyperparameters (as they print, and their plain attributes: a head
 count or a dropout rate kept as a number), the shapes and dtypes of its tensors,
 its modules' training flags, and the shapes of its input and which of the input's
