@@ -8,6 +8,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/pip install -q --disable-pip-version-check
 OUT    ?= figures
 
 .PHONY: figures test test-all browser bench clean-venv
@@ -20,10 +21,17 @@ $(STAMP): pyproject.toml Makefile
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
 	else \
 	  $(PYTHON) -m venv $(VENV); \
-	  $(BIN)/pip install -q --disable-pip-version-check "torch==2.13.0" || \
-	    $(BIN)/pip install -q --disable-pip-version-check "torch>=2.1"; \
+	  $(PIP) --no-compile "torch==2.13.0" || $(PIP) --no-compile "torch>=2.1"; \
 	fi
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,notebooks]"
+	@# uv resolves and installs the rest in seconds where pip takes minutes; pip
+	@# stays the fallback. uv runs only where torch is already in the venv's own
+	@# site-packages, so it can never replace a system CUDA build with a wheel.
+	@if $(BIN)/python -c "import torch, sys; sys.exit(0 if torch.__file__.startswith(sys.prefix) else 1)" 2>/dev/null \
+	    && $(PIP) uv; then \
+	  $(BIN)/uv pip install -q --python $(BIN)/python -e ".[dev,notebooks]" || $(PIP) -e ".[dev,notebooks]"; \
+	else \
+	  $(PIP) -e ".[dev,notebooks]"; \
+	fi
 	@touch $@
 
 figures: $(STAMP)
