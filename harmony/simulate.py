@@ -247,7 +247,7 @@ class _Player:
             self.start_what_can()
             if self.done == self.n:
                 break
-            if not self.start_held_back():
+            if self.computing or self.moving or not self.start_held_back():
                 self.advance()
         return Played(self.start, self.end, self.peak, self.memory, self.order)
 
@@ -370,10 +370,8 @@ class _Player:
         return False
 
     def start_held_back(self) -> bool:
-        """Where nothing runs, so nothing will be freed, the most urgent copy waiting
-        for room starts anyway; whether one did."""
-        if self.computing or self.moving:
-            return False
+        """Where nothing runs (the caller knows), so nothing will be freed, the most
+        urgent copy waiting for room starts anyway; whether one did."""
         ready = self.ready
         held_back = [lane for lanes_ in self.waits_on.values() for lane in lanes_ if ready[lane]]
         if not held_back:
