@@ -5,7 +5,7 @@ with the worker processes the machine offers and with one; then the time to
 simulate the best plan alone (build its graph, play it: what a control of the
 explorer costs), wall and CPU time, median of ``--repeats``.
 
-    python bench/search_speed.py [--repeats 3]
+    python bench/search_speed.py [--repeats 3] [--workers auto,1]
 """
 
 import argparse
@@ -57,10 +57,14 @@ def one_plan(spec, hw, plan, repeats) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--workers", default="auto,1", help="worker counts, comma-separated (auto: the default)"
+    )
     args = ap.parse_args()
+    counts = [None if w == "auto" else int(w) for w in args.workers.split(",")]
     spec, hw = harmony.model_spec("gpt2-xl"), harmony.preset("paper-4x1080ti")
     print(f"cores: {os.cpu_count()}")
-    for workers in (None, 1):
+    for workers in counts:
         t, cpu, df = timed(spec, hw, workers, args.repeats)
         n = df.attrs["simulated"]
         print(
