@@ -23,13 +23,15 @@ wait is played exactly as without the rule.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 from .errors import DeadlockError
-from .graph import TaskGraph
+from .graph import TRANSFER_KINDS, TaskGraph
 from .trace import Trace
 
 _EPS = 1e-12
@@ -95,240 +97,334 @@ class Played:
 
 def play(graph: TaskGraph) -> Played:
     """Play ``graph``: when each task starts and ends and what memory it takes."""
-    return _Player(graph).run()
+    with gc_paused():
+        return _Player(graph).run()
 
 
-def _copy_room(graph: TaskGraph) -> dict[int, dict[str, float]]:
-    """Per copy that allocates on a device with a capacity, the bytes it allocates there."""
-    capacity = graph.memory_capacity
-    room: dict[int, dict[str, float]] = {}
-    for t in graph.tasks:
-        if t.is_transfer:
-            for b in t.allocs:
-                buf = graph.buffers[b]
-                if buf.device in capacity and buf.nbytes > 0:
-                    need = room.setdefault(t.id, {})
-                    need[buf.device] = need.get(buf.device, 0.0) + buf.nbytes
-    return room
+@contextlib.contextmanager
+def gc_paused():
+    """Within it, Python's cyclic garbage collector does not run. Building and
+    playing a graph make tens of thousands of lists and tuples, and each round of
+    the collector then walks every object the process holds (torch's included):
+    in a search that was a good part of the time. What they make has no cycles,
+    so reference counting frees it all the same."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
-def _urgency(ready: dict[str, list], lanes: dict, head: dict[str, int], tasks: list):
-    """The key that orders lanes: the seq of the task a lane would start next (lanes
-    that may start something go most urgent first, so the most urgent copy gets room
-    first). A closure over the player's queues, as fast as the loop needs."""
+#: how a task ends once started: after its duration (compute), when its bytes have
+#: moved (a transfer with bytes), or at once
+_COMPUTES, _MOVES, _AT_ONCE = 0, 1, 2
+_NEVER = (math.inf,)  # the urgency of a lane with nothing to start
 
-    def urgency(lane: str) -> tuple:
-        if lane in ready:
-            return ready[lane][0][0] if ready[lane] else (math.inf,)
-        ids, at = lanes[lane], head[lane]
-        return tasks[ids[at]].seq if at < len(ids) else (math.inf,)
 
-    return urgency
+class _Tables:
+    """The graph as flat lists the player indexes by task, lane, buffer and device:
+    read once per play, so that the event loop touches no Task or Buffer."""
+
+    def __init__(self, graph: TaskGraph) -> None:
+        tasks, buffers = graph.tasks, graph.buffers
+        n = len(tasks)
+        lane_names = sorted({t.lane for t in tasks})  # lanes tie by name
+        lane_no = {name: i for i, name in enumerate(lane_names)}
+        self.lane_names = lane_names
+        self.lane_of = [lane_no[t.lane] for t in tasks]
+        self.seq = [t.seq for t in tasks]
+        self.waiting = [len(t.deps) for t in tasks]
+        self.dependents: list[list[int]] = [[] for _ in range(n)]
+        dependents = self.dependents
+        for t in tasks:
+            for d in t.deps:
+                dependents[d].append(t.id)
+        self.allocs = [t.allocs for t in tasks]
+        self.releases = [t.releases for t in tasks]
+        devices = list(graph.memory_capacity)
+        devices += sorted({b.device for b in buffers} - set(devices))
+        self.devices = devices
+        dev_no = {d: i for i, d in enumerate(devices)}
+        self.buffer_device = [dev_no[b.device] for b in buffers]
+        self.buffer_bytes = [b.nbytes for b in buffers]
+        self.refs = [b.refs for b in buffers]
+        self._transfers(graph, dev_no)
+
+    def _transfers(self, graph: TaskGraph, dev_no: dict[str, int]) -> None:
+        """How each task ends, its duration or bytes, the kind of route it takes
+        (links, rate cap, costs: what its fair rate depends on), and, for a copy
+        that allocates on a device with a capacity, the room it needs there."""
+        capacity, buffers = graph.memory_capacity, graph.buffers
+        n = len(graph.tasks)
+        self.mode = [_AT_ONCE] * n
+        self.amount = [0.0] * n
+        self.route = [-1] * n
+        self.room: list[list[tuple[int, float, float]] | None] = [None] * n
+        self.routes: list[tuple] = []
+        route_no: dict[tuple, int] = {}
+        for t in graph.tasks:
+            tid = t.id
+            if t.kind in TRANSFER_KINDS:
+                if t.nbytes > 0:
+                    self.mode[tid], self.amount[tid] = _MOVES, t.nbytes
+                    key = (t.links, t.max_rate, t.link_costs())
+                    if key not in route_no:
+                        route_no[key] = len(self.routes)
+                        self.routes.append(key)
+                    self.route[tid] = route_no[key]
+                need: dict[str, float] = {}
+                for b in t.allocs:
+                    buf = buffers[b]
+                    if buf.device in capacity and buf.nbytes > 0:
+                        need[buf.device] = need.get(buf.device, 0.0) + buf.nbytes
+                if need:
+                    self.room[tid] = [
+                        (dev_no[d], nbytes, capacity[d] * (1 + 1e-12))
+                        for d, nbytes in need.items()
+                    ]
+            elif t.duration > 0:
+                self.mode[tid], self.amount[tid] = _COMPUTES, t.duration
 
 
 class _Player:
     """The state of one :func:`play`: the lanes' queues, the memory ledger, what
-    computes and what moves, and the clock."""
+    computes and what moves, and the clock. Lanes, devices and routes are numbers
+    (:class:`_Tables`); a lane's urgency (the seq of the task it would start next,
+    then its number: lanes tie by name) is kept up to date as its queue changes."""
 
     def __init__(self, graph: TaskGraph) -> None:
         self.graph = graph
-        tasks = self.tasks = graph.tasks
-        n = self.n = len(tasks)
+        tab = self.tab = _Tables(graph)
+        n = self.n = len(graph.tasks)
         self.start = [math.nan] * n
         self.end = [math.nan] * n
-        self.waiting = [len(t.deps) for t in tasks]
-        self.dependents: list[list[int]] = [[] for _ in range(n)]
-        for t in tasks:
-            for d in t.deps:
-                self.dependents[d].append(t.id)
-        lanes = self.lanes = graph.lanes()
-        self.lane_of = {i: lane for lane, ids in lanes.items() for i in ids}
+        self.waiting = tab.waiting
+        self.refs = tab.refs
+        n_lanes = len(tab.lane_names)
         in_order = graph.in_order_lanes()
-        self.head = {lane: 0 for lane in lanes}  # next task of an in-order lane
-        # heaps of (seq, task)
-        self.ready: dict[str, list] = {lane: [] for lane in lanes if lane not in in_order}
-        for lane, heap in self.ready.items():
-            for i in lanes[lane]:
-                if not self.waiting[i]:
-                    heap.append((tasks[i].seq, i))
-            heapq.heapify(heap)
-        self.busy = {lane: False for lane in lanes}
-        self.refs = [b.refs for b in graph.buffers]
-        self.costs = [t.link_costs() for t in tasks]
-        self.capacity = graph.memory_capacity
-        # what each copy allocates on a device with a capacity, and the lanes whose most
-        # urgent ready copy waits for room on a device
-        self.room = _copy_room(graph)
-        self.waits_on: dict[str, set[str]] = defaultdict(set)
-        self.in_use: dict[str, float] = defaultdict(float)
+        # in-order lanes: their tasks by seq and the next one; the others: heaps of
+        # (seq, task) of their ready tasks
+        self.queue: list[list[int]] = [[] for _ in range(n_lanes)]
+        for tid in sorted(range(n), key=tab.seq.__getitem__):
+            self.queue[tab.lane_of[tid]].append(tid)
+        self.head = [0] * n_lanes
+        self.ready: list[list | None] = [None] * n_lanes
+        self.urgency: list[tuple] = [(_NEVER, lane) for lane in range(n_lanes)]
+        for lane, name in enumerate(tab.lane_names):
+            ids = self.queue[lane]
+            if name in in_order:
+                self.urgency[lane] = (tab.seq[ids[0]], lane)
+            else:
+                heap = self.ready[lane] = [(tab.seq[i], i) for i in ids if not self.waiting[i]]
+                heapq.heapify(heap)
+                if heap:
+                    self.urgency[lane] = (heap[0][0], lane)
+        self.busy = [False] * n_lanes
+        self.to_check = set(range(n_lanes))
+        # the ledger: bytes in use and the peak per device; the memory steps and order
+        # per device, made when the device first changes (dicts keep that order)
+        n_dev = len(tab.devices)
+        self.in_use = [0.0] * n_dev
+        self.peak_of = [0.0] * n_dev
         self.peak: dict[str, float] = {d: 0.0 for d in graph.memory_capacity}
-        self.memory: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        self.order: dict[str, list[tuple[int, bool]]] = defaultdict(list)
+        self.steps: list[list | None] = [None] * n_dev
+        self.orders: list[list] = [[] for _ in range(n_dev)]
+        self.memory: dict[str, list[tuple[float, float]]] = {}
+        self.order: dict[str, list[tuple[int, bool]]] = {}
+        self.waits_on: dict[int, set[int]] = {}  # device -> lanes whose copy waits for room
         self.computing: list[tuple[float, int]] = []  # (end time, task)
         self.moving: dict[int, float] = {}  # transfer -> bytes left
         self.rates: dict[int, float] = {}
+        self.shares: dict[tuple[int, ...], list[float]] = {}  # routes moving -> their rates
         self.now, self.done = 0.0, 0
-        self.to_check = set(lanes)
         self.rates_stale = False
-        self.urgency = _urgency(self.ready, lanes, self.head, tasks)
 
     def run(self) -> Played:
         while self.done < self.n:
             self.start_what_can()
             if self.done == self.n:
                 break
-            if not self.start_held_back():
+            if self.computing or self.moving or not self.start_held_back():
                 self.advance()
-        return Played(self.start, self.end, self.peak, dict(self.memory), dict(self.order))
+        return Played(self.start, self.end, self.peak, self.memory, self.order)
 
-    def charge(self, device: str, delta: float) -> None:
-        in_use, peak = self.in_use, self.peak
+    def charge(self, device: int, delta: float) -> None:
+        in_use = self.in_use
         used = in_use[device] = in_use[device] + delta
-        self.memory[device].append((self.now, used))
-        if used > peak.get(device, 0.0):
-            peak[device] = used
+        steps = self.steps[device]
+        if steps is None:
+            name = self.tab.devices[device]
+            steps = self.steps[device] = self.memory[name] = []
+            self.order[name] = self.orders[device]
+        steps.append((self.now, used))
+        if used > self.peak_of[device]:
+            self.peak_of[device] = self.peak[self.tab.devices[device]] = used
 
-    def fits(self, tid: int) -> str | None:
-        """None, or a device that has no room yet for what copy ``tid`` allocates."""
-        need = self.room.get(tid)
-        if not need:
-            return None
-        in_use, capacity = self.in_use, self.capacity
-        for device, nbytes in need.items():
-            if in_use[device] + nbytes > capacity[device] * (1 + 1e-12):
-                return device
-        return None
-
-    def begin(self, lane: str, tid: int) -> None:
+    def begin(self, lane: int, tid: int) -> None:
         self.busy[lane] = True
-        now = self.now
-        self.start[tid] = now
-        t = self.tasks[tid]
-        if t.allocs:
-            buffers, order, charge = self.graph.buffers, self.order, self.charge
-            for b in t.allocs:
-                buf = buffers[b]
-                charge(buf.device, buf.nbytes)
-                order[buf.device].append((b, True))
-        if t.is_transfer:
-            if t.nbytes > 0:
-                self.moving[tid] = t.nbytes
-                self.rates_stale = True
-            else:
-                self.finish(tid)
-        elif t.duration > 0:
-            heapq.heappush(self.computing, (now + t.duration, tid))
+        self.start[tid] = now = self.now
+        allocs = self.tab.allocs[tid]
+        if allocs:
+            tab, charge, orders = self.tab, self.charge, self.orders
+            buffer_device, buffer_bytes = tab.buffer_device, tab.buffer_bytes
+            for b in allocs:
+                device = buffer_device[b]
+                charge(device, buffer_bytes[b])
+                orders[device].append((b, True))
+        mode = self.tab.mode[tid]
+        if mode == _MOVES:
+            self.moving[tid] = self.tab.amount[tid]
+            self.rates_stale = True
+        elif mode == _COMPUTES:
+            heapq.heappush(self.computing, (now + self.tab.amount[tid], tid))
         else:
             self.finish(tid)
 
     def finish(self, tid: int) -> None:
         self.end[tid] = self.now
         self.done += 1
-        tasks, to_check = self.tasks, self.to_check
-        t = tasks[tid]
-        if t.releases:
-            refs, buffers = self.refs, self.graph.buffers
-            for b in t.releases:
+        tab, to_check = self.tab, self.to_check
+        releases = tab.releases[tid]
+        if releases:
+            refs, charge, orders = self.refs, self.charge, self.orders
+            buffer_device, buffer_bytes = tab.buffer_device, tab.buffer_bytes
+            for b in releases:
                 refs[b] -= 1
                 if refs[b] == 0:
-                    buf = buffers[b]
-                    self.charge(buf.device, -buf.nbytes)
-                    self.order[buf.device].append((b, False))
-                    to_check.update(self.waits_on.pop(buf.device, ()))
-        lane_of = self.lane_of
+                    device = buffer_device[b]
+                    charge(device, -buffer_bytes[b])
+                    orders[device].append((b, False))
+                    if device in self.waits_on:
+                        to_check.update(self.waits_on.pop(device))
+        # Only lanes that may start something are checked (the others would be passed
+        # over): a free lane whose next task is ready, or one with a copy waiting for room.
+        lane_of, busy, waiting, ready = tab.lane_of, self.busy, self.waiting, self.ready
         lane = lane_of[tid]
-        self.busy[lane] = False
-        to_check.add(lane)
-        waiting, ready = self.waiting, self.ready
-        for d in self.dependents[tid]:
+        busy[lane] = False
+        heap = ready[lane]
+        if heap if heap is not None else self.head_ready(lane):
+            to_check.add(lane)
+        seq, urgency, queue, head = tab.seq, self.urgency, self.queue, self.head
+        for d in tab.dependents[tid]:
             waiting[d] -= 1
             if waiting[d] == 0:
                 dl = lane_of[d]
-                to_check.add(dl)
-                if dl in ready:
-                    heapq.heappush(ready[dl], (tasks[d].seq, d))
+                heap = ready[dl]
+                if heap is not None:
+                    heapq.heappush(heap, (seq[d], d))
+                    if heap[0][1] == d:
+                        urgency[dl] = (seq[d], dl)
+                    if not busy[dl]:
+                        to_check.add(dl)
+                elif not busy[dl] and queue[dl][head[dl]] == d:
+                    to_check.add(dl)
+
+    def head_ready(self, lane: int) -> bool:
+        """Whether the next task of in-order ``lane`` may start (its dependencies ended)."""
+        ids, at = self.queue[lane], self.head[lane]
+        return at < len(ids) and not self.waiting[ids[at]]
 
     def start_what_can(self) -> None:
         """Start what can start now, the most urgent lane first."""
-        to_check, busy, ready, head, urgency = (
-            self.to_check,
-            self.busy,
-            self.ready,
-            self.head,
-            self.urgency,
-        )
-        lanes, waiting, waits_on, fits, begin = (
-            self.lanes,
-            self.waiting,
-            self.waits_on,
-            self.fits,
-            self.begin,
-        )
+        to_check, busy, ready, urgency = self.to_check, self.busy, self.ready, self.urgency
+        queue, head, waiting, begin = self.queue, self.head, self.waiting, self.begin
+        room = self.tab.room
         while to_check:
             if len(to_check) == 1:
                 lane = to_check.pop()
             else:
-                lane = min(to_check, key=lambda x: (urgency(x), x))
+                lane = min(to_check, key=urgency.__getitem__)
                 to_check.discard(lane)
             if busy[lane]:
                 continue
-            if lane in ready:
-                if not ready[lane]:
+            heap = ready[lane]
+            if heap is not None:
+                if not heap:
                     continue
-                full = fits(ready[lane][0][1])
-                if full is not None:
-                    waits_on[full].add(lane)
+                tid = heap[0][1]
+                need = room[tid]
+                if need is not None and self.waits_for_room(lane, need):
                     continue
-                tid = heapq.heappop(ready[lane])[1]
+                heapq.heappop(heap)
+                urgency[lane] = (heap[0][0], lane) if heap else (_NEVER, lane)
             else:
-                ids = lanes[lane]
-                if head[lane] >= len(ids) or waiting[ids[head[lane]]]:
+                ids, at = queue[lane], head[lane]
+                if at >= len(ids) or waiting[ids[at]]:
                     continue
-                tid = ids[head[lane]]
-                head[lane] += 1
+                tid = ids[at]
+                head[lane] = at = at + 1
+                urgency[lane] = (self.tab.seq[ids[at]], lane) if at < len(ids) else (_NEVER, lane)
             begin(lane, tid)
 
+    def waits_for_room(self, lane: int, need: list[tuple[int, float, float]]) -> bool:
+        """Whether a device has no room yet for what the copy at the head of ``lane``
+        allocates (``need``: device, bytes, capacity); the lane then waits on it."""
+        in_use = self.in_use
+        for device, nbytes, limit in need:
+            if in_use[device] + nbytes > limit:
+                self.waits_on.setdefault(device, set()).add(lane)
+                return True
+        return False
+
     def start_held_back(self) -> bool:
-        """Where nothing runs, so nothing will be freed, the most urgent copy waiting
-        for room starts anyway; whether one did."""
+        """Where nothing runs (the caller knows), so nothing will be freed, the most
+        urgent copy waiting for room starts anyway; whether one did."""
         ready = self.ready
         held_back = [lane for lanes_ in self.waits_on.values() for lane in lanes_ if ready[lane]]
-        if self.computing or self.moving or not held_back:
+        if not held_back:
             return False
         lane = min(held_back, key=lambda x: ready[x][0])
         self.waits_on.clear()
-        self.begin(lane, heapq.heappop(ready[lane])[1])
+        heap = ready[lane]
+        tid = heapq.heappop(heap)[1]
+        self.urgency[lane] = (heap[0][0], lane) if heap else (_NEVER, lane)
+        self.begin(lane, tid)
         self.to_check.update(held_back)
         return True
 
+    def fair_rates(self) -> dict[int, float]:
+        """The rates of the transfers moving. They depend only on the routes moving,
+        in the order the transfers began (:func:`fair_rates` fills in that order), so
+        a play computes each such sequence once."""
+        moving, route = self.moving, self.tab.route
+        key = tuple([route[tid] for tid in moving])
+        shares = self.shares.get(key)
+        if shares is None:
+            routes = self.tab.routes
+            rates = fair_rates({i: routes[r] for i, r in enumerate(key)}, self.graph.links)
+            shares = self.shares[key] = [rates[i] for i in range(len(key))]
+        return dict(zip(moving, shares))
+
     def advance(self) -> None:
         """Advance the clock to the next end, and finish what ends then."""
-        tasks, moving, computing = self.tasks, self.moving, self.computing
-        if self.rates_stale:
-            self.rates = fair_rates(
-                {tid: (tasks[tid].links, tasks[tid].max_rate, self.costs[tid]) for tid in moving},
-                self.graph.links,
-            )
-            self.rates_stale = False
-        rates, now = self.rates, self.now
+        moving, computing, now = self.moving, self.computing, self.now
         t_next = computing[0][0] if computing else math.inf
-        finish_at = {tid: now + left / rates[tid] for tid, left in moving.items()}
-        if finish_at:
+        ended = []
+        if moving:
+            if self.rates_stale:
+                self.rates = self.fair_rates()
+                self.rates_stale = False
+            rates = self.rates
+            finish_at = {tid: now + left / rates[tid] for tid, left in moving.items()}
             t_next = min(t_next, min(finish_at.values()))
+            dt = t_next - now
+            # ends by its finish time, not by bytes left: `now + tiny` can round to `now`
+            by = t_next * (1 + 1e-12) + _EPS
+            for tid, at in finish_at.items():
+                if at <= by:
+                    del moving[tid]
+                    ended.append(tid)
+                    self.rates_stale = True
+                else:
+                    moving[tid] -= rates[tid] * dt
         if t_next == math.inf:
             raise _deadlock(self.graph, self.start, self.end)
-        dt = t_next - now
         self.now = now = t_next
-        ended = []
-        for tid, at in finish_at.items():
-            # ends by its finish time, not by bytes left: `now + tiny` can round to `now`
-            if at <= now * (1 + 1e-12) + _EPS:
-                del moving[tid]
-                ended.append(tid)
-                self.rates_stale = True
-            else:
-                moving[tid] -= rates[tid] * dt
-        while computing and computing[0][0] <= now + _EPS:
+        by = now + _EPS
+        while computing and computing[0][0] <= by:
             ended.append(heapq.heappop(computing)[1])
         for tid in ended:
             self.finish(tid)
@@ -350,7 +446,11 @@ def _deadlock(graph: TaskGraph, start: list[float], end: list[float]) -> Deadloc
 
 
 def simulate_graph(graph: TaskGraph) -> Trace:
-    played = play(graph)
+    with gc_paused():
+        return _trace(graph, play(graph))
+
+
+def _trace(graph: TaskGraph, played: Played) -> Trace:
     return Trace.from_run(
         graph,
         played.start,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 
@@ -10,6 +11,7 @@ from conftest import simple_hardware, tiny_spec
 
 import harmony
 from harmony import Plan
+from harmony.simulate import gc_paused
 from harmony.trace import TIMELINE_COLUMNS
 
 MS = 1e-3
@@ -383,3 +385,23 @@ def test_virtual_memory_swaps_weights_every_microbatch_and_harmony_does_not():
     assert vm.summary.bytes_by_kind["W_IN"] == pytest.approx(4 * w)
     assert vm.summary.bytes_by_kind["G_OUT"] == pytest.approx(4 * spec.grad_bytes())
     assert pp.iteration_s < vm.iteration_s
+
+
+def test_gc_paused_restores_the_collector_as_it_was():
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # nested: the outer one turns it back on
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # left as the caller had it
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("a failed play")
+    assert gc.isenabled()

@@ -11,7 +11,7 @@ from ..costs.hardware import Hardware
 from ..costs.spec import ModelSpec
 from ..plan import Plan
 from ..policies import build_graph
-from ..simulate import simulate_graph
+from ..simulate import gc_paused, simulate_graph
 from ..trace import Trace
 from .search import search
 from .systems import CHOOSERS, plan_for, plans_for
@@ -21,4 +21,5 @@ __all__ = ["CHOOSERS", "plan_for", "plans_for", "search", "simulate"]
 
 def simulate(spec: ModelSpec, hardware: Hardware, plan: Plan) -> Trace:
     """Build ``plan``'s task graph for ``spec`` on ``hardware`` and play it."""
-    return simulate_graph(build_graph(spec, hardware, plan))
+    with gc_paused():
+        return simulate_graph(build_graph(spec, hardware, plan))

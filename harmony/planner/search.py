@@ -42,7 +42,7 @@ from ..costs.spec import ModelSpec
 from ..errors import HarmonyError, OutOfMemoryError
 from ..plan import Pack, Plan
 from ..policies import build_graph, get_policy, gradient_window, names
-from ..simulate import simulate_graph
+from ..simulate import gc_paused, simulate_graph
 from ..trace import Summary
 from .packing import (
     BUDGETS,
@@ -385,11 +385,12 @@ def _row(c: _Candidate, s: dict) -> dict:
 
 def _summary(spec: ModelSpec, hw: Hardware, plan: Plan) -> Summary | HostMemoryError:
     """The plan's simulated summary, or why its state does not fit the host."""
-    try:
-        graph = build_graph(spec, hw, plan)
-    except HostMemoryError as e:
-        return e
-    return simulate_graph(graph).summary
+    with gc_paused():
+        try:
+            graph = build_graph(spec, hw, plan)
+        except HostMemoryError as e:
+            return e
+        return simulate_graph(graph).summary
 
 
 _WORKER_ARGS: tuple | None = None

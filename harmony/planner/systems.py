@@ -26,7 +26,7 @@ from ..errors import HarmonyError, OutOfMemoryError
 from ..plan import DEFAULT_OPTIONS, Plan, uniform_packs
 from ..policies import POLICIES, get_policy
 from ..policies.zero_offload import lockstep_counts
-from ..simulate import simulate_graph
+from ..simulate import gc_paused, simulate_graph
 from .karma import model_packs
 from .packing import BUDGETS, balanced_packs, greedy_packs, microbatch_sizes
 from .search import SEARCHABLE, search
@@ -34,7 +34,8 @@ from .search import SEARCHABLE, search
 
 def _summary(spec: ModelSpec, hw: Hardware, plan: Plan):
     """The simulated summary of ``plan``'s graph."""
-    return simulate_graph(get_policy(plan.policy).build(spec, hw, plan)).summary
+    with gc_paused():
+        return simulate_graph(get_policy(plan.policy).build(spec, hw, plan)).summary
 
 
 def _none_fits(
