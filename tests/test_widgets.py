@@ -17,11 +17,19 @@ pytest.importorskip("altair")
 import harmony  # noqa: E402
 from harmony import Plan  # noqa: E402
 from harmony.costs.hardware import format_bytes  # noqa: E402
-from harmony.planner.systems import choose_layer_swap, choose_model_parallel  # noqa: E402
+from harmony.planner.systems import (  # noqa: E402
+    PLAN_MAKERS,
+    choose_layer_swap,
+    choose_model_parallel,
+)
 from harmony.policies import disk_placement, get_policy, names  # noqa: E402
 from harmony.workbench import palette  # noqa: E402
 from harmony.workbench.charts import MAX_ROWS, thin_memory  # noqa: E402
-from harmony.workbench.comparison import baselines, default_baseline  # noqa: E402
+from harmony.workbench.comparison import (  # noqa: E402
+    baselines,
+    default_baseline,
+    policy_choices,
+)
 from harmony.workbench.play import MAX_TASKS  # noqa: E402
 from harmony.workbench.widgets import (  # noqa: E402
     AS_PRESET,
@@ -84,7 +92,10 @@ def test_packs_follow_the_plans_one_remainder_rule():
 
 def test_policies_and_baselines_come_from_the_registry():
     ex = PackExplorer()
-    assert list(ex.policy.options) == names()
+    # every policy, then each faithful baseline on the controls' packs, named so
+    assert list(ex.policy.options) == policy_choices()
+    assert policy_choices()[: len(names())] == names()
+    assert set(policy_choices()[len(names()) :]) == {f"{p} with these packs" for p in PLAN_MAKERS}
     assert list(ex.baseline.options) == baselines()
     assert not set(baselines()) & set(names(role="harmony"))
     assert default_baseline() in names(role="system")
@@ -340,8 +351,10 @@ def test_a_host_too_small_without_a_disk_says_what_to_set():
     short = int(0.75 * training_state(spec))
     assert training_state(spec) == pytest.approx(19.87e9, rel=1e-3)
     assert r.trace is None and r.problem.startswith("host memory: harmony-pp on 'paper-4x1080ti'")
-    assert f"host_memory is {format_bytes(short)}" in r.problem
-    assert "give the server a disk tier" in r.problem and "more host memory" in r.problem
+    # what to change, said with the explorer's own controls, not the command line's flags
+    assert f"host memory is {format_bytes(short)}" in r.problem
+    assert r.problem.endswith(": raise host memory or pick a disk in the controls above")
+    assert "--" not in r.problem and "Hardware." not in r.problem
     df = r.comparison.set_index("policy")
     # every row on the same server: the baseline keeps its state in host memory too
     assert df.loc[r.baseline, "status"].startswith("not run: host memory")
@@ -349,7 +362,14 @@ def test_a_host_too_small_without_a_disk_says_what_to_set():
     server = f"with {format_bytes(short)} of host memory (75% of the training state) and no disk"
     assert server in r.headline
     texts = [row["text"] for rows in datasets(ex.chart()) for row in rows if "text" in row]
-    assert any("give the server a disk tier" in t for t in texts)  # the problem, drawn
+    drawn = " ".join(t.replace("\n", " ") for t in texts)  # the problem, drawn
+    assert "pick a disk in the controls above" in drawn
+    # the widget shows it without a chart: the message, then the table of every policy
+    ex.widget()
+    shown = [o["data"]["text/html"] for o in ex.output.outputs]
+    assert "harmony-chart" not in "".join(shown) and "vegaEmbed" not in "".join(shown)
+    assert "raise host memory or pick a disk in the controls above" in shown[0]
+    assert "<table" in shown[1]
 
 
 def test_with_a_disk_the_state_goes_there_and_the_timeline_shows_it():
