@@ -511,3 +511,91 @@ def test_a_host_too_small_for_the_stashes_puts_them_on_disk_too():
     said = f"and the stashes ({format_bytes(placement.stash_disk_bytes)})"
     assert said in r.tiers and said in r.headline
     assert r.trace.summary.disk_write_bytes == placement.write_bytes_per_step
+
+
+# ---- behaviour of the live widget --------------------------------------------------------------
+def _updates(explorer) -> list:
+    """The outputs the widget's output area is given, one entry per replacement."""
+    seen: list = []
+    explorer.output.observe(lambda change: seen.append(change["new"]), "outputs")
+    return seen
+
+
+def test_every_change_replaces_the_output_once():
+    ex = PackExplorer(model="gpt2-tiny", minibatch=8, fwd_microbatch=2, bwd_microbatch=2)
+    ex.widget()
+    seen = _updates(ex)
+    for name, value in [("pack_size", 1), ("hardware", "h100-pcie5"), ("model", "bert-tiny")]:
+        seen.clear()
+        getattr(ex, name).value = value
+        assert len(seen) == 1, f"{name}: the output changed {len(seen)} times, not once"
+        assert len(seen[0]) == 2 and "harmony-chart" in seen[0][0]["data"]["text/html"]
+        # the chart brings no vega script of its own: the widget loads it once, beside it
+        assert len(seen[0][0]["data"]["text/html"]) < 200_000
+    loader = ex.widget().children[-1]
+    assert "window.vegaEmbed" in loader.outputs[0]["data"]["text/html"]
+
+
+def test_going_back_to_a_setting_shows_it_again_without_computing_it():
+    ex = PackExplorer(model="gpt2-tiny", minibatch=8, fwd_microbatch=2, bwd_microbatch=2)
+    ex.widget()
+    first, computed, compute = ex.output.outputs, [], ex.compute
+    ex.compute = lambda: computed.append(1) or compute()
+    ex.pack_size.value = 1
+    assert len(computed) == 1 and ex.output.outputs != first
+    ex.pack_size.value = 2
+    assert len(computed) == 1 and ex.output.outputs == first and ex.result.plan.bwd_packs
+
+
+def test_a_hardware_change_keeps_the_gpus_where_it_can():
+    ex = PackExplorer(model="gpt2-tiny", minibatch=8, fwd_microbatch=2, bwd_microbatch=2)
+    assert ex.n_gpus.value == 4
+    ex.hardware.value = "h100-pcie5"  # one GPU
+    assert ex.n_gpus.value == ex.n_gpus.max == 1
+    assert "On 1 GPU, not 4: h100-pcie5 has 1" in ex.compute().headline
+    ex.hardware.value = "paper-8x1080ti"
+    assert (ex.n_gpus.value, ex.n_gpus.max) == (4, 8)  # back to what the reader asked for
+    assert "not 4" not in ex.compute().headline
+    ex.n_gpus.value = 8
+    ex.hardware.value = "paper-4x1080ti"
+    assert ex.n_gpus.value == 4
+    ex.n_gpus.value = 2  # the reader's choice from now on
+    ex.hardware.value = "paper-8x1080ti"
+    assert ex.n_gpus.value == 2
+
+
+def test_a_baseline_by_name_runs_as_the_system_does_and_on_these_packs_as_a_variant():
+    ex = PackExplorer(model="bert-large", policy="layer-swap")
+    r = ex.compute()
+    spec, hw = harmony.model_spec("bert-large"), harmony.preset("paper-4x1080ti")
+    assert r.plan == choose_layer_swap(spec, hw, CLAIM_APPLIES["minibatch"], n_gpus=4)
+    df = r.comparison.set_index("policy")
+    mine = df.loc["layer-swap"]
+    assert mine.chosen and mine.planned_by == "its own rule"
+    assert mine.iteration_s == r.trace.iteration_s  # the number the table shows
+    assert r.headline.startswith(f"layer-swap: {r.trace.iteration_s:.3g} s/iter")
+    assert "layer-swap as the system runs it: its own chooser's plan" in r.headline
+    assert "'layer-swap with these packs' runs it on those" in r.headline
+    ex.policy.value = "layer-swap with these packs"
+    r = ex.compute()
+    assert r.plan == ex.plan_for("layer-swap", 4, len(spec))
+    df = r.comparison.set_index("policy")
+    assert df.loc["layer-swap with these packs", "planned_by"] == "the controls"
+    assert df.loc["layer-swap", "planned_by"] == "its own rule"  # the system itself, beside it
+    assert df.loc["layer-swap with these packs", "chosen"] and df.chosen.sum() == 1
+    assert "layer-swap on the packs and microbatches of the controls" in r.headline
+
+
+def test_the_case_buttons_are_as_wide_as_their_labels():
+    assert all(b.layout.width == "auto" for b in PackExplorer(model="gpt2-tiny").actions())
+
+
+def test_run_for_real_says_what_it_is_doing_before_its_result():
+    real = RunForReal(minibatch=4, fwd_microbatch=2, bwd_microbatch=2, steps=1)
+    real.widget()
+    seen = _updates(real)
+    real.run_button.click()
+    html = [o[0]["data"]["text/html"] for o in seen]
+    assert "Running for real: building gpt2-tiny" in html[0]
+    assert any("engine step 1 of 1" in h for h in html)
+    assert "harmony-chart" in html[-1] and not real.run_button.disabled
