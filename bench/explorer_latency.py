@@ -8,8 +8,9 @@ Two measurements, one per mode:
   with its quick parameters; then each control is changed in the page as a
   reader would, and a MutationObserver on the explorer's output reports the
   milliseconds from the change to the output's first visible change and to its
-  last (the chart drawn, then nothing more for a second). ``steps`` counts the
-  separate bursts of changes the reader sees (1: the update appears at once).
+  last (the chart drawn, then nothing more for a second). ``swaps`` counts how
+  many times the output area's content was replaced (1: the update appears in
+  one piece; vega then draws the chart inside it).
   "Run for real" is pressed after the GPT-2 blocks slider moves: first = its
   progress line, last = its charts.
 * ``--in-process``: the same changes made on a :class:`PackExplorer` and a
@@ -19,7 +20,7 @@ Two measurements, one per mode:
 
 A benchmark, not a test: it prints numbers. Run from the repository root::
 
-    python bench/explorer_latency.py --browser
+    python bench/explorer_latency.py --browser [--screenshots DIR]
     python bench/explorer_latency.py --in-process --repeat 3
 """
 
@@ -74,8 +75,13 @@ WATCH = """([root, label]) => {
   const log = window.__changes[label] = {start: performance.now(), times: []};
   const obs = new MutationObserver(() => log.times.push(performance.now()));
   obs.observe(root, {subtree: true, childList: true, characterData: true, attributes: true});
-  window.__observer && window.__observer.disconnect();
-  window.__observer = obs;
+  // a swap: the kernel replaced what the output area holds (one batch of its children)
+  log.swaps = 0;
+  const area = root.querySelector(".jp-OutputArea") || root;
+  const swaps = new MutationObserver(() => { log.swaps += 1; });
+  swaps.observe(area, {childList: true});
+  (window.__observers || []).forEach(o => o.disconnect());
+  window.__observers = [obs, swaps];
 }"""
 
 
@@ -161,7 +167,8 @@ def _run_all(page) -> None:
 
 
 def _measure(page, root, label: str, act) -> tuple[float, float, int]:
-    """ms to the first and the last change of ``root`` after ``act()``, and the bursts."""
+    """ms to the first and the last change of ``root`` after ``act()``, and how many
+    times the kernel replaced what it shows (vega then draws in the new chart)."""
     page.evaluate(WATCH, [root.element_handle(), label])
     act()
     deadline, last_seen, seen_at = time.monotonic() + 120, None, 0.0
@@ -180,9 +187,7 @@ def _measure(page, root, label: str, act) -> tuple[float, float, int]:
     times = [t - log["start"] for t in log["times"]]
     if not times:
         return float("nan"), float("nan"), 0
-    # a burst: changes less than 100 ms apart
-    bursts = 1 + sum(1 for a, b in zip(times, times[1:]) if b - a > 100)
-    return times[0], times[-1], bursts
+    return times[0], times[-1], log["swaps"]
 
 
 def _act(page, widget, label: str, how: tuple[str, str]):
@@ -204,7 +209,7 @@ def _act(page, widget, label: str, how: tuple[str, str]):
     return lambda: select.select_option(label=choice)
 
 
-def browser() -> None:
+def browser(screenshots: Path | None = None) -> None:
     from playwright.sync_api import sync_playwright
 
     chromium = os.environ.get("HARMONY_CHROMIUM") or shutil.which("chromium")
@@ -243,17 +248,37 @@ def browser() -> None:
                 page.locator(".widget-output .vega-embed svg.marks").first.wait_for(
                     timeout=120_000
                 )
-                _report(page)
+                _report(page, screenshots)
                 browser.close()
         finally:
             server.terminate()
-            server.wait(timeout=20)
+            try:
+                server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
 
-def _report(page) -> None:
+#: the explorer's texts wider than the box they are in (cut, or hidden past its edge)
+CUT = """root => {
+  const edge = root.getBoundingClientRect().right + 1;
+  const texts = [...root.querySelectorAll("button, caption, td, th, .widget-label")];
+  return texts
+    .filter(e => e.scrollWidth > e.clientWidth + 1 || e.getBoundingClientRect().right > edge)
+    .map(e => e.tagName.toLowerCase() + ": " + e.textContent.trim().slice(0, 60));
+}"""
+
+
+def _report(page, screenshots: Path | None) -> None:
     explorer, real = page.locator(".widget-vbox").first, page.locator(".widget-vbox").nth(1)
+    if screenshots:
+        screenshots.mkdir(parents=True, exist_ok=True)
+        explorer.screenshot(path=screenshots / "explorer.png")
+    cut = explorer.evaluate(CUT)
+    print(
+        f"texts cut at 1400 px (the default width): {len(cut)}" + "".join(f"\n  {c}" for c in cut)
+    )
     output = explorer.locator(".widget-output").first
-    print(f"{'change':36s} {'first ms':>9s} {'last ms':>9s} {'steps':>6s}")
+    print(f"{'change':36s} {'first ms':>9s} {'last ms':>9s} {'swaps':>6s}")
     for what, label, how in CHANGES:
         act = _act(page, explorer, label, how)
         first, last, steps = _measure(page, output, what, act)
@@ -273,11 +298,12 @@ def main() -> None:
     mode.add_argument("--browser", action="store_true", help="in JupyterLab (the default)")
     mode.add_argument("--in-process", action="store_true", help="Python time per change")
     parser.add_argument("--repeat", type=int, default=3, help="in-process rounds")
+    parser.add_argument("--screenshots", type=Path, help="browser: a picture of the explorer here")
     args = parser.parse_args()
     if args.in_process:
         in_process(args.repeat)
     else:
-        browser()
+        browser(args.screenshots)
 
 
 if __name__ == "__main__":

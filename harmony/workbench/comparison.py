@@ -149,12 +149,14 @@ def comparison_table(comparison: pd.DataFrame, baseline: str = ""):
         .set_caption(caption)
         .set_table_styles(
             [
-                {"selector": "", "props": "max-width: 100%; font-size: 12px;"},
+                # as wide as the output, no wider: the notes wrap to what is left
+                {"selector": "", "props": "width: 100%; max-width: 100%; font-size: 12px;"},
                 {
                     "selector": "caption",
                     "props": "caption-side: top; text-align: left; color: #555;",
                 },
-                {"selector": "th", "props": "text-align: right; white-space: nowrap;"},
+                # headings wrap between words, so that the numbers' columns stay narrow
+                {"selector": "th", "props": "text-align: right; white-space: normal;"},
             ]
         )
     )
@@ -164,6 +166,6 @@ def comparison_table(comparison: pd.DataFrame, baseline: str = ""):
     if "note" in df:
         styler = styler.set_properties(
             subset=[headings["note"]],
-            **{"white-space": "normal", "text-align": "left", "min-width": "24em"},
+            **{"white-space": "normal", "text-align": "left", "min-width": "16em"},
         )
     return styler

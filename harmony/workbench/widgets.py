@@ -2,14 +2,21 @@
 
 * :class:`PackExplorer` simulates one plan (pack size, microbatch sizes,
   options) against the paper's baseline, per-layer swapping as vDNN and LMS
-  run it (``layer-swap``, on its own plan), and every other policy. Its
+  run it (``layer-swap``, on its own plan), and every other policy. A
+  faithful baseline chosen by name runs as the system does (its own chooser's
+  plan, the headline says so); ``"layer-swap with these packs"`` runs it on the
+  controls' packs. Each plan is simulated once (kept per model, server and
+  plan), each setting's output is kept (going back shows it at once), and a
+  change replaces the output in one step. Its
   headline says whether the paper's claim applies to the setting and why
   (:mod:`.claim`); one click switches between :data:`CASES`, a setting where
   it applies (the default) and one where it does not. Its *host memory* and
   *disk* controls set the server every policy runs on: with less host memory
   than the training state and a disk tier, state goes to disk (the timeline
-  shows the disk's lanes, the headline what is on disk); without a disk, the
-  planner says what to set.
+  shows the disk's lanes, the headline what is on disk); without a disk, a
+  message without a chart says which control to change. A preset with fewer
+  GPUs lowers the GPUs control, and one with more brings back what the reader
+  set (the headline says when there are fewer).
 * :class:`RunForReal` (:mod:`.run_for_real`) trains a small GPT-2 of the zoo
   for a few steps with the real engine on an emulated GPU and simulates the
   same plan from a profile of the same model.
