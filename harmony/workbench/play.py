@@ -106,7 +106,7 @@ def cached_spec(model: str, source: str) -> ModelSpec:
 # An explorer re-plays the same plans over and over: a policy change re-orders the rows,
 # a baseline's own plan does not change with the packs, and a reader goes back and forth.
 # Traces are read, never changed, so one played plan serves every view of it. 64 traces:
-# seven settings of every policy, a few hundred MB at most for the largest models.
+# about seven settings of every policy.
 @functools.lru_cache(maxsize=64)
 def played(
     model: str, source: str, hardware: Hardware, plan: Plan
