@@ -16,7 +16,8 @@ Two measurements, one per mode:
 * ``--in-process``: the same changes made on a :class:`PackExplorer` and a
   :class:`RunForReal` in Python, no browser: seconds of Python per change (the
   compute, the chart and the HTML), the median of ``--repeat`` rounds (the
-  first round fills the caches the later rounds may use: both are printed).
+  first round fills the caches the later rounds may use: both are printed),
+  and of that the seconds spent in the simulator (``play``).
 
 A benchmark, not a test: it prints numbers. Run from the repository root::
 
@@ -87,25 +88,39 @@ WATCH = """([root, label]) => {
 
 # ---- in process ------------------------------------------------------------------------------
 def in_process(repeat: int) -> None:
+    from harmony.workbench import play
     from harmony.workbench.widgets import PackExplorer, RunForReal
 
+    simulating = [0.0]  # seconds in the simulator (its graph built and played)
+
+    def timed_play(*args, _play=play.play):
+        t0 = time.perf_counter()
+        try:
+            return _play(*args)
+        finally:
+            simulating[0] += time.perf_counter() - t0
+
+    play.play = timed_play
     rounds: dict[str, list[float]] = {}
+    simulated: dict[str, list[float]] = {}
     for _ in range(repeat):
         explorer = PackExplorer()
         explorer.widget()  # wired: every change draws, as in the notebook
         for (what, _, _), (name, value) in zip(CHANGES, VALUES):
-            t0 = time.perf_counter()
+            simulating[0], t0 = 0.0, time.perf_counter()
             getattr(explorer, name).value = value
             rounds.setdefault(what, []).append(time.perf_counter() - t0)
+            simulated.setdefault(what, []).append(simulating[0])
         real = RunForReal(steps=2)
         real.widget()
         real.blocks.value = 3
         t0 = time.perf_counter()
         real.run_button.click()
         rounds.setdefault("Run for real (3 blocks, 2 steps)", []).append(time.perf_counter() - t0)
-    print(f"{'change':36s} {'first round s':>14s} {'median s':>9s}  (Python per change)")
+    print(f"{'change':36s} {'first round s':>14s} {'median s':>9s} {'simulating s':>13s}")
     for what, seconds in rounds.items():
-        print(f"{what:36s} {seconds[0]:14.3f} {statistics.median(seconds):9.3f}")
+        sim = statistics.median(simulated.get(what, [float("nan")]))
+        print(f"{what:36s} {seconds[0]:14.3f} {statistics.median(seconds):9.3f} {sim:13.3f}")
 
 
 # ---- in the browser ----------------------------------------------------------------------------
