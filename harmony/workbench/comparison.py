@@ -149,8 +149,12 @@ def comparison_table(comparison: pd.DataFrame, baseline: str = ""):
         .set_caption(caption)
         .set_table_styles(
             [
-                # as wide as the output, no wider: the notes wrap to what is left
-                {"selector": "", "props": "width: 100%; max-width: 100%; font-size: 12px;"},
+                # as wide as the output, no wider: each column as wide as its content needs
+                # (JupyterLab fixes the layout: equal columns), the notes wrap to what is left
+                {
+                    "selector": "",
+                    "props": "table-layout: auto; width: 100%; max-width: 100%; font-size: 12px;",
+                },
                 {
                     "selector": "caption",
                     "props": "caption-side: top; text-align: left; color: #555;",
