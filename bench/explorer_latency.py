@@ -190,7 +190,8 @@ def _measure(page, root, label: str, act) -> tuple[float, float, int]:
     while time.monotonic() < deadline:
         time.sleep(0.25)
         log = page.evaluate("l => window.__changes[l]", label)
-        drawn = (
+        # drawn: the chart, or a message without one; not a progress line
+        drawn = not root.locator(".harmony-progress").count() and (
             root.locator(".vega-embed svg.marks").count()
             or not root.locator(".harmony-chart").count()
         )
