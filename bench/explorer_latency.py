@@ -28,6 +28,7 @@ A benchmark, not a test: it prints numbers. Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -168,17 +169,18 @@ def _lab(root: Path, home: Path) -> tuple[subprocess.Popen, str, str]:
     raise SystemExit(f"JupyterLab did not start:\n{(home / 'lab.log').read_text()[-2000:]}")
 
 
+#: every code cell has run: each prompt shows its execution count
+ALL_RAN = r"""() => {
+  const prompts = [...document.querySelectorAll(".jp-CodeCell .jp-InputArea-prompt")];
+  return prompts.length > 0 && prompts.every(p => /^\[\d+\]:$/.test(p.textContent.trim()));
+}"""
+
+
 def _run_all(page) -> None:
-    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
-    prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt")
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        texts = [t.strip() for t in prompts.all_inner_texts()]
-        if texts and all(re.fullmatch(r"\[\d+\]:", t) for t in texts):
-            return
-        time.sleep(1)
-    raise SystemExit("the notebook did not finish in 10 minutes")
+    """Run > Run All Cells, then wait (up to 10 minutes) until every cell has run."""
+    page.locator(".lm-MenuBar").get_by_text("Run", exact=True).click()
+    page.locator(".lm-Menu").get_by_text("Run All Cells", exact=True).click()
+    page.wait_for_function(ALL_RAN, timeout=600_000, polling=1000)
 
 
 def _measure(page, root, label: str, act) -> tuple[float, float, int]:
@@ -267,11 +269,15 @@ def browser(screenshots: Path | None = None) -> None:
                 _report(page, screenshots)
                 browser.close()
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            _stop(server)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """JupyterLab asked to stop, then made to if it is still there after 20 s."""
+    server.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.wait(timeout=20)
+    server.kill()  # nothing when it has stopped
 
 
 #: the explorer's texts wider than the box they are in (cut, or hidden past its edge)
