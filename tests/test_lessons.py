@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 import pytest
 import yaml
 from test_notebooks import parameter_names, parameters_cell
@@ -209,3 +210,26 @@ def test_dropout_masks_are_redrawn_only_for_the_same_microbatch():
     masks = L.dropout_masks(p=0.2)
     assert list(masks["same_mask_as_forward"]) == [True, False, False, False, False]
     assert masks["zeros"].between(0.15, 0.25).all()
+
+
+def test_try_this_shows_its_first_result_at_once_readable_and_labelled_in_full():
+    import ipywidgets as w
+
+    calls = []
+
+    def third(layers_per_pack):
+        calls.append(layers_per_pack)
+        return pd.DataFrame(
+            {"plan": ["a"], "iteration_s": [1 / 3], "link_bound_below_GBps": [2.0]}
+        )
+
+    slider = w.IntSlider(value=3, min=1, max=8, description="per pack (H)")
+    box = L.try_this(third, {"layers_per_pack": slider})
+    out = box.children[2]
+    assert calls == [3] and len(out.outputs) == 1  # no click needed
+    html = out.outputs[0]["data"]["text/html"]
+    assert ">0.333<" in html and "0.3333" not in html  # meaningful digits
+    assert "link bound below GBps" in html and "overflow-x: auto" in html  # wraps or scrolls
+    assert slider.style.description_width == "initial"  # "per pack (H)", not "per pack (…"
+    slider.value = 4
+    assert calls == [3, 4] and len(out.outputs) == 1  # replaced, not appended

@@ -17,11 +17,19 @@ pytest.importorskip("altair")
 import harmony  # noqa: E402
 from harmony import Plan  # noqa: E402
 from harmony.costs.hardware import format_bytes  # noqa: E402
-from harmony.planner.systems import choose_layer_swap, choose_model_parallel  # noqa: E402
+from harmony.planner.systems import (  # noqa: E402
+    PLAN_MAKERS,
+    choose_layer_swap,
+    choose_model_parallel,
+)
 from harmony.policies import disk_placement, get_policy, names  # noqa: E402
 from harmony.workbench import palette  # noqa: E402
 from harmony.workbench.charts import MAX_ROWS, thin_memory  # noqa: E402
-from harmony.workbench.comparison import baselines, default_baseline  # noqa: E402
+from harmony.workbench.comparison import (  # noqa: E402
+    baselines,
+    default_baseline,
+    policy_choices,
+)
 from harmony.workbench.play import MAX_TASKS  # noqa: E402
 from harmony.workbench.widgets import (  # noqa: E402
     AS_PRESET,
@@ -84,7 +92,10 @@ def test_packs_follow_the_plans_one_remainder_rule():
 
 def test_policies_and_baselines_come_from_the_registry():
     ex = PackExplorer()
-    assert list(ex.policy.options) == names()
+    # every policy, then each faithful baseline on the controls' packs, named so
+    assert list(ex.policy.options) == policy_choices()
+    assert policy_choices()[: len(names())] == names()
+    assert set(policy_choices()[len(names()) :]) == {f"{p} with these packs" for p in PLAN_MAKERS}
     assert list(ex.baseline.options) == baselines()
     assert not set(baselines()) & set(names(role="harmony"))
     assert default_baseline() in names(role="system")
@@ -340,8 +351,10 @@ def test_a_host_too_small_without_a_disk_says_what_to_set():
     short = int(0.75 * training_state(spec))
     assert training_state(spec) == pytest.approx(19.87e9, rel=1e-3)
     assert r.trace is None and r.problem.startswith("host memory: harmony-pp on 'paper-4x1080ti'")
-    assert f"host_memory is {format_bytes(short)}" in r.problem
-    assert "give the server a disk tier" in r.problem and "more host memory" in r.problem
+    # what to change, said with the explorer's own controls, not the command line's flags
+    assert f"host memory is {format_bytes(short)}" in r.problem
+    assert r.problem.endswith(": raise host memory or pick a disk in the controls above")
+    assert "--" not in r.problem and "Hardware." not in r.problem
     df = r.comparison.set_index("policy")
     # every row on the same server: the baseline keeps its state in host memory too
     assert df.loc[r.baseline, "status"].startswith("not run: host memory")
@@ -349,7 +362,14 @@ def test_a_host_too_small_without_a_disk_says_what_to_set():
     server = f"with {format_bytes(short)} of host memory (75% of the training state) and no disk"
     assert server in r.headline
     texts = [row["text"] for rows in datasets(ex.chart()) for row in rows if "text" in row]
-    assert any("give the server a disk tier" in t for t in texts)  # the problem, drawn
+    drawn = " ".join(t.replace("\n", " ") for t in texts)  # the problem, drawn
+    assert "pick a disk in the controls above" in drawn
+    # the widget shows it without a chart: the message, then the table of every policy
+    ex.widget()
+    shown = [o["data"]["text/html"] for o in ex.output.outputs]
+    assert "harmony-chart" not in "".join(shown) and "vegaEmbed" not in "".join(shown)
+    assert "raise host memory or pick a disk in the controls above" in shown[0]
+    assert "<table" in shown[1]
 
 
 def test_with_a_disk_the_state_goes_there_and_the_timeline_shows_it():
@@ -491,3 +511,91 @@ def test_a_host_too_small_for_the_stashes_puts_them_on_disk_too():
     said = f"and the stashes ({format_bytes(placement.stash_disk_bytes)})"
     assert said in r.tiers and said in r.headline
     assert r.trace.summary.disk_write_bytes == placement.write_bytes_per_step
+
+
+# ---- behaviour of the live widget --------------------------------------------------------------
+def _updates(explorer) -> list:
+    """The outputs the widget's output area is given, one entry per replacement."""
+    seen: list = []
+    explorer.output.observe(lambda change: seen.append(change["new"]), "outputs")
+    return seen
+
+
+def test_every_change_replaces_the_output_once():
+    ex = PackExplorer(model="gpt2-tiny", minibatch=8, fwd_microbatch=2, bwd_microbatch=2)
+    ex.widget()
+    seen = _updates(ex)
+    for name, value in [("pack_size", 1), ("hardware", "h100-pcie5"), ("model", "bert-tiny")]:
+        seen.clear()
+        getattr(ex, name).value = value
+        assert len(seen) == 1, f"{name}: the output changed {len(seen)} times, not once"
+        assert len(seen[0]) == 2 and "harmony-chart" in seen[0][0]["data"]["text/html"]
+        # the chart brings no vega script of its own: the widget loads it once, beside it
+        assert len(seen[0][0]["data"]["text/html"]) < 200_000
+    loader = ex.widget().children[-1]
+    assert "window.vegaEmbed" in loader.outputs[0]["data"]["text/html"]
+
+
+def test_going_back_to_a_setting_shows_it_again_without_computing_it():
+    ex = PackExplorer(model="gpt2-tiny", minibatch=8, fwd_microbatch=2, bwd_microbatch=2)
+    ex.widget()
+    first, computed, compute = ex.output.outputs, [], ex.compute
+    ex.compute = lambda: computed.append(1) or compute()
+    ex.pack_size.value = 1
+    assert len(computed) == 1 and ex.output.outputs != first
+    ex.pack_size.value = 2
+    assert len(computed) == 1 and ex.output.outputs == first and ex.result.plan.bwd_packs
+
+
+def test_a_hardware_change_keeps_the_gpus_where_it_can():
+    ex = PackExplorer(model="gpt2-tiny", minibatch=8, fwd_microbatch=2, bwd_microbatch=2)
+    assert ex.n_gpus.value == 4
+    ex.hardware.value = "h100-pcie5"  # one GPU
+    assert ex.n_gpus.value == ex.n_gpus.max == 1
+    assert "On 1 GPU, not 4: h100-pcie5 has 1" in ex.compute().headline
+    ex.hardware.value = "paper-8x1080ti"
+    assert (ex.n_gpus.value, ex.n_gpus.max) == (4, 8)  # back to what the reader asked for
+    assert "not 4" not in ex.compute().headline
+    ex.n_gpus.value = 8
+    ex.hardware.value = "paper-4x1080ti"
+    assert ex.n_gpus.value == 4
+    ex.n_gpus.value = 2  # the reader's choice from now on
+    ex.hardware.value = "paper-8x1080ti"
+    assert ex.n_gpus.value == 2
+
+
+def test_a_baseline_by_name_runs_as_the_system_does_and_on_these_packs_as_a_variant():
+    ex = PackExplorer(model="bert-large", policy="layer-swap")
+    r = ex.compute()
+    spec, hw = harmony.model_spec("bert-large"), harmony.preset("paper-4x1080ti")
+    assert r.plan == choose_layer_swap(spec, hw, CLAIM_APPLIES["minibatch"], n_gpus=4)
+    df = r.comparison.set_index("policy")
+    mine = df.loc["layer-swap"]
+    assert mine.chosen and mine.planned_by == "its own rule"
+    assert mine.iteration_s == r.trace.iteration_s  # the number the table shows
+    assert r.headline.startswith(f"layer-swap: {r.trace.iteration_s:.3g} s/iter")
+    assert "layer-swap as the system runs it: its own chooser's plan" in r.headline
+    assert "'layer-swap with these packs' runs it on those" in r.headline
+    ex.policy.value = "layer-swap with these packs"
+    r = ex.compute()
+    assert r.plan == ex.plan_for("layer-swap", 4, len(spec))
+    df = r.comparison.set_index("policy")
+    assert df.loc["layer-swap with these packs", "planned_by"] == "the controls"
+    assert df.loc["layer-swap", "planned_by"] == "its own rule"  # the system itself, beside it
+    assert df.loc["layer-swap with these packs", "chosen"] and df.chosen.sum() == 1
+    assert "layer-swap on the packs and microbatches of the controls" in r.headline
+
+
+def test_the_case_buttons_are_as_wide_as_their_labels():
+    assert all(b.layout.width == "auto" for b in PackExplorer(model="gpt2-tiny").actions())
+
+
+def test_run_for_real_says_what_it_is_doing_before_its_result():
+    real = RunForReal(minibatch=4, fwd_microbatch=2, bwd_microbatch=2, steps=1)
+    real.widget()
+    seen = _updates(real)
+    real.run_button.click()
+    html = [o[0]["data"]["text/html"] for o in seen]
+    assert "Running for real: building gpt2-tiny" in html[0]
+    assert any("engine step 1 of 1" in h for h in html)
+    assert "harmony-chart" in html[-1] and not real.run_button.disabled

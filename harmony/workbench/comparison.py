@@ -7,6 +7,7 @@ import math
 
 import pandas as pd
 
+from ..planner.systems import PLAN_MAKERS
 from ..policies import layer_swap, names
 
 #: comparison column -> (heading, number format)
@@ -29,6 +30,26 @@ def baselines() -> list[str]:
     """The policies a Harmony plan is compared against: every policy that is not Harmony's own."""
     own = set(names(role="harmony"))
     return [n for n in names() if n not in own]
+
+
+#: a faithful baseline run on the controls' packs, not on its own chooser's plan
+ON_THESE_PACKS = " with these packs"
+
+
+def policy_choices() -> list[str]:
+    """What the explorer's policy control offers: every policy (a faithful baseline
+    as the system runs it, on its own chooser's plan), then each faithful baseline
+    on the controls' packs, a variant named so ("layer-swap with these packs")."""
+    return [*names(), *(f"{p}{ON_THESE_PACKS}" for p in PLAN_MAKERS)]
+
+
+def policy_of(choice: str) -> tuple[str, bool]:
+    """``(policy, on_the_controls)`` of a :func:`policy_choices` entry: whether it
+    runs the controls' packs (Harmony's policies, the ablations, the variants) or
+    its own chooser's plan (the faithful baselines by their names)."""
+    if choice.endswith(ON_THESE_PACKS):
+        return choice.removesuffix(ON_THESE_PACKS), True
+    return choice, choice not in PLAN_MAKERS
 
 
 def default_baseline() -> str:
@@ -128,12 +149,18 @@ def comparison_table(comparison: pd.DataFrame, baseline: str = ""):
         .set_caption(caption)
         .set_table_styles(
             [
-                {"selector": "", "props": "max-width: 100%; font-size: 12px;"},
+                # as wide as the output, no wider: each column as wide as its content needs
+                # (JupyterLab fixes the layout: equal columns), the notes wrap to what is left
+                {
+                    "selector": "",
+                    "props": "table-layout: auto; width: 100%; max-width: 100%; font-size: 12px;",
+                },
                 {
                     "selector": "caption",
                     "props": "caption-side: top; text-align: left; color: #555;",
                 },
-                {"selector": "th", "props": "text-align: right; white-space: nowrap;"},
+                # headings wrap between words, so that the numbers' columns stay narrow
+                {"selector": "th", "props": "text-align: right; white-space: normal;"},
             ]
         )
     )
@@ -143,6 +170,6 @@ def comparison_table(comparison: pd.DataFrame, baseline: str = ""):
     if "note" in df:
         styler = styler.set_properties(
             subset=[headings["note"]],
-            **{"white-space": "normal", "text-align": "left", "min-width": "24em"},
+            **{"white-space": "normal", "text-align": "left", "min-width": "16em"},
         )
     return styler

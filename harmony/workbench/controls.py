@@ -7,10 +7,12 @@ Needs the ``notebooks`` extra (ipywidgets)."""
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 
 from ..plan import Plan
 from ..policies import get_policy, names
-from .display import Displayable
+from .comparison import policy_of
+from .display import live_bundle, loader_bundle
 
 try:
     import ipywidgets as w
@@ -38,13 +40,30 @@ def slider(value: int, description: str, top: int, bottom: int = 1) -> w.IntSlid
     )
 
 
-class Explorer:
-    """Controls -> ``compute()`` -> ``chart()``, shown in ``self.output``."""
+def shown(bundle: dict) -> dict:
+    """One output of an ``Output`` widget, showing the mime ``bundle``."""
+    return {"output_type": "display_data", "data": bundle, "metadata": {}}
 
+
+def html_bundle(text: str) -> dict:
+    return {"text/html": text, "text/plain": ""}
+
+
+class Explorer:
+    """Controls -> ``compute()`` -> ``chart()``, shown in ``self.output``.
+
+    A change is drawn in one step: the new output is built off-screen, then
+    replaces the old one at once. Explorers whose :meth:`state` says what the
+    controls are keep the outputs of the last :data:`KEPT` settings, so going
+    back to one shows it again without computing it."""
+
+    #: how many settings' outputs an explorer keeps
+    KEPT = 16
     output: w.Output
     result = None
     _box: w.Widget | None = None
     _holding = False
+    _views: OrderedDict | None = None
 
     def controls(self) -> list[w.Widget]:
         raise NotImplementedError
@@ -59,6 +78,14 @@ class Explorer:
         """Buttons shown under the controls (none unless an explorer has some)."""
         return []
 
+    def state(self) -> tuple | None:
+        """Everything the output depends on, or None: not kept."""
+        return None
+
+    def view(self, result) -> list[dict]:
+        """What the output shows of ``result``, as mime bundles: the chart and the table."""
+        return [live_bundle(self.chart(result)), html_bundle(result.table().to_html())]
+
     def _wire(self) -> None:
         """Connect the controls to :meth:`render` (once, when first shown)."""
         raise NotImplementedError
@@ -67,11 +94,19 @@ class Explorer:
         """Compute and replace what ``self.output`` shows: the chart and the table."""
         if self._holding:
             return
-        result = self.compute()
-        self.output.outputs = ()
-        # a live output needs the kernel anyway: no static picture (it costs a render per change)
-        self.output.append_display_data(Displayable(self.chart(result), picture=False))
-        self.output.append_display_data(result.table())
+        key = self.state()
+        views = self._views = self._views if self._views is not None else OrderedDict()
+        if key is not None and key in views:
+            views.move_to_end(key)
+            self.result, outputs = views[key]
+        else:
+            result = self.compute()
+            outputs = tuple(shown(bundle) for bundle in self.view(result))
+            if key is not None:
+                views[key] = (result, outputs)
+                while len(views) > self.KEPT:
+                    views.popitem(last=False)
+        self.output.outputs = outputs  # one step: the old output goes as the new one comes
 
     def set(self, **values) -> None:
         """Set several controls (by attribute name, in the order given), then
@@ -98,7 +133,10 @@ class Explorer:
                 self.controls(), layout=w.Layout(grid_template_columns="repeat(3, 330px)")
             )
             buttons = [w.HBox(self.actions())] if self.actions() else []
-            self._box = w.VBox([grid, *buttons, self.output])
+            # vega's script, once for every chart the output will show
+            loader = w.Output(layout=w.Layout(height="0px", overflow="hidden"))
+            loader.outputs = (shown(loader_bundle()),)
+            self._box = w.VBox([grid, *buttons, self.output, loader])
             self._wire()
         return self._box
 
@@ -121,9 +159,13 @@ class PlanExplorer(Explorer):
         prefetch_packs: int,
         top: int,
         most_layers: int,
+        policies: list[str] | None = None,
     ) -> None:
-        """Make the plan's controls; sizes up to ``top``, packs up to ``most_layers`` layers."""
-        self.policy = w.Dropdown(options=names(), value=policy, description="policy", style=STYLE)
+        """Make the plan's controls; sizes up to ``top``, packs up to ``most_layers``
+        layers, the ``policies`` offered (default: every policy's name)."""
+        self.policy = w.Dropdown(
+            options=policies or names(), value=policy, description="policy", style=STYLE
+        )
         self.minibatch = int_text(minibatch, "minibatch", top)
         self.fwd_microbatch = int_text(fwd_microbatch, "fwd microbatch", top)
         self.bwd_microbatch = int_text(bwd_microbatch, "bwd microbatch", top)
@@ -147,10 +189,11 @@ class PlanExplorer(Explorer):
         ]
 
     def _policy_changed(self, _=None) -> None:
-        one_size = get_policy(self.policy.value).PER_MICROBATCH
+        policy, _ = policy_of(self.policy.value)
+        one_size = get_policy(policy).PER_MICROBATCH
         self.fwd_microbatch.disabled = one_size
         self.fwd_microbatch.tooltip = (
-            f"{self.policy.value} uses the bwd microbatch for both" if one_size else ""
+            f"{policy} uses the bwd microbatch for both" if one_size else ""
         )
 
     def plan_for(self, policy: str, n_gpus: int, num_layers: int) -> Plan:

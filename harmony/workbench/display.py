@@ -110,6 +110,33 @@ class Displayable:
         return mimebundle(self.chart.to_dict(), mode, self.picture)
 
 
+def live_bundle(chart) -> dict[str, str]:
+    """What a widget's output shows of ``chart`` on every redraw: interactive HTML
+    without the picture and without vega's script, which the widget's
+    :func:`loader_bundle` brings once (nearly a megabyte less per redraw). The
+    spec is not validated again: the chart's parts were when they were made."""
+    mode = _State.mode or use_renderer()
+    spec = chart.to_dict(validate=False)
+    if mode == "altair":
+        bundle = chart._repr_mimebundle_(None, None)
+        return bundle[0] if isinstance(bundle, tuple) else bundle
+    if mode == "static":
+        return mimebundle(spec, mode)
+    return {"text/html": _interactive_html(spec, picture=False, script=False), "text/plain": ""}
+
+
+def loader_bundle() -> dict[str, str]:
+    """HTML that loads vega-embed into the page once, for the :func:`live_bundle`
+    charts shown beside it (they wait for it)."""
+    return {
+        "text/html": f"""<script type="text/javascript">
+if (!window.vegaEmbed) {{ (function () {{ {vega_script()}
+}})(); }}
+</script>""",
+        "text/plain": "",
+    }
+
+
 def _vl_version() -> str:
     """vl-convert's name of the vega-lite version altair writes (``v6_4`` for 6.4.x)."""
     return "_".join(load_altair().SCHEMA_VERSION.split(".")[:2])
@@ -157,20 +184,35 @@ _NOTE = (
 )
 
 
-def _interactive_html(spec: dict, picture: bool = True) -> str:
+#: how long a chart without vega's script waits for a loader to bring it
+_WAIT_MS = 30_000
+
+
+def _interactive_html(spec: dict, picture: bool = True, script: bool = True) -> str:
     """A div (holding the picture, if any) and a script that loads the inlined
-    vega-embed once per page and replaces the div's content by the live chart."""
+    vega-embed once per page (``script=False``: waits for a :func:`loader_bundle`
+    to) and replaces the div's content by the live chart."""
     div = f"harmony-chart-{uuid.uuid4().hex}"
     static = f'<div class="harmony-chart-static">{_picture(spec)}{_NOTE}</div>' if picture else ""
     # "</" would end the script element early; "<\/" is the same string in JSON and JavaScript
     spec_js = json.dumps(spec).replace("</", "<\\/")
     # The bundle declares top-level constants: it runs once per page, inside a function.
+    load = (
+        f"if (!window.vegaEmbed) {{ (function () {{ {vega_script()}\n  }})(); }}" if script else ""
+    )
     return f"""<div class="harmony-chart" id="{div}">{static}</div>
 <script type="text/javascript">
 (function () {{
   var root = document.getElementById("{div}") || document.currentScript.previousElementSibling;
-  if (!window.vegaEmbed) {{ (function () {{ {vega_script()}
-  }})(); }}
+  {load}
+  var waited = 0;
+  (function draw() {{
+  if (!window.vegaEmbed) {{
+    waited += 50;
+    if (waited < {_WAIT_MS}) return setTimeout(draw, 50);
+    root.textContent = "the interactive chart failed: vega-embed was not loaded";
+    return;
+  }}
   var live = root.appendChild(document.createElement("div"));
   window.vegaEmbed(live, {spec_js}, {json.dumps(EMBED_OPTIONS)})
     .then(function () {{
@@ -183,11 +225,46 @@ def _interactive_html(spec: dict, picture: bool = True) -> str:
       msg.textContent = "the interactive chart failed: " + err;
       root.appendChild(msg);
     }});
+  }})();
 }})();
 </script>"""
 
 
+def build_from_dict_table_once() -> bool:
+    """Make altair build its table of vega-lite classes once, not per encoding.
+
+    Altair 6 turns every encoding (``x="policy:N"``) into its class through
+    ``SchemaBase.from_dict``, which first hashes the JSON of every one of
+    vega-lite's schema classes (thousands) into a table, and drops the table
+    after: most of the time an explorer spends building its charts. The classes
+    never change while Python runs, so the table is kept per set of classes.
+    Returns whether altair has the hook (a later altair without it is left as
+    it is: only slower)."""
+    try:
+        from altair.utils import schemapi
+
+        table_maker = schemapi._FromDict
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the install
+        return False
+    if getattr(table_maker, "_harmony_once", False):
+        return True
+    build = table_maker.__init__
+    tables: dict[tuple, dict] = {}
+
+    def __init__(self, wrapper_classes, /) -> None:
+        key = tuple(wrapper_classes)
+        if key not in tables:
+            build(self, key)
+            tables[key] = self.class_dict
+        self.class_dict = tables[key]
+
+    table_maker.__init__ = __init__
+    table_maker._harmony_once = True
+    return True
+
+
 if importlib.util.find_spec("altair") is not None:  # notebooks draw without internet from here on
+    build_from_dict_table_once()
     try:
         use_renderer()
     except HarmonyError as err:  # a mistyped HARMONY_CHARTS must not break the import

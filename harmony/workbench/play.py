@@ -5,6 +5,7 @@ run, but saying in words what is wrong, and one comparison row per policy.
   interactive (:data:`MAX_TASKS`); a plan whose training state does not fit
   the host's memory (and its disk tier, where it has one) is a problem like
   any other, in the planner's words (:class:`~harmony.costs.placement.HostMemoryError`);
+* :func:`played` is :func:`play` kept per model, server and plan;
 * :func:`server` is a preset with its host memory and disk tier set;
 * :func:`own_plan` is the plan a faithful baseline picks by its stated rule
   (:data:`~harmony.planner.systems.PLAN_MAKERS`), as that system would run;
@@ -100,6 +101,19 @@ def play(spec: ModelSpec, hardware: Hardware, plan: Plan) -> tuple[Trace | None,
 @functools.lru_cache(maxsize=32)
 def cached_spec(model: str, source: str) -> ModelSpec:
     return model_spec(model, source)
+
+
+# An explorer re-plays the same plans over and over: a policy change re-orders the rows,
+# a baseline's own plan does not change with the packs, and a reader goes back and forth.
+# Traces are read, never changed, so one played plan serves every view of it. 64 traces:
+# about seven settings of every policy.
+@functools.lru_cache(maxsize=64)
+def played(
+    model: str, source: str, hardware: Hardware, plan: Plan
+) -> tuple[Trace | None, str | None]:
+    """:func:`play` of ``plan`` on :func:`cached_spec` ``(model, source)``, kept per
+    (model, source, hardware, plan): each plan is simulated once."""
+    return play(cached_spec(model, source), hardware, plan)
 
 
 def server(hardware: str, host_memory: int | None = None, disk: str | None = None) -> Hardware:

@@ -6,6 +6,7 @@ Needs the ``notebooks`` extra (ipywidgets, altair)."""
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -19,7 +20,14 @@ from ..errors import HarmonyError
 from ..plan import Plan
 from ..trace import Trace
 from .charts import plan_notation, problem_chart, timeline_chart
-from .controls import STYLE, PlanExplorer, slider, w  # w: ipywidgets, or how to install it
+from .controls import (  # w: ipywidgets, or how to install it
+    STYLE,
+    PlanExplorer,
+    html_bundle,
+    shown,
+    slider,
+    w,
+)
 from .display import load_altair
 from .play import play, records
 from .training import lm_loss, torch_threads
@@ -131,7 +139,23 @@ class RunForReal(PlanExplorer):
         ]
 
     def _wire(self) -> None:
-        self.run_button.on_click(lambda _: self.render())
+        self.run_button.on_click(lambda _: self._run())
+
+    def _run(self) -> None:
+        """The button: it says what it is doing until the result replaces that."""
+        self.run_button.disabled = True
+        try:
+            self.render()
+        finally:
+            self.run_button.disabled = False
+
+    def _say(self, doing: str) -> None:
+        """Show what the run is doing, in the output, once the widget is shown."""
+        if self._box is not None:
+            text = html.escape(f"Running for real: {doing}…")
+            self.output.outputs = (
+                shown(html_bundle(f'<div class="harmony-progress">{text}</div>')),
+            )
 
     def _model_config(self) -> dict:
         return {**self.overrides, "n_layer": self.blocks.value, "dropout": 0.0}
@@ -139,6 +163,7 @@ class RunForReal(PlanExplorer):
     def compute(self) -> RealRun:
         """Profile the model, simulate the plan, then train ``steps`` steps with the engine."""
         config = self._model_config()
+        self._say(f"building {self.model_name} with {config['n_layer']} blocks")
         B, uf, ub = self.minibatch.value, self.fwd_microbatch.value, self.bwd_microbatch.value
         with torch_threads(self.threads):
             torch.manual_seed(self.seed)
@@ -155,9 +180,11 @@ class RunForReal(PlanExplorer):
                 self.result = RealRun(None, None, None, problem=str(err))
                 return self.result
             sizes = sorted({*default_sizes(B), uf, ub, B % uf or uf, B % ub or ub})
+            self._say(f"profiling its layers at microbatches {', '.join(map(str, sizes))}")
             spec = profile(
                 layers, inputs, target, lm_loss, adamw, sizes=sizes, name=self.model_name
             )
+            self._say("simulating the plan on the profile")
             simulated, sim_problem = play(spec, hardware, plan)
             measured, losses, run_problem = self._train(layers, inputs, target, device, plan)
         problem = run_problem or (f"simulated: {sim_problem}" if sim_problem else None)
@@ -185,7 +212,8 @@ class RunForReal(PlanExplorer):
                 plan=plan,
                 seed=self.seed,
             )
-            for _ in range(self.steps.value):
+            for step in range(self.steps.value):
+                self._say(f"training: engine step {step + 1} of {self.steps.value}")
                 losses.append(engine.step(inputs, target))
         except HarmonyError as err:
             return None, losses, f"the engine stopped: {err}"

@@ -2,14 +2,21 @@
 
 * :class:`PackExplorer` simulates one plan (pack size, microbatch sizes,
   options) against the paper's baseline, per-layer swapping as vDNN and LMS
-  run it (``layer-swap``, on its own plan), and every other policy. Its
+  run it (``layer-swap``, on its own plan), and every other policy. A
+  faithful baseline chosen by name runs as the system does (its own chooser's
+  plan, the headline says so); ``"layer-swap with these packs"`` runs it on the
+  controls' packs. Each plan is simulated once (kept per model, server and
+  plan), each setting's output is kept (going back shows it at once), and a
+  change replaces the output in one step. Its
   headline says whether the paper's claim applies to the setting and why
   (:mod:`.claim`); one click switches between :data:`CASES`, a setting where
   it applies (the default) and one where it does not. Its *host memory* and
   *disk* controls set the server every policy runs on: with less host memory
   than the training state and a disk tier, state goes to disk (the timeline
-  shows the disk's lanes, the headline what is on disk); without a disk, the
-  planner says what to set.
+  shows the disk's lanes, the headline what is on disk); without a disk, a
+  message without a chart says which control to change. A preset with fewer
+  GPUs lowers the GPUs control, and one with more brings back what the reader
+  set (the headline says when there are fewer).
 * :class:`RunForReal` (:mod:`.run_for_real`) trains a small GPT-2 of the zoo
   for a few steps with the real engine on an emulated GPU and simulates the
   same plan from a profile of the same model.
@@ -31,17 +38,15 @@ from __future__ import annotations
 
 import contextlib
 import textwrap
-from dataclasses import dataclass
 
 import pandas as pd
 
 from ..costs.catalog import SOURCES, known_models
 from ..costs.hardware import PRESETS, format_bytes, preset
 from ..errors import HarmonyError
-from ..plan import Plan
 from ..planner.systems import PLAN_MAKERS
 from ..policies import names
-from ..trace import Trace
+from .advice import in_controls_words
 from .charts import (
     memory_chart,
     plan_notation,
@@ -51,10 +56,24 @@ from .charts import (
     timeline_chart,
 )
 from .claim import setting
-from .comparison import baselines, comparison_table, default_baseline, headline, versus
-from .controls import STYLE, PlanExplorer, slider, w  # w: ipywidgets, or how to install it
+from .comparison import (
+    ON_THESE_PACKS,
+    baselines,
+    default_baseline,
+    policy_choices,
+    policy_of,
+    versus,
+)
+from .controls import (  # w: ipywidgets, or how to install it
+    STYLE,
+    PlanExplorer,
+    html_bundle,
+    slider,
+    w,
+)
 from .display import load_altair
-from .play import COLUMNS, cached_spec, own_plan, play, records, row, server
+from .exploration import Exploration
+from .play import COLUMNS, cached_spec, own_plan, played, row, server
 from .run_for_real import RealRun, RunForReal
 from .tiers import (
     AS_PRESET,
@@ -100,68 +119,6 @@ CASES = {
     "where the paper's claim applies": CLAIM_APPLIES,
     "where it does not": CLAIM_DOES_NOT_APPLY,
 }
-
-
-@dataclass
-class Exploration:
-    """What :meth:`PackExplorer.compute` found."""
-
-    plan: Plan | None  #: None when the model's spec could not be loaded
-    trace: Trace | None  #: None when the plan is invalid or too large to simulate
-    #: one row per policy: policy, chosen, planned_by ("the controls", or a
-    #: baseline's "own rule"), fwd/bwd microbatch, iteration_s, samples_per_s,
-    #: swap_gb (host<->GPU), disk_gb (host<->disk), peak_gb, fits, status ("fits",
-    #: "does not fit: ...", "not run:
-    #: ..."), note (why a row could not be simulated or fit),
-    #: speedup_vs_baseline (the baseline's time / this one's),
-    #: swap_ratio_vs_baseline (the baseline's swap volume / this one's)
-    comparison: pd.DataFrame
-    problem: str | None  #: why the chosen plan cannot run, in words
-    baseline: str = ""  #: the policy the ratios compare against
-    #: whether the paper's claim applies here, and why (:func:`.claim.setting`)
-    setting: str = ""
-    #: with the host memory or the disk not the preset's: the server's, and what of the
-    #: chosen plan's training state is on disk (:func:`where_state_lives`)
-    tiers: str = ""
-
-    @property
-    def headlines(self) -> list[str]:
-        """The chosen plan's time and swap volume against the baseline's (and
-        the fastest policy that fits, when that is another), where its training
-        state lives (when the host memory or the disk is set), then the setting."""
-        if self.plan is None:
-            return [f"nothing to simulate: {self.problem}"]
-        numbers = headline(self.comparison, self.plan.policy, self.baseline)
-        return [line for line in (numbers, self.tiers, self.setting) if line]
-
-    @property
-    def headline(self) -> str:
-        """:attr:`headlines` as one text."""
-        return ". ".join(self.headlines)
-
-    def table(self):
-        """The comparison for reading: units in the headings, rounded, the
-        chosen row in bold, plans that do not fit in grey, notes wrapped
-        (a pandas Styler)."""
-        return comparison_table(self.comparison, self.baseline)
-
-    def to_dict(self) -> dict:
-        """JSON-ready: the plan, the problem, the headline, the comparison rows and the
-        trace's main numbers."""
-        s = self.trace.summary if self.trace is not None else None
-        return {
-            "plan": self.plan.to_dict() if self.plan else None,
-            "problem": self.problem,
-            "headline": self.headline,
-            "baseline": self.baseline,
-            "setting": self.setting,
-            "tiers": self.tiers,
-            "iteration_s": s and s.iteration_s,
-            "swap_bytes": s and s.swap_bytes,
-            "disk_bytes": s and s.disk_bytes,
-            "peak_memory": s and s.peak_memory,
-            "comparison": records(self.comparison),
-        }
 
 
 class PackExplorer(PlanExplorer):
@@ -254,8 +211,14 @@ class PackExplorer(PlanExplorer):
             prefetch_packs,
             top=4096,
             most_layers=64,
+            policies=policy_choices(),
         )
-        self.cases = [w.Button(description=label) for label in CASES]
+        #: the GPUs the reader asked for: a preset with fewer lowers the slider, one
+        #: with more brings it back
+        self._gpus_wanted, self._adjusting = self.n_gpus.value, False
+        self.n_gpus.observe(self._gpus_set, "value")
+        # wide enough for their labels
+        self.cases = [w.Button(description=label, layout={"width": "auto"}) for label in CASES]
         for button in self.cases:
             button.on_click(lambda b: self.set(**CASES[b.description]))
         self.output = w.Output()
@@ -323,12 +286,23 @@ class PackExplorer(PlanExplorer):
             self.host_memory.options = [(self._host_label(c), c) for c in self._host_choices]
             self.host_memory.value = value
 
+    def _gpus_set(self, change) -> None:
+        if not self._adjusting:
+            self._gpus_wanted = change["new"]
+
     def _hardware_changed(self, _=None) -> None:
-        self.n_gpus.max = preset(self.hardware.value).n_gpus
-        self._relabel_host_memory()
+        top = preset(self.hardware.value).n_gpus
+        with self._held():
+            self._adjusting = True
+            try:
+                self.n_gpus.max = max(top, 1)
+                self.n_gpus.value = min(self._gpus_wanted, top)
+            finally:
+                self._adjusting = False
+            self._relabel_host_memory()
 
     def _model_changed(self, _=None) -> None:
-        with contextlib.suppress(HarmonyError):  # an unknown spec is reported by compute()
+        with self._held(), contextlib.suppress(HarmonyError):  # compute() reports a bad spec
             self.pack_size.max = len(cached_spec(self.model.value, self.source.value))
         self._relabel_host_memory()
 
@@ -338,9 +312,13 @@ class PackExplorer(PlanExplorer):
         self.render()
 
     # ---- compute and draw ------------------------------------------------------------------
+    def state(self) -> tuple:
+        return (*(c.value for c in self.controls()), self._gpus_wanted)
+
     def compute(self) -> Exploration:
-        """Simulate the chosen plan and one plan per other policy."""
-        baseline, chosen = self.baseline.value, self.policy.value
+        """Simulate the chosen plan and one plan per other policy (each plan once:
+        :func:`~harmony.workbench.play.played` keeps what was played)."""
+        baseline, choice = self.baseline.value, self.policy.value
         model, source, hardware = self.model.value, self.source.value, self.hardware.value
         n, minibatch = self.n_gpus.value, self.minibatch.value
         disk = None if self.disk.value == NO_DISK else self.disk.value
@@ -350,32 +328,70 @@ class PackExplorer(PlanExplorer):
             hw = server(hardware, host, disk)
         except HarmonyError as err:
             empty = pd.DataFrame(columns=COLUMNS)
-            self.result = Exploration(None, None, empty, str(err), baseline)
+            self.result = Exploration(None, None, empty, str(err), baseline, chosen=choice)
             return self.result
         rows = []
-        for policy in [chosen] + [p for p in names() if p != chosen]:
-            if policy != chosen and policy in PLAN_MAKERS:
-                plan, problem = own_plan(policy, model, source, hardware, n, minibatch, host, disk)
-                trace, problem = play(spec, hw, plan) if plan else (None, problem)
-                planned_by = "its own rule"
+        for label in [choice] + [p for p in names() if p != choice]:
+            policy, on_the_controls = policy_of(label)
+            if on_the_controls:
+                plan, problem = self.plan_for(policy, n, len(spec)), None
             else:
-                plan = self.plan_for(policy, n, len(spec))
-                trace, problem = play(spec, hw, plan)
-                planned_by = "the controls"
-            if policy == chosen:
+                plan, problem = own_plan(policy, model, source, hardware, n, minibatch, host, disk)
+            trace, problem = played(model, source, hw, plan) if plan else (None, problem)
+            problem = in_controls_words(problem)
+            if label == choice:
                 mine = (plan, trace, problem)
+            planned_by = "the controls" if on_the_controls else "its own rule"
             rows.append(
-                row(policy, plan, trace, problem, chosen=policy == chosen, planned_by=planned_by)
+                row(label, plan, trace, problem, chosen=label == choice, planned_by=planned_by)
             )
         comparison = versus(pd.DataFrame(rows), baseline)
-        said = setting(comparison, chosen, model, source, hardware, minibatch, n)
+        said = setting(comparison, choice, model, source, hardware, minibatch, n)
         plan, trace, problem = mine
         tiers = ""
         if host is not None or disk is not None:
             memory = host_memory_words(self.host_memory.value)
             tiers = where_state_lives(spec, hw, plan, trace, memory)
-        self.result = Exploration(plan, trace, comparison, problem, baseline, said, tiers)
+        notes = (self._plan_note(choice, plan), self._gpus_note(hw.n_gpus))
+        self.result = Exploration(
+            plan, trace, comparison, problem, baseline, said, tiers, choice, notes
+        )
         return self.result
+
+    def _plan_note(self, choice: str, plan) -> str:
+        """What the chosen plan is when it is not the controls' alone."""
+        policy, on_the_controls = policy_of(choice)
+        if not on_the_controls:
+            what = f" ({plan.describe()})" if plan else ""
+            return (
+                f"{policy} as the system runs it: its own chooser's plan{what}, not the "
+                f"packs and microbatches of the controls; '{policy}{ON_THESE_PACKS}' runs "
+                "it on those"
+            )
+        if policy != choice:
+            return (
+                f"{policy} on the packs and microbatches of the controls, not on its own "
+                f"chooser's plan (the row '{policy}')"
+            )
+        return ""
+
+    def _gpus_note(self, has: int) -> str:
+        """Why the GPUs are fewer than the reader asked for, if they are."""
+        if self.n_gpus.value >= self._gpus_wanted:
+            return ""
+        return (
+            f"On {self.n_gpus.value} GPU{'s' if self.n_gpus.value > 1 else ''}, not "
+            f"{self._gpus_wanted}: {self.hardware.value} has {has} (a preset with more "
+            "brings the GPUs back)"
+        )
+
+    def view(self, result: Exploration) -> list[dict]:
+        """The chart and the table; a plan that cannot run gets its message instead of
+        a chart (with what to change in the controls) and the table of every policy."""
+        if result.trace is None:
+            table = [result.table().to_html()] if len(result.comparison) else []
+            return [html_bundle(result.message()), *map(html_bundle, table)]
+        return super().view(result)
 
     def chart(self, result: Exploration | None = None):
         """Headline, problem (if any), swap timeline (with the disk's lanes when
@@ -393,8 +409,8 @@ class PackExplorer(PlanExplorer):
                     memory_chart(thin_memory(r.trace)),
                 ).resolve_scale(x="shared", color="independent")
             )
-        if len(r.comparison):
-            chosen = r.plan.policy if r.plan else None
+        if r.comparison["iteration_s"].notna().any():  # no empty bars
+            chosen = r.chosen or None
             time = "time per iteration (shorter is faster)"
             swap = "bytes over host↔GPU links per iteration"
             if (r.comparison["disk_gb"] > 0).any():  # counted apart, in the table

@@ -14,8 +14,8 @@ lesson stays markdown and short calls.
   (:func:`~harmony.workbench.experiments.train_side_by_side`), and shows what
   keeps it exact and what does not (:func:`dropout_masks`, :func:`exactness_table`).
 
-:func:`try_this` puts a computation behind ipywidgets controls; run in batch
-(papermill) it computes nothing. The baseline is
+:func:`try_this` puts a computation behind ipywidgets controls and shows its
+first result at once (:func:`readable` tables). The baseline is
 :data:`~harmony.workbench.experiments.BASELINE` (per-layer swapping as vDNN / LMS run
 it); lessons about input-batch grouping alone compare with
 :data:`~harmony.workbench.experiments.ABLATION` (Harmony without grouping).
@@ -32,6 +32,7 @@ from .common import (
     play,
     policy_label,
     policy_scale,
+    readable,
     summary_table,
     try_this,
     with_cpu,
@@ -102,6 +103,7 @@ __all__ = [
     "play",
     "policy_label",
     "policy_scale",
+    "readable",
     "scaling_lesson_chart",
     "scaling_sweep",
     "scheduling_chart",

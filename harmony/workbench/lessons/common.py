@@ -3,6 +3,7 @@ summary table, and :func:`try_this` (a computation behind ipywidgets controls)."
 
 from __future__ import annotations
 
+import html
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
@@ -30,6 +31,8 @@ from ...planner import simulate
 from ...planner.systems import layer_swap_plans
 from ...trace import Trace
 from .. import palette
+from ..controls import shown
+from ..display import live_bundle, loader_bundle
 from ..experiments import ABLATION, BASELINE
 
 #: Harmony's two placements: packs round-robin over the GPUs, or every GPU runs every pack
@@ -142,36 +145,81 @@ def summary_table(traces: Mapping[str, Trace]) -> pd.DataFrame:
 
 
 # ---- interactive --------------------------------------------------------------------------
+def readable(df: pd.DataFrame):
+    """A table for reading: numbers to 3 significant digits, headings that wrap at
+    underscores, no index, inside a box that scrolls sideways rather than cut a column."""
+    from IPython.display import HTML
+
+    numbers = df.select_dtypes("number").columns.difference(df.select_dtypes("bool").columns)
+    styler = (
+        df.rename(columns=lambda c: str(c).replace("_", " "))
+        .style.format({str(c).replace("_", " "): "{:.3g}" for c in numbers})
+        .hide(axis="index")
+        .set_table_styles(
+            [
+                {
+                    "selector": "th",
+                    "props": "white-space: normal; max-width: 9em; text-align: right;",
+                }
+            ]
+        )
+    )
+    return HTML(f'<div style="overflow-x: auto; max-width: 100%">{styler.to_html()}</div>')
+
+
+def _bundle(result) -> dict:
+    """The mime bundle of what :func:`try_this` shows: a chart without vega's script
+    (the widget loads it once), a table :func:`readable`, anything else as IPython
+    shows it."""
+    from IPython.core.formatters import format_display_data
+
+    if hasattr(result, "to_dict") and hasattr(result, "mark_point"):  # an altair chart
+        return live_bundle(result)
+    if isinstance(result, pd.DataFrame):
+        result = readable(result)
+    return format_display_data(result)[0]
+
+
 def try_this(compute: Callable[..., Any], controls: Mapping[str, Any], button: str | None = None):
     """``controls`` (ipywidgets by argument name) over an output area that shows
-    ``compute(**values)`` again on every change, or when ``button`` (its label)
-    is pressed, for computations that take seconds. The area starts empty: the
-    notebook shows the result for its parameters above it, and a batch run
-    (papermill) computes nothing here."""
+    ``compute(**values)`` for the controls as they are, at once, then again on
+    every change, or when ``button`` (its label) is pressed, for computations that
+    take seconds; each result replaces the last in one step. A table is shown
+    :func:`readable`; the controls' labels are as wide as their text."""
     import ipywidgets as w
-    from IPython.display import display
+    from IPython.display import HTML
 
     out = w.Output()
+    loader = w.Output(layout=w.Layout(height="0px", overflow="hidden"))
+    loader.outputs = (shown(loader_bundle()),)
 
     def refresh(_=None) -> None:
         values = {name: c.value for name, c in controls.items()}
-        with out:
-            out.clear_output(wait=True)
-            try:
-                display(compute(**values))
-            except HarmonyError as e:  # a setting that cannot run says why
-                print(f"cannot run this: {e}")
+        try:
+            result = compute(**values)
+        except HarmonyError as e:  # a setting that cannot run says why
+            result = HTML(f"<pre>cannot run this: {html.escape(str(e))}</pre>")
+        out.outputs = (shown(_bundle(result)),)
 
+    for c in controls.values():  # "per pack (H)", not "per pack (…"
+        if hasattr(c, "style") and hasattr(c.style, "description_width"):
+            c.style.description_width = "initial"
     boxes = list(controls.values())
     if button:
         run = w.Button(description=button, button_style="primary")
         run.on_click(refresh)
         boxes.append(run)
-        hint = f"Set the controls and press <b>{button}</b>; the result appears below."
+        hint = f"Set the controls and press <b>{button}</b>; the result below follows."
     else:
         for c in controls.values():
             c.observe(refresh, names="value")
-        hint = "Change a control; the result appears below."
+        hint = "Change a control; the result below follows."
+    refresh()
     return w.VBox(
-        [w.HBox(boxes, layout=w.Layout(flex_flow="row wrap")), w.HTML(f"<i>{hint}</i>"), out]
+        [
+            w.HBox(boxes, layout=w.Layout(flex_flow="row wrap")),
+            w.HTML(f"<i>{hint}</i>"),
+            out,
+            loader,
+        ]
     )
