@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	    $(BIN)/pip install -q --disable-pip-version-check "torch>=2.1"; \
 	fi
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,notebooks]"
+	@# notebooks run and saved in place are committed without their outputs (.gitattributes);
+	@# git keeps filter settings per clone, so each clone registers it here
+	@if git rev-parse --git-dir >/dev/null 2>&1; then $(PYTHON) scripts/strip_notebook.py --install; fi
 	@touch $@
 
 figures: $(STAMP)

@@ -217,7 +217,8 @@ def _named(column: str, value, names) -> str:
 
 def _bars(df: pd.DataFrame, width: int) -> pd.DataFrame:
     """The bars' columns: durations in ms, layers and descriptions in words, the lane's
-    GPU (every other one shaded) and kind, and each bar's drawn end (at least :data:`MIN_BAR_PX` wide)."""
+    GPU (every other one shaded) and kind, and each bar's drawn end (at least
+    :data:`MIN_BAR_PX` wide)."""
     span = float(df.end_s.max() - df.start_s.min()) or 1.0
     shortest = span * MIN_BAR_PX / width
     groups = list(dict.fromkeys(lane_group(x) for x in sorted(set(df.lane), key=_lane_order)))
