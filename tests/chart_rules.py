@@ -122,14 +122,26 @@ RENDERED = r"""root => {
   for (const axis of svg.querySelectorAll("g.role-axis")) {
     const labels = [...axis.querySelectorAll("g.role-axis-label text")]
       .filter(t => text(t) && t.getAttribute("opacity") !== "0");
-    const boxes = labels.map(t => t.getBoundingClientRect());
-    for (let i = 1; i < boxes.length; i++) {
+    // vega writes "translate(x,y) rotate(a)": slanted labels are parallel lines, which
+    // overlap when their anchors are closer than a line's height across the slant
+    const place = t => {
+      const m = /translate\(([-\d.e]+),\s*([-\d.e]+)\)(?:\s*rotate\(([-\d.e]+)\))?/
+        .exec(t.getAttribute("transform") || "");
+      return m ? {x: +m[1], y: +m[2], a: +(m[3] || 0) * Math.PI / 180} : null;
+    };
+    for (let i = 1; i < labels.length; i++) {
       for (let j = 0; j < i; j++) {
-        const a = boxes[i], b = boxes[j];
-        const w = Math.min(a.right, b.right) - Math.max(a.left, b.left);
-        const h = Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top);
-        if (w > 1 && h > 1)
-          out.push(`tick labels overlap: "${text(labels[i])}", "${text(labels[j])}"`);
+        const p = place(labels[i]), q = place(labels[j]);
+        let hit;
+        if (p && q && p.a !== 0 && p.a === q.a) {
+          const across = Math.abs((p.x - q.x) * Math.sin(p.a) - (p.y - q.y) * Math.cos(p.a));
+          hit = across + 1 < parseFloat(getComputedStyle(labels[i]).fontSize || "10");
+        } else {
+          const a = labels[i].getBoundingClientRect(), b = labels[j].getBoundingClientRect();
+          hit = Math.min(a.right, b.right) - Math.max(a.left, b.left) > 1
+             && Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 1;
+        }
+        if (hit) out.push(`tick labels overlap: "${text(labels[i])}", "${text(labels[j])}"`);
       }
     }
     if (labels.length && !text(axis.querySelector("g.role-axis-title") || {}))
