@@ -101,7 +101,7 @@ def test_many_lanes_are_grouped_by_gpu_wide_enough_and_can_be_picked():
     shortest = min(r["drawn_end_s"] - r["start_s"] for r in bars)
     assert shortest >= span * timelines.MIN_BAR_PX / 600 * (1 - 1e-9)
     assert min(r["end_s"] - r["start_s"] for r in bars) < shortest  # short tasks were widened
-    shades = {r["lane"]: r["shade"] for r in rows if "shade" in r}
+    shades = {r["lane"]: r["band"] for r in rows if "band" in r}
     assert shades["gpu0.compute"] == shades["gpu0.h2d"] != shades["gpu1.compute"]
     menu = next(p for p in _params(spec) if "bind" in p and p["bind"] != "scales")
     assert {"all", "gpu0", "gpu3", "h2d", "cpu"} <= set(menu["bind"]["options"])

@@ -187,7 +187,7 @@ def timeline_chart(
     )
     bands = (  # every other GPU's lanes shaded, so one GPU's lanes read as a group
         alt.Chart(df)
-        .transform_filter("datum.shade == 1")
+        .transform_filter("datum.band == 1")
         .transform_aggregate(tasks="count()", groupby=["lane", "group", "link"])
         .mark_rect(color="#000000", opacity=0.05)
         .encode(y=y)
@@ -226,7 +226,7 @@ def _bars(df: pd.DataFrame, width: int) -> pd.DataFrame:
         {
             "lane": df.lane,
             "group": [lane_group(x) for x in df.lane],
-            "shade": [groups.index(lane_group(x)) % 2 for x in df.lane],
+            "band": [groups.index(lane_group(x)) % 2 for x in df.lane],
             "link": [lane_link(x) for x in df.lane],
             "kind": df.kind,
             "means": df.kind.map(palette.KIND_WORDS).fillna(""),
