@@ -122,9 +122,10 @@ def ladder_chart(ladder: pd.DataFrame, title: str = ""):
 
     def by_model(chart, height: int, labels: bool):
         column = alt.Column("model:N", title="model", sort=models)
+        below = alt.Column("model:N", title=None, sort=models, header=alt.Header(labels=False))
         return (
             chart.properties(width=260, height=height)
-            .facet(column=column if labels else column.header(labels=False))
+            .facet(column=column if labels else below)
             .resolve_scale(y="independent")
         )
 
