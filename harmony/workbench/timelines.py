@@ -10,6 +10,7 @@ reader pick lanes, from Python (``lanes=``) or from a menu under the chart.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 
 import pandas as pd
@@ -117,8 +118,12 @@ def lane_link(lane: str) -> str:
 
 
 def _lane_order(lane: str) -> tuple:
+    """GPUs first, in their number's order (gpu2 before gpu10), then the host and the CPU."""
     device, _, kind = lane.partition(".")
-    return (device.startswith("cpu"), device, _LINKS.get(kind, 4 if not kind else 5))
+    numbered = re.fullmatch(r"(\D*)(\d+)", device)
+    name, number = numbered.groups() if numbered else (device, "")
+    link = _LINKS.get(kind, 4 if not kind else 5)
+    return (device.startswith("cpu"), name, int(number or -1), link)
 
 
 def pick_lanes(timeline: pd.DataFrame, lanes: Iterable[str] | None) -> pd.DataFrame:

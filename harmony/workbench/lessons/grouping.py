@@ -124,4 +124,6 @@ def timelines(traces: Mapping[str, Trace], width: int = 760):
         # each timeline brings the same zoom selection; altair merges them into one (so the
         # timelines zoom together) and says so
         warnings.filterwarnings("ignore", message=".*deduplicated selection parameter")
-        return alt.vconcat(*charts)
+        # each its own legend: a shared colour scale would take one timeline's colours for
+        # the kinds of both
+        return alt.vconcat(*charts).resolve_scale(color="independent")
