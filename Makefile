@@ -32,6 +32,9 @@ $(STAMP): pyproject.toml Makefile
 	else \
 	  $(PIP) -e ".[dev,notebooks]"; \
 	fi
+	@# notebooks run and saved in place are committed without their outputs (.gitattributes);
+	@# git keeps filter settings per clone, so each clone registers it here
+	@if git rev-parse --git-dir >/dev/null 2>&1; then $(PYTHON) scripts/strip_notebook.py --install; fi
 	@touch $@
 
 figures: $(STAMP)

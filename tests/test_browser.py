@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 
 import nbformat
 import pytest
+from chart_rules import RENDERED
 from executed import shared_directory
 from test_notebooks import NOTEBOOK_DIR, parameter_names, parameters_cell, smoke_parameters
 
@@ -330,16 +331,17 @@ class Lab:
                 )
             time.sleep(0.5)
         assert not _problems(page)
-        empty = []
+        empty, unclear = [], []
         for i, chart in enumerate(charts.all()):
             chart.scroll_into_view_if_needed()
             chart.screenshot(path=ARTIFACTS / f"{name}-chart{i}.png")
             title = chart.locator("svg.marks .role-title-text").first
-            empty += [
-                f"chart {i} ({title.text_content() if title.count() else 'untitled'}): {m}"
-                for m in chart.evaluate(EMPTY_MARKS)
-            ]
+            said = f"chart {i} ({title.text_content() if title.count() else 'untitled'})"
+            empty += [f"{said}: {m}" for m in chart.evaluate(EMPTY_MARKS)]
+            # what a reader would miss: titles, overlapping tick labels, Python repr
+            unclear += [f"{said}: {m}" for m in chart.evaluate(RENDERED)]
         assert not empty, f"{name}: marks drawn but nothing visible: {empty}"
+        assert not unclear, f"{name}: charts a reader cannot read: {unclear}"
         return charts.all()
 
     def screenshot(self, page, name: str) -> None:

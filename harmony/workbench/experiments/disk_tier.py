@@ -93,6 +93,7 @@ def slowdown_chart(sweep: pd.DataFrame, title: str = ""):
     """Seconds per iteration against the disk's read bandwidth, one line for
     full-duplex disks and one for disks whose reads and writes share its time,
     with the same plan's time on a host with memory to spare as a rule."""
+    from .. import labels
     from ..charts import load_altair
 
     alt = load_altair()
@@ -107,12 +108,20 @@ def slowdown_chart(sweep: pd.DataFrame, title: str = ""):
             ),
             y=alt.Y("iteration_s:Q", title="iteration time (s, simulated)"),
             color=alt.Color("reads_and_writes:N", title="reads and writes"),
-            tooltip=["disk", "iteration_s", "slowdown", "disk_read_gb", "lower_bound_by"],
+            tooltip=labels.tooltips(
+                fits, ["disk", "iteration_s", "slowdown", "disk_read_gb", "lower_bound_by"]
+            ),
         )
     )
     rule = (
         alt.Chart(pd.DataFrame({"iteration_s": [roomy], "what": ["host memory to spare"]}))
         .mark_rule(strokeDash=[4, 4], color="gray")
-        .encode(y="iteration_s:Q", tooltip=["what", "iteration_s"])
+        .encode(
+            y="iteration_s:Q",
+            tooltip=[
+                alt.Tooltip("what:N", title="what"),
+                alt.Tooltip("iteration_s:Q", format=".3~g", title="iteration time (s)"),
+            ],
+        )
     )
     return (line + rule).properties(title=title, width=520, height=280)

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from .. import palette
+from .. import labels, palette
 from ..charts import bar_chart
 from .settings import ABLATION, BASELINES, HARMONY_POLICIES
 
@@ -34,38 +34,23 @@ def system_bars(
     """Bars of ``y`` per case (model / minibatch), one per system of ``systems``
     (rows of :func:`~.paper_grid.paper_grid` that fit), each labelled as in
     :data:`_SHOWN` and in its policy's colour: the ablation apart from the baselines."""
-    import altair as alt
-
     rows = df[df["system"].isin(systems) & df["fits"].astype(bool)].dropna(subset=[y])
     rows = rows.assign(
-        case=rows["model"] + " / " + rows["minibatch"].astype(str),
-        label=rows["system"].map(lambda s: _SHOWN[s][0]),
+        case=[labels.case_label(m, b) for m, b in zip(rows["model"], rows["minibatch"])],
+        system=rows["system"].map(lambda s: _SHOWN[s][0]),
     )
-    labels = [_SHOWN[s][0] for s in systems]
-    colors = [palette.color(_SHOWN[s][1]) for s in systems]
-    return (
-        alt.Chart(rows)
-        .mark_bar()
-        .encode(
-            x=alt.X(
-                "case:N", title=None, sort=None, axis=alt.Axis(labelAngle=-30, labelAlign="right")
-            ),
-            xOffset=alt.XOffset("label:N", sort=labels),
-            y=alt.Y(
-                f"{y}:Q",
-                title=y_title or y,
-                stack=None,
-                scale=alt.Scale(type="log") if log else alt.Scale(zero=True),
-            ),
-            color=alt.Color(
-                "label:N",
-                title=None,
-                scale=alt.Scale(domain=labels, range=colors),
-                legend=alt.Legend(orient="bottom", columns=3, labelLimit=300),
-            ),
-            tooltip=["model", "minibatch", "label", "plan", "microbatch", y, "reason"],
-        )
-        .properties(title=title, width=max(320, 26 * len(systems) * rows["case"].nunique()))
+    shown = [_SHOWN[s][0] for s in systems if _SHOWN[s][0] in set(rows["system"])]
+    colors = {_SHOWN[s][0]: palette.color(_SHOWN[s][1]) for s in systems}
+    return bar_chart(
+        rows[["case", "system", y, "plan", "microbatch"]],
+        "case",
+        y,
+        "system",
+        title=title,
+        log=log,
+        y_title=y_title,
+        x_title="model and minibatch",
+        scale={"domain": shown, "range": [colors[s] for s in shown]},
     )
 
 
@@ -93,35 +78,39 @@ def ladder_chart(ladder: pd.DataFrame, title: str = ""):
         step=lambda d: d["rung"].astype(int).astype(str) + " " + d["technique"]
     )
     order = list(dict.fromkeys(rows.sort_values("rung")["step"]))
+    rows = rows.assign(model=rows["model"].map(labels.model_label))
     base = alt.Chart(rows).encode(
         x=alt.X(
             "step:N",
             sort=order,
-            title=None,
+            title="rung: the technique it adds",
             axis=alt.Axis(labelAngle=-35, labelAlign="right", labelLimit=260),
         ),
         color=alt.Color(
             "policy:N",
-            title=None,
+            title="policy",
             scale=alt.Scale(**palette.series_scale(rows["policy"])),
             legend=alt.Legend(orient="bottom"),
         ),
-        tooltip=[
-            "model",
-            "rung",
-            "technique",
-            "how",
-            "plan",
-            "microbatch",
-            "iteration_s",
-            "speedup_vs_previous",
-            "speedup_vs_bottom",
-            "host_gpu_gb",
-            "gpu_gpu_gb",
-        ],
+        tooltip=labels.tooltips(
+            rows,
+            [
+                "model",
+                "rung",
+                "technique",
+                "how",
+                "plan",
+                "microbatch",
+                "iteration_s",
+                "speedup_vs_previous",
+                "speedup_vs_bottom",
+                "host_gpu_gb",
+                "gpu_gpu_gb",
+            ],
+        ),
     )
     time = base.mark_bar().encode(
-        x=alt.X("step:N", sort=order, title=None, axis=alt.Axis(labels=False, ticks=False)),
+        x=alt.X("step:N", sort=order, axis=None),  # the panel below names the rungs
         y=alt.Y("iteration_s:Q", title="s / iteration (simulated)"),
     )
     pcie = base.mark_bar().encode(
@@ -132,10 +121,11 @@ def ladder_chart(ladder: pd.DataFrame, title: str = ""):
     models = list(dict.fromkeys(rows["model"]))
 
     def by_model(chart, height: int, labels: bool):
-        column = alt.Column("model:N", title=None, sort=models)
+        column = alt.Column("model:N", title="model", sort=models)
+        below = alt.Column("model:N", title=None, sort=models, header=alt.Header(labels=False))
         return (
             chart.properties(width=260, height=height)
-            .facet(column=column if labels else column.header(labels=False))
+            .facet(column=column if labels else below)
             .resolve_scale(y="independent")
         )
 
@@ -148,7 +138,7 @@ def ladder_chart(ladder: pd.DataFrame, title: str = ""):
 def karma_chart(karma: pd.DataFrame, title: str = ""):
     """KARMA's speedup over each per-layer swapping baseline, per model and minibatch."""
     rows = karma.dropna(subset=["karma_speedup"]).assign(
-        case=lambda d: d["model"] + " / " + d["minibatch"].astype(str)
+        case=lambda d: [labels.case_label(m, b) for m, b in zip(d["model"], d["minibatch"])]
     )
     return bar_chart(
         rows[["case", "baseline", "karma_speedup", "plan", "karma_plan", "microbatch"]],
@@ -157,6 +147,8 @@ def karma_chart(karma: pd.DataFrame, title: str = ""):
         "baseline",
         title=title,
         y_title="baseline time / KARMA's (simulated)",
+        x_title="model and minibatch",
+        color_title="per-layer swapping baseline",
     )
 
 
@@ -180,6 +172,8 @@ def hydra_chart(hydra: pd.DataFrame, title: str = ""):
         "system",
         title=title,
         y_title="seconds to train every job (simulated)",
+        x_title="HYDRA compared with",
+        color_title="schedule",
     )
 
 
@@ -197,15 +191,10 @@ def heatmap_chart(df: pd.DataFrame, title: str = ""):
         x=alt.X("microbatch:O", title="microbatch size (uF = uB)"),
         y=alt.Y("pack_size:O", title="layers per backward pack", sort="ascending"),
     )
-    tooltip = [
-        "pack_size",
-        "packs",
-        "microbatch",
-        "iteration_s",
-        "peak_memory_gb",
-        "swap_gb",
-        "status",
-    ]
+    tooltip = labels.tooltips(
+        df,
+        ["pack_size", "packs", "microbatch", "iteration_s", "peak_memory_gb", "swap_gb", "status"],
+    )
     grey = base.mark_rect(color="#dddddd").encode(
         tooltip=tooltip
     )  # every cell; shows where nothing fits
@@ -237,8 +226,11 @@ def search_time_chart(df: pd.DataFrame, title: str = ""):
             f"uF={f} uB={b}, {n} packs" for f, b, n in zip(df["uF"], df["uB"], df["bwd_packs"])
         ]
     )
+    df = df.assign(model=df["model"].map(labels.model_label))
     base = alt.Chart(df).encode(
-        x=alt.X("model:N", sort=None), y=alt.Y("search_s:Q", title="search time (s)")
+        x=alt.X("model:N", sort=None, title="model", axis=alt.Axis(labelAngle=0)),
+        y=alt.Y("search_s:Q", title="search time (s)"),
+        tooltip=labels.tooltips(df, ["model", "search_s", "config"], {"search_s": ".3~g"}),
     )
     return (base.mark_bar() + base.mark_text(dy=-6).encode(text="config:N")).properties(
         title=title, width=max(200, 130 * len(df))
@@ -246,7 +238,11 @@ def search_time_chart(df: pd.DataFrame, title: str = ""):
 
 
 def scaling_chart(df: pd.DataFrame, title: str = ""):
+    """Throughput against GPUs per model (dashed: linear from the fewest GPUs), and the
+    scaling efficiency."""
     import altair as alt
+
+    df = df.assign(model=df["model"].map(labels.model_label))
 
     n0 = df["n_gpus"].min()
     ideal = df.assign(
@@ -264,8 +260,10 @@ def scaling_chart(df: pd.DataFrame, title: str = ""):
         .encode(
             x=x,
             y=alt.Y("samples_per_s:Q", title="samples/s (simulated)", scale=alt.Scale(type="log")),
-            color="model:N",
-            tooltip=["model", "n_gpus", "policy", "plan", "samples_per_s", "efficiency"],
+            color=alt.Color("model:N", title="model"),
+            tooltip=labels.tooltips(
+                df, ["model", "n_gpus", "policy", "plan", "samples_per_s", "efficiency"]
+            ),
         )
     )
     linear = (
@@ -284,7 +282,7 @@ def scaling_chart(df: pd.DataFrame, title: str = ""):
     )
     return alt.hconcat(
         (measured + linear).properties(title=title or "throughput (dashed: linear)"),
-        eff.properties(title="throughput_N / (N x throughput_1)"),
+        eff.properties(title="scaling efficiency: throughput on N GPUs / (N x on one)"),
     )
 
 
@@ -311,8 +309,8 @@ def fidelity_chart(df: pd.DataFrame, title: str = ""):
                 x=f"{x}:Q",
                 y=f"{y}:Q",
                 color=alt.Color("layers_per_pack:O", title="layers per pack"),
-                shape=alt.Shape("microbatch:O"),
-                tooltip=list(ran.columns),
+                shape=alt.Shape("microbatch:O", title="microbatch size"),
+                tooltip=labels.tooltips(ran),
             )
         )
         return (line + dots).properties(width=260, height=260, title=label)
@@ -326,9 +324,15 @@ def fidelity_chart(df: pd.DataFrame, title: str = ""):
 def systems_chart(df: pd.DataFrame, title: str = ""):
     """Samples/s of every system that has a plan, one group of bars per model and minibatch."""
     ran = df[df["fits"].astype(bool)]
-    long = ran.assign(case=[f"{m}, B={b}" for m, b in zip(ran.model, ran.minibatch)])
+    long = ran.assign(case=[labels.case_label(m, b) for m, b in zip(ran.model, ran.minibatch)])
     return bar_chart(
-        long, "case", "samples_per_s", color="policy", title=title, y_title="samples/s (simulated)"
+        long[["case", "policy", "samples_per_s", "plan", "microbatch"]],
+        "case",
+        "samples_per_s",
+        color="policy",
+        title=title,
+        y_title="samples/s (simulated)",
+        x_title="model and minibatch",
     )
 
 
@@ -340,4 +344,5 @@ def torch_offload_chart(df: pd.DataFrame, title: str | list[str] = ""):
         "samples_per_s",
         title=title,
         y_title="samples/s (measured)",
+        x_title="system",
     )

@@ -18,6 +18,7 @@ from ...graph import (
 )
 from ...planner import simulate
 from ...trace import Trace
+from .. import labels
 from ..experiments import ABLATION
 from .common import (
     COMPUTE_KINDS,
@@ -79,16 +80,10 @@ def grouping_chart(df: pd.DataFrame, title: str = ""):
         axis=alt.Axis(values=sorted(df["microbatches"].unique().tolist())),
         title="microbatches per minibatch (M)",
     )
-    color = alt.Color("policy:N", title=None, legend=LEGEND, scale=policy_scale(df["policy"]))
-    tooltip = [
-        "policy",
-        "microbatches",
-        "microbatch",
-        alt.Tooltip("w_in_gb:Q", format=".3g"),
-        alt.Tooltip("swap_gb:Q", format=".3g"),
-        alt.Tooltip("iteration_s:Q", format=".3g"),
-        "fits",
-    ]
+    color = alt.Color("policy:N", title="policy", legend=LEGEND, scale=policy_scale(df["policy"]))
+    tooltip = labels.tooltips(
+        df, ["policy", "microbatches", "microbatch", "w_in_gb", "swap_gb", "iteration_s", "fits"]
+    )
     base = alt.Chart(df).mark_line(point=True).encode(x=x, color=color, tooltip=tooltip)
     swap = base.encode(
         y=alt.Y(
@@ -129,4 +124,6 @@ def timelines(traces: Mapping[str, Trace], width: int = 760):
         # each timeline brings the same zoom selection; altair merges them into one (so the
         # timelines zoom together) and says so
         warnings.filterwarnings("ignore", message=".*deduplicated selection parameter")
-        return alt.vconcat(*charts)
+        # each its own legend: a shared colour scale would take one timeline's colours for
+        # the kinds of both
+        return alt.vconcat(*charts).resolve_scale(color="independent")

@@ -16,6 +16,7 @@ from ...graph import (
     W_IN,
 )
 from ...planner import simulate
+from .. import labels
 from ..experiments import BASELINE
 from .common import (
     DATA_PARALLEL,
@@ -124,22 +125,19 @@ def scaling_lesson_chart(df: pd.DataFrame, title: str = ""):
             ),
             y=alt.Y("samples_per_s:Q", title="samples/s (simulated)"),
             color=alt.Color(
-                "policy:N", title=None, legend=LEGEND, scale=policy_scale(df["policy"])
+                "policy:N", title="policy", legend=LEGEND, scale=policy_scale(df["policy"])
             ),
-            tooltip=[
-                "wiring",
-                "policy",
-                "n_gpus",
-                alt.Tooltip("samples_per_s:Q", format=".3g"),
-                alt.Tooltip("efficiency:Q", format=".2f"),
-                "limited_by",
-            ],
+            tooltip=labels.tooltips(
+                df,
+                ["wiring", "policy", "n_gpus", "samples_per_s", "efficiency", "limited_by"],
+                {"efficiency": ".2f"},
+            ),
         )
         .properties(width=220, height=200)
         .facet(
             column=alt.Column(
                 "wiring:N",
-                title=None,
+                title="how the GPUs are wired",
                 sort=list(dict.fromkeys(df["wiring"])),
                 header=alt.Header(labelLimit=260),
             )

@@ -21,6 +21,7 @@ from ...graph import (
 from ...plan import Plan
 from ...planner import simulate
 from ...trace import Trace
+from .. import labels
 from .common import (
     COMPUTE_KINDS,
     LEGEND,
@@ -134,14 +135,10 @@ def scheduling_chart(df: pd.DataFrame, title: str = ""):
         .encode(
             x=x,
             color=color,
-            tooltip=[
-                "link",
-                "prefetch_packs",
-                "iteration_s",
-                "gpu_idle_s",
-                "peak_gb",
-                "limited_by",
-            ],
+            tooltip=labels.tooltips(
+                df,
+                ["link", "prefetch_packs", "iteration_s", "gpu_idle_s", "peak_gb", "limited_by"],
+            ),
         )
     )
     return alt.hconcat(

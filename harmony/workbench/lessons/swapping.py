@@ -25,6 +25,7 @@ from ...plan import Plan
 from ...planner import simulate
 from ...policies import get_policy, swap_volume
 from ...trace import Trace
+from .. import labels
 from ..experiments import BASELINE, BASELINE_STATE, adamw, synthetic_batches
 from ..training import build_model, lm_loss, torch_threads
 from .common import (
@@ -168,14 +169,25 @@ def bytes_chart(df: pd.DataFrame, title: str = ""):
         alt.Chart(data)
         .mark_bar()
         .encode(
-            x=alt.X("kind:N", sort=list(HOST_KINDS), title=None, axis=alt.Axis(labelAngle=0)),
+            x=alt.X(
+                "kind:N",
+                sort=list(HOST_KINDS),
+                title="what crosses the host↔GPU link (task kind)",
+                axis=alt.Axis(labelAngle=-30, labelAlign="right"),
+            ),
             xOffset=alt.XOffset("plan:N", sort=list(dict.fromkeys(data["plan"]))),
             # unstacked: on a log scale every bar must start at the axis
             y=alt.Y(
                 "GB:Q", scale=alt.Scale(type="log"), title="GB per iteration (log)", stack=None
             ),
-            color=alt.Color("plan:N", title=None, legend=LEGEND, scale=policy_scale(data["plan"])),
-            tooltip=["plan", "kind", alt.Tooltip("GB:Q", format=".4g")],
+            color=alt.Color(
+                "plan:N", title="plan", legend=LEGEND, scale=policy_scale(data["plan"])
+            ),
+            tooltip=[
+                alt.Tooltip("plan:N", title="plan"),
+                alt.Tooltip("kind:N", title="task kind"),
+                alt.Tooltip("GB:Q", format=".4g", title="GB per iteration"),
+            ],
         )
         .properties(title=title, width=420, height=240)
     )
@@ -217,8 +229,8 @@ def link_chart(df: pd.DataFrame, title: str = ""):
                 title="host<->GPU link (GB/s, log)",
             ),
             y=alt.Y("iteration_s:Q", title="iteration time (s, simulated)"),
-            color=alt.Color("plan:N", title=None, legend=LEGEND, scale=policy_scale(df["plan"])),
-            tooltip=["plan", "link", alt.Tooltip("iteration_s:Q", format=".3g"), "limited_by"],
+            color=alt.Color("plan:N", title="plan", legend=LEGEND, scale=policy_scale(df["plan"])),
+            tooltip=labels.tooltips(df, ["plan", "link", "iteration_s", "limited_by"]),
         )
         .properties(title=title, width=420, height=240)
     )
