@@ -229,6 +229,8 @@ def _train_and_report(args, device, plan, checkpoints, host) -> int:
     try:
         if args.save:
             save_weights(result.engine, args.save)
+        if args.save_plan and result.engine.plan is not None:
+            result.engine.plan.to_json(args.save_plan)
     finally:
         result.engine.close()
     if result.losses:

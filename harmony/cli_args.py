@@ -160,6 +160,14 @@ def _add_train_output_args(t: argparse.ArgumentParser) -> None:
         "--save", type=Path, default=None, help="write the final weights (torch.save state_dict)"
     )
     t.add_argument(
+        "--save-plan",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the plan the run used as JSON: --plan FILE runs the same plan again "
+        "(e.g. in host memory, to compare the weights with a run on a disk tier)",
+    )
+    t.add_argument(
         "--checkpoint-dir", type=Path, default=None, help="directory for checkpoints of this run"
     )
     t.add_argument(

@@ -418,6 +418,20 @@ def test_placement_moves_optimizer_state_out_first():
         place_state(packs, 500, reserve=100)
 
 
+def test_placement_keeps_a_pack_whose_staging_costs_more_than_it_frees_in_host_memory():
+    """A first pack 4x the others (a large vocabulary's embedding): its three staged
+    copies take more than moving it frees, so the rule alone (which would move its
+    optimizer state right after the others') finds no placement."""
+    big, small = PackBytes(400, 0, 800), PackBytes(100, 0, 200)
+    packs = [big] + [small] * 8  # 2400 + 400 in all (gradients stay in the reserve)
+    placed = place_state(packs, 2400, reserve=100)
+    assert not placed.kinds_on_disk(0)
+    assert [k for _, k in placed.on_disk] == ["optimizer"] * 8 + ["weights"] * 6
+    assert placed.host_bytes == 1200 + 2 * 100 + 3 * 300 + 100 <= 2400
+    with pytest.raises(HostBudgetError, match="even with all the state on disk"):
+        place_state(packs, 2100, reserve=100)
+
+
 def _record_pacing(monkeypatch, io) -> list[dict]:
     """Each paced payload of ``io`` as its pacer planned it (route, start, planned
     end) and when the caller got control back."""

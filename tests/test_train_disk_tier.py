@@ -5,6 +5,8 @@ in memory, bitwise."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_disk_tier_engine import state_alone
@@ -99,5 +101,24 @@ def test_a_run_whose_stashes_go_to_disk_too_ends_as_the_run_in_memory(tmp_path, 
     run(plan_file, 2, *seq, *tier)
     out = capsys.readouterr().out
     assert "optimizer of 11 packs; the stashes; gradients in 2 pack slots" in out
+    a, b = torch.load(tmp_path / "memory.pt"), torch.load(tmp_path / "tier.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_plan_a_disk_tier_run_picked_runs_again_in_memory_to_the_same_weights(
+    tmp_path, capsys, monkeypatch
+):
+    """plan='auto' under a budget of 3.5x the weights puts state on disk; --save-plan
+    writes the plan it picked, and --plan runs it again without a budget."""
+    import harmony.engine.auto_plan as planning
+
+    monkeypatch.setattr(planning, "besides_the_model", lambda module: 0)  # the state alone
+    argv = ["train", "--steps", "2", "--minibatch", "2", "--memory", "4MB", *SETS]
+    tier = ["--host-memory", str(int(3.5 * weights_bytes())), "--disk", "2GB/s,2GB/s"]
+    tier += ["--disk-dir", str(tmp_path / "tier"), "--save-plan", str(tmp_path / "plan.json")]
+    assert main([*argv, *tier, "--save", str(tmp_path / "tier.pt")]) == 0
+    assert re.search(r"disk tier \S+: optimizer", capsys.readouterr().out)  # state on disk
+    plan = ["--plan", str(tmp_path / "plan.json")]
+    assert main([*argv, *plan, "--save", str(tmp_path / "memory.pt")]) == 0
     a, b = torch.load(tmp_path / "memory.pt"), torch.load(tmp_path / "tier.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -153,38 +153,71 @@ def place_state(
     for i, pack in enumerate(packs):
         if min(pack.weights, pack.gradients, pack.optimizer) < 0:
             raise HostMemoryError(f"pack {i}: state sizes must be >= 0, got {pack}")
-    on_disk: list[tuple[int, str]] = []
-    disk_of = [0] * len(packs)  # per pack, bytes on disk
-    total = sum(p.total for p in packs)
-
-    def staging() -> int:
-        return STAGED_PACKS * max(disk_of, default=0)
-
-    def host_use() -> int:
-        return total - sum(disk_of) + staging() + reserve
-
     moves = [(i, kind) for kind in KINDS for i in reversed(range(len(packs))) if packs[i].of(kind)]
-    for i, kind in moves:
-        if host_use() <= limit:
-            break
-        on_disk.append((i, kind))
-        disk_of[i] += packs[i].of(kind)
-    if host_use() > limit:
-        raise HostMemoryError(
-            f"host memory: even with all the state on disk the host needs "
-            f"{format_bytes(host_use())} (staging for {STAGED_PACKS} packs "
-            f"{format_bytes(staging())}, reserve {format_bytes(reserve)}) but the budget is "
-            f"{format_bytes(limit)}: use smaller packs, a smaller reserve (fewer stashes in "
-            "flight) or a larger budget"
+    total = sum(p.total for p in packs)
+    on_disk, disk_of = _moved(packs, moves, limit - reserve, total, cap=None)
+    if _host_use(total, disk_of) + reserve > limit:
+        # staging holds three of the largest pack on disk: moving one pack much larger
+        # than the others (a 50k-word embedding) can take more than it frees. Keep the
+        # packs over a cap in host memory and the rest on disk: the cap that fits and
+        # moves the least (the smallest of those that move as much)
+        caps = sorted(
+            {
+                sum(packs[i].of(k) for k in KINDS[: n + 1])
+                for i in range(len(packs))
+                for n in range(len(KINDS))
+            }
         )
+        fitting = [
+            placed
+            for cap in caps
+            for placed in [_moved(packs, moves, limit - reserve, total, cap)]
+            if _host_use(total, placed[1]) + reserve <= limit
+        ]
+        if not fitting:
+            raise HostMemoryError(
+                f"host memory: even with all the state on disk the host needs "
+                f"{format_bytes(_host_use(total, disk_of) + reserve)} (staging for "
+                f"{STAGED_PACKS} packs {format_bytes(STAGED_PACKS * max(disk_of, default=0))}, "
+                f"reserve {format_bytes(reserve)}) but the budget is {format_bytes(limit)}: use "
+                "smaller packs, a smaller reserve (fewer stashes in flight) or a larger budget"
+            )
+        on_disk, disk_of = min(fitting, key=lambda placed: sum(placed[1]))
     reads = sum(packs[i].of(k) * (weight_reads if k == "weights" else 1) for i, k in on_disk)
     return Placement(
         on_disk=tuple(on_disk),
         budget=limit,
         reserve=reserve,
         host_state_bytes=total - sum(disk_of),
-        staging_bytes=staging(),
+        staging_bytes=STAGED_PACKS * max(disk_of, default=0),
         disk_bytes=sum(disk_of),
         read_bytes_per_step=reads,
         write_bytes_per_step=sum(disk_of),
     )
+
+
+def _host_use(total: int, disk_of: list[int]) -> int:
+    """Host bytes of the state with ``disk_of`` bytes of each pack on disk, staging included."""
+    return total - sum(disk_of) + STAGED_PACKS * max(disk_of, default=0)
+
+
+def _moved(
+    packs: Sequence[PackBytes],
+    moves: list[tuple[int, str]],
+    room: int,
+    total: int,
+    cap: int | None,
+) -> tuple[list[tuple[int, str]], list[int]]:
+    """The (pack, kind) ``moves`` made in order until the state fits ``room`` host
+    bytes (or none is left), and the bytes on disk per pack; a move that would put
+    more than ``cap`` bytes of its pack on disk is left out (None: none is)."""
+    on_disk: list[tuple[int, str]] = []
+    disk_of = [0] * len(packs)
+    for i, kind in moves:
+        if _host_use(total, disk_of) <= room:
+            break
+        if cap is not None and disk_of[i] + packs[i].of(kind) > cap:
+            continue
+        on_disk.append((i, kind))
+        disk_of[i] += packs[i].of(kind)
+    return on_disk, disk_of

@@ -333,6 +333,9 @@ def _bwd_packings(
         if packs is not None:
             out.append((packs, {"prefetch_packs": 1}))
     if hw.has_disk:  # packs whose state is too big to stage can never be placed
+        # and a layer per pack stages least: what fits the smallest host memory (a large
+        # embedding kept in host memory beside the others' state on disk)
+        out.append((tuple((i, i + 1) for i in range(L)), {}))
         window = gradient_window(policy)
         out = [(split_for_staging(spec, packs, hw.host_memory, window), o) for packs, o in out]
     unique = {(packs, tuple(sorted(o.items()))): (packs, o) for packs, o in out}
