@@ -217,7 +217,7 @@ def test_an_update_already_applied_is_rolled_back_when_a_later_task_fails():
 
 
 @pytest.mark.parametrize(
-    "device, lane_threads", zip(DEVICES, [False, True]), ids=["cpu", "emulated"]
+    "device, lane_threads", list(zip(DEVICES, [False, True])), ids=["cpu", "emulated"]
 )
 def test_lanes_get_threads_only_where_their_work_overlaps(device, lane_threads):
     """On the cpu backend nothing overlaps (a transfer hands a tensor over), so the
