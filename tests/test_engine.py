@@ -217,6 +217,38 @@ def test_an_update_already_applied_is_rolled_back_when_a_later_task_fails():
 
 
 @pytest.mark.parametrize(
+    "device, lane_threads", list(zip(DEVICES, [False, True])), ids=["cpu", "emulated"]
+)
+def test_lanes_get_threads_only_where_their_work_overlaps(device, lane_threads):
+    """On the cpu backend nothing overlaps (a transfer hands a tensor over), so the
+    calling thread plays every task, updates between compute tasks as in a plain
+    loop; an emulated GPU's copies and the host's updates keep their own threads."""
+    threads = set()
+
+    def recorded(ps):
+        opt = torch.optim.SGD(ps, lr=0.1)
+        step = opt.step
+
+        def step_and_note(*args, **kwargs):
+            threads.add(threading.current_thread())
+            return step(*args, **kwargs)
+
+        opt.step = step_and_note
+        return opt
+
+    model = make_model()
+    for layer in model:
+        layer.register_forward_pre_hook(lambda *_: threads.add(threading.current_thread()))
+    plan = Plan("harmony-pp", 1, B, 4, 4, ((0, 3), (3, 6)), ((0, 3), (3, 6), (6, 9)))
+    engine = Engine(model, recorded, loss_fn, device=device, minibatch_size=B, plan=plan)
+    x, y = batches(1)[0]
+    threads.clear()  # the engine ran the model once to describe it
+    engine.step(x, y)
+    assert threading.current_thread() in threads
+    assert (len(threads) > 1) == lane_threads
+
+
+@pytest.mark.parametrize(
     "bad, message",
     [
         (dict(optimizer=lambda ps: None), "not a torch.optim.Optimizer"),

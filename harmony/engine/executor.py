@@ -14,6 +14,12 @@ that are ready.
 With a :class:`~harmony.engine.admission.MemoryOrder`, a ready task also waits
 for its turn to take device memory: a lane runs the first ready task that is
 *admissible*, and memory is charged and given back in the simulator's order.
+
+With ``one_thread``, the calling thread plays every task itself, in ``seq``
+order (every dependency has a smaller ``seq``, so the order is one the lanes
+could have played): for devices where no lane's work would overlap another's,
+lane threads would only hand each task over through a condition variable and
+take the GIL from the compute thread mid-step.
 """
 
 from __future__ import annotations
@@ -33,8 +39,12 @@ class Executor:
         graph: TaskGraph,
         run_task: Callable[[Task], None],
         admission: MemoryOrder | None = None,
+        one_thread: bool = False,
     ):
+        if one_thread and admission is not None:
+            raise ValueError("one_thread plays in seq order: it cannot wait for a memory order")
         self.graph = graph
+        self.one_thread = one_thread
         self.run_task = run_task
         self.admission = admission
         n = len(graph.tasks)
@@ -42,6 +52,12 @@ class Executor:
         self.end = [float("nan")] * n
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        if not one_thread:
+            self._set_up_lanes()
+
+    def _set_up_lanes(self) -> None:
+        """Each lane's order, condition and ready heap; each task's unmet dependencies."""
+        graph, n = self.graph, len(self.graph.tasks)
         self._lanes = graph.lanes()  # lane -> task ids in the order it runs them
         self._in_order = graph.in_order_lanes()
         self._wake = {lane: threading.Condition(self._lock) for lane in self._lanes}
@@ -128,6 +144,15 @@ class Executor:
                     self._wake_waiting()
                 self._finished(pick)
 
+    def _play_in_order(self, t0: float) -> None:
+        """Every task on this thread, in ``seq`` order; the first error is raised."""
+        tasks, run_task, clock = self.graph.tasks, self.run_task, time.perf_counter
+        start, end = self.start, self.end
+        for task in sorted(tasks, key=lambda t: t.seq):
+            start[task.id] = clock() - t0
+            run_task(task)
+            end[task.id] = clock() - t0
+
     def _fail(self, error: BaseException) -> None:
         """The first error stops every lane (lock held)."""
         if self._error is None:
@@ -142,8 +167,11 @@ class Executor:
         The first compute lane runs on the calling thread: torch runs measurably
         slower on a fresh thread (allocator arenas), and the main thread is what a
         plain training loop uses."""
-        lanes = sorted(self._lanes, key=lambda lane: lane not in self._in_order)
         t0 = time.perf_counter() if t0 is None else t0
+        if self.one_thread:
+            self._play_in_order(t0)
+            return time.perf_counter() - t0
+        lanes = sorted(self._lanes, key=lambda lane: lane not in self._in_order)
         threads = [
             threading.Thread(
                 target=self._lane, args=(lane, t0), name=f"harmony-{lane}", daemon=True

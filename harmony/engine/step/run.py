@@ -202,11 +202,30 @@ class StepRun:
                 self.memory_order,
                 {name: b.ledger for name, b in self.backends.items()},
             )
-        self.executor = Executor(self.graph, self.run_task, admission)
+        self.executor = Executor(
+            self.graph, self.run_task, admission, one_thread=self._nothing_overlaps(admission)
+        )
         try:
             self.wall_s = self.executor.run(self.t0)
         finally:
             self.close()
+
+    def _nothing_overlaps(self, admission: MemoryOrder | None) -> bool:
+        """Whether this step's lanes would only take turns, so that the calling
+        thread plays the whole graph (:class:`~harmony.engine.executor.Executor`'s
+        ``one_thread``): one compute lane, on a device that computes on host memory
+        (a transfer hands a tensor over, no link to pace), no disk tier (its reads
+        and writes overlap compute), no exchange across servers (it waits for the
+        other servers' turn) and no memory order to wait for. The update lane's
+        optimizer steps then run between compute tasks, as in a plain loop: beside
+        them they mostly contend with the compute thread for the GIL."""
+        return (
+            admission is None
+            and self.ctx.sync is None
+            and self.ctx.disk is None
+            and len(self.graph.in_order_lanes()) == 1
+            and not any(b.copies or b.paced for b in self.backends.values())
+        )
 
     def run_task(self, task: Task) -> None:
         """Do one task of the graph, then release what it frees (called on the task's
