@@ -289,24 +289,34 @@ def _resume(directory: Path, **options) -> tuple[list[nn.Module], list, DiskTier
 
 def _crash_harness(directory: Path, trials: int, seed: int) -> None:
     """Train in ``directory`` in a forked process, kill -9 it at a random moment,
-    keep a copy of what it left; ``trials`` times, each resuming the last."""
+    keep a copy of what it left; ``trials`` times, each resuming the last. Every
+    other trial is killed at a random moment after the trainer committed a step
+    in it, so the run advances however busy the machine is; the others, at any
+    moment from its start."""
     rng = random.Random(seed)
     warm = nn.Parameter(torch.zeros(1))
     warm.grad = torch.ones(1)
     torch.optim.AdamW([warm]).step()  # a first step imports for seconds: not in each trial
     for trial in range(trials):
+        committed, tell = os.pipe()
         pid = os.fork()
         # the trainer: writes paced to 10 MB/s in 16 KiB chunks, so kills land mid-file
         if pid == 0:
             try:
+                os.close(committed)
                 packs, opts, tier = _resume(directory, write_rate="10MB/s", chunk=16384)
                 for step in range(tier.step, CRASH_STEPS):
                     disk_step(packs, opts, tier, step, with_weights=True)
+                    os.write(tell, b"c")
             finally:
                 os._exit(0)
+        os.close(tell)
+        if trial % 2:
+            os.read(committed, 1)  # a step committed (or the trainer is done: end of file)
         time.sleep(rng.uniform(0.05, 0.6))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+        os.close(committed)
         shutil.copytree(directory, directory.parent / f"trial-{trial}")
         print(f"trial {trial} killed", flush=True)
 
