@@ -1,6 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make figures   create .venv, install, run the main job (quick mode, CPU)
 #   make test      create .venv if missing, install, run the test suite
+#   make heavy     the paper-size and kill-at-random checks make test leaves out
+#                  (CI runs them after make test)
 #   make browser   the browser test: the notebooks in JupyterLab in headless
 #                  Chromium, offline (needs chromium: apt-get install chromium);
 #                  CI runs it after make test
@@ -11,7 +13,7 @@ STAMP  := $(VENV)/.installed
 PIP    := $(BIN)/pip install -q --disable-pip-version-check
 OUT    ?= figures
 
-.PHONY: figures test test-all browser bench clean-venv
+.PHONY: figures test heavy test-all browser bench clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@# A machine that already has a CUDA build of torch keeps it: the venv sees
@@ -42,6 +44,9 @@ figures: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2
+
+heavy: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 -m heavy
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m ""

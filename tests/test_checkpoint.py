@@ -301,6 +301,7 @@ def test_an_emulated_gpu_counts_its_memory_as_host_memory():
 
 
 # ---- a run killed with SIGKILL, resumed ---------------------------------------------------
+@pytest.mark.heavy
 def test_a_run_killed_at_random_moments_resumes_to_bitwise_the_same_weights(tmp_path):
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
     from reliability import kill_and_resume

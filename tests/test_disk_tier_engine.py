@@ -497,6 +497,7 @@ def child(
     e.close()
 
 
+@pytest.mark.heavy
 def test_kill_9_anywhere_in_a_step_resumes_bitwise(tmp_path):
     """Killed in the middle of step 2, writing a DISK_OUT (its file torn, other
     packs' state of the step written), and between the tier's commit of step 3
@@ -553,6 +554,7 @@ def child_process(tier, ckpt, steps, stall, seq=None, host=WEIGHTS_ON_DISK[1]):
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 
 
+@pytest.mark.heavy
 def test_kill_9_while_stashes_are_on_disk_resumes_bitwise(tmp_path):
     """Killed in step 2 amid the writes of its stashes and state: the scratch file
     holds nothing the resumed run needs (it starts it again), and the run ends

@@ -213,6 +213,7 @@ def test_a_tied_gpt2_with_its_gradients_in_slots_is_exact(monkeypatch):
         short.close()
 
 
+@pytest.mark.heavy
 def test_what_the_explorers_host_shares_put_on_disk_for_gpt2_xl():
     """The numbers PackExplorer's docstring gives for its host memory shares."""
     from harmony.planner import plan_for

@@ -104,7 +104,16 @@ def shell_chains() -> list[list[str]]:
 CHAINS = shell_chains()
 
 
-@pytest.mark.parametrize("chain", CHAINS, ids=[" ".join(ch[0].split()[:3]) for ch in CHAINS])
+def heavy(chain: list[str]) -> bool:
+    """A chain on the paper's model, or training with state on disk: tens of seconds."""
+    return any("gpt2-xl" in c or ("--host-memory" in c and " train " in f" {c} ") for c in chain)
+
+
+@pytest.mark.parametrize(
+    "chain",
+    [pytest.param(ch, marks=pytest.mark.heavy) if heavy(ch) else ch for ch in CHAINS],
+    ids=[" ".join(ch[0].split()[:3]) for ch in CHAINS],
+)
 def test_shell_commands_run(chain, tmp_path):
     """A chain's commands in order, in a directory of its own."""
     for command in chain:

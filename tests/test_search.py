@@ -31,6 +31,7 @@ def gpt2_xl_search():
     return spec, hw, harmony.search(spec, hw, 64)
 
 
+@pytest.mark.heavy
 def test_gpt2_xl_search_ranks_fitting_plans(gpt2_xl_search):
     spec, hw, df = gpt2_xl_search
     assert len(df) > 10
@@ -61,6 +62,7 @@ def test_gpt2_xl_search_ranks_fitting_plans(gpt2_xl_search):
     )
 
 
+@pytest.mark.heavy
 def test_gpt2_xl_best_plan_resimulates_to_its_row(gpt2_xl_search):
     spec, hw, df = gpt2_xl_search
     top = df.iloc[0]
