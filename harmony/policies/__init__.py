@@ -27,6 +27,7 @@ from . import (
     karma,
     layer_swap,
     model_parallel,
+    resident,
     zero_offload,
 )
 from .common import replica_shares
@@ -45,6 +46,7 @@ POLICIES: dict[str, ModuleType] = {
         gpipe_swap,
         layer_swap,
         model_parallel,
+        resident,
     )
 }
 #: names policies had before, and why they changed
