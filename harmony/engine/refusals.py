@@ -110,7 +110,10 @@ def check_plan(
 
 def check_updates_run_where_state_is(graph: TaskGraph, plan: Plan) -> None:
     """The engine keeps weights and optimizer state on the host: an update on a GPU
-    needs a graph that brings them there (OPT_IN) once all it steps with is in."""
+    needs a graph that brings them there (OPT_IN) once all it steps with is in, unless
+    the plan keeps them there (:mod:`~harmony.engine.step.resident`)."""
+    if plan.policy == "resident":
+        return
     for t in graph.tasks:
         if t.kind != UPD or t.device == "cpu":
             continue

@@ -293,7 +293,9 @@ class _Stages:
             return []
         options = {} if self.precision is None else {"precision": self.precision}
         sizes = microbatch_sizes(self.minibatch_size, self.bcap, self.spec.min_microbatch)
-        plans = [resident.plan_for(len(self.spec), self.minibatch_size, u, **options) for u in sizes]
+        plans = [
+            resident.plan_for(len(self.spec), self.minibatch_size, u, **options) for u in sizes
+        ]
         return [_Candidate(p, "A") for p in plans]
 
     def forward_side(

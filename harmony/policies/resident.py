@@ -48,9 +48,7 @@ PER_MICROBATCH = False
 
 def plan_for(num_layers: int, minibatch: int, microbatch: int, **options) -> Plan:
     """The resident plan of a ``num_layers`` chain: one pack, microbatches of ``microbatch``."""
-    return Plan(
-        NAME, 1, minibatch, microbatch, microbatch, (), ((0, num_layers),), dict(options)
-    )
+    return Plan(NAME, 1, minibatch, microbatch, microbatch, (), ((0, num_layers),), dict(options))
 
 
 def check(plan: Plan, num_layers: int) -> None:
