@@ -25,6 +25,7 @@ from ..context import StepContext
 from ..devices import Backend
 from ..meters import WorkMeter
 from ..tiers.pacing import LinkPacer
+from .casts import stage
 
 
 def nbytes(value) -> int:
@@ -262,9 +263,13 @@ class StepMemory:
                 out[k] = piece.view(t.shape).detach()
                 pairs.append((piece, t.detach()))
                 offset += t.numel()
-            for dst, src in copy_runs(pairs):
-                dst.copy_(src, non_blocking=non_blocking)
+            for dst, src in copy_runs(pairs):  # a cast on the way: staged (see .casts)
+                stage(dst, src, self._host_buffer, non_blocking)
         return out
+
+    def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of the host pool (page-locked, for a GPU), given back when the step ends."""
+        return self.take(self.ctx.host.pool, numel, dtype)
 
     def to_host(
         self,
