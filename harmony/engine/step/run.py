@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import HarmonyError, NonFiniteError, OutOfMemoryError
-from ...policies.resident import NAME as RESIDENT
 from ...graph import (
     ACT_IN,
     ACT_OUT,
@@ -44,6 +43,7 @@ from ...graph import (
     Task,
     TaskGraph,
 )
+from ...policies.resident import NAME as RESIDENT
 from ...trace import Trace
 from ..admission import MemoryOrder
 from ..context import StepContext
