@@ -1,6 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make figures   create .venv, install, run the main job (quick mode, CPU)
 #   make test      create .venv if missing, install, run the test suite
+#   make gpu       bench/gpu.py: one table on one GPU (about 7 minutes on an H100;
+#                  says so and exits 0 where torch sees no GPU; --out gpu.md)
 #   make browser   the browser test: the notebooks in JupyterLab in headless
 #                  Chromium, offline (needs chromium: apt-get install chromium);
 #                  CI runs it after make test
@@ -10,7 +12,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= figures
 
-.PHONY: figures test test-all browser bench clean-venv
+.PHONY: figures test test-all browser bench gpu clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@# A machine that already has a CUDA build of torch keeps it: the venv sees
@@ -41,6 +43,9 @@ browser: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/swap_volume.py
 	$(BIN)/python bench/search_speed.py
+
+gpu: $(STAMP)
+	$(BIN)/python bench/gpu.py --out gpu.md
 
 clean-venv:
 	rm -rf $(VENV)
