@@ -29,14 +29,14 @@ def run(*args: str, timeout: int) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_it_says_so_and_exits_0():
-    done = run(timeout=120)
+    done = run(timeout=600)  # a loaded machine imports torch slowly
     assert done.returncode == 0, done.stderr
     assert "torch sees no GPU" in done.stdout
 
 
 def test_the_tiny_cpu_run_fills_every_section_of_the_table(tmp_path):
     out = tmp_path / "gpu.md"
-    done = run("--device", "cpu", "--tiny", "--out", str(out), timeout=900)
+    done = run("--device", "cpu", "--tiny", "--out", str(out), timeout=1800)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [
         [c.strip() for c in line.strip("|").split("|")]

@@ -8,7 +8,9 @@ then on) and the optimizer's state with them; an optimizer that steps host
 memory only (:class:`~harmony.engine.optim.FlatAdamW`) is replaced by
 ``torch.optim.AdamW`` with the same hyperparameters and ``fused=True`` (the
 same fused kernel FlatAdamW runs on the host). A device that computes on host
-memory (``cpu``, an emulated GPU) holds them where they are.
+memory (``cpu``, an emulated GPU) holds them where they are. On a GPU the
+state stays there: another plan cannot be set on that engine afterwards
+(its optimizers would be made over parameters on the GPU).
 
 W_IN hands the forward the master weights themselves (under mixed precision,
 copies cast to the compute dtype on the GPU, BatchNorm's kept in float32);
@@ -45,9 +47,11 @@ def on_device(ctx: StepContext, device: torch.device) -> None:
             continue
         if isinstance(opt, FlatAdamW):  # steps host memory only
             ctx.optimizers[key] = opt = fused_adamw(opt)
+        # a fused optimizer keeps its step counters with the parameters; others on the host
+        counters_too = bool(opt.defaults.get("fused"))
         for state in opt.state.values():
             for k, v in state.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                if isinstance(v, torch.Tensor) and (v.dim() > 0 or counters_too):
                     state[k] = v.to(device)
 
 
