@@ -417,24 +417,37 @@ def exactness(m: Machine, table: Table) -> None:
         }
         expected = reference_weights(m, model, x, y)
         for name, plan in plans.items():
-            engine = Engine(
-                copy.deepcopy(model),
-                lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                lm_loss,
-                device=m.engine_device(),
-                minibatch_size=minibatch,
-                plan=plan,
-            )
-            for _ in range(2):
-                engine.step(x, y)
-            got = [p.detach().cpu() for p in engine.model.parameters()]
-            worst = max((a - b).abs().max().item() for a, b in zip(got, expected))
-            same = all(torch.equal(a, b) for a, b in zip(got, expected))
-            table.add(
-                "d", name, "bitwise" if same else f"max |diff| {worst:.2e}", "2 AdamW steps, fp32"
-            )
+            got = engine_weights(m, model, x, y, plan, "fp32")
+            table.add("d", name, same(got, expected), "vs reference_step, 2 AdamW steps, fp32")
+        # bf16: weights cast on the host and staged (harmony-pp) or cast on the GPU (resident),
+        # gradients cast on the GPU (harmony-pp) or summed there (resident): the same rounding
+        one = Plan("harmony-pp", 1, minibatch, 4, 4, (), ((0, n),))
+        staged = engine_weights(m, model, x, y, one, "bf16")
+        on_gpu = engine_weights(m, model, x, y, plans["resident"], "bf16")
+        table.add("d", "bf16: one-pack harmony-pp vs resident", same(staged, on_gpu), "2 steps")
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def engine_weights(m: Machine, model, x, y, plan: Plan, precision: str) -> list[torch.Tensor]:
+    engine = Engine(
+        copy.deepcopy(model),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        lm_loss,
+        device=m.engine_device(),
+        minibatch_size=y.shape[0],
+        plan=plan,
+        precision=precision,
+    )
+    for _ in range(2):
+        engine.step(x, y)
+    return [p.detach().cpu() for p in engine.model.parameters()]
+
+
+def same(got: list[torch.Tensor], expected: list[torch.Tensor]) -> str:
+    if all(torch.equal(a, b) for a, b in zip(got, expected)):
+        return "bitwise"
+    return f"max |diff| {max((a - b).abs().max().item() for a, b in zip(got, expected)):.2e}"
 
 
 def reference_weights(m: Machine, model, x, y) -> list[torch.Tensor]:

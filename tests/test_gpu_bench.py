@@ -58,3 +58,4 @@ def test_the_tiny_cpu_run_fills_every_section_of_the_table(tmp_path):
     )
     assert ("c", "(a) measured / simulated step") in by and ("c", "(b) peak memory") in by
     assert by[("d", "harmony-pp, 2 packs")] == by[("d", "resident")] == "bitwise"
+    assert by[("d", "bf16: one-pack harmony-pp vs resident")] == "bitwise"

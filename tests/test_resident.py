@@ -13,6 +13,7 @@ from test_engine import ADAMW, B, batches, loss_fn, make_model, reference
 
 import harmony
 from harmony import EmulatedDevice, Engine, FlatAdamW, HarmonyError, Plan
+from harmony.costs.placement import HostMemoryError
 from harmony.graph import G_OUT, W_IN
 from harmony.policies import resident
 from harmony.workbench.training import build_model, lm_loss
@@ -111,3 +112,12 @@ def test_a_resident_plan_of_packs_or_gpus_is_refused():
             harmony.preset("paper-4x1080ti"),
             Plan("resident", 1, 8, 4, 4, (), ((0, 2), (2, 4))),
         )
+
+
+def test_a_resident_plan_whose_host_copy_does_not_fit_is_a_host_memory_error():
+    """The search and plan="auto" pass a HostMemoryError by: they go on to other plans."""
+    spec = harmony.model_spec("gpt2-medium")
+    hw = dataclasses.replace(harmony.preset("paper-4x1080ti"), gpu_memory=int(80e9))
+    short = hw.with_host_memory(int(1e9))  # the model's state alone is 5.7 GB
+    with pytest.raises(HostMemoryError):
+        harmony.build_graph(spec, short, resident.plan_for(len(spec), 8, 4))

@@ -145,6 +145,12 @@ def _without(trait: str):
             setattr(m, trait, saved[name])
 
 
+def state_on_gpu(policy: str) -> bool:
+    """Whether ``policy`` keeps the whole training state (weights, gradients, optimizer
+    state) on its GPU from step to step, moving none of it (its ``STATE_ON_GPU``)."""
+    return getattr(get_policy(policy), "STATE_ON_GPU", False)
+
+
 def gradient_window(policy: str) -> bool:
     """Whether ``policy`` sends its packs' gradients pack after pack, so that
     they can be held in slots (its ``GRADIENT_WINDOW``)."""

@@ -21,13 +21,15 @@ the compute dtype, at the step's peak.
 
 Simplified: the update streams its bytes at
 :data:`~.swapping.GPU_UPDATE_BANDWIDTH`; nothing of the state goes to a disk
-tier (a plan whose host copy would need one is refused).
+tier (a plan whose host copy would need one is refused with a
+:class:`~harmony.costs.placement.HostMemoryError`, which the search counts as
+not fitting the host).
 """
 
 from __future__ import annotations
 
-from ..costs.hardware import Hardware
-from ..costs.placement import Placement
+from ..costs.hardware import Hardware, format_bytes
+from ..costs.placement import HostMemoryError, Placement
 from ..costs.spec import ModelSpec, dtype_bytes, state_slots
 from ..errors import HarmonyError
 from ..graph import G_OUT, W_IN, TaskGraph
@@ -44,6 +46,9 @@ ROLE = "system"
 #: planned by harmony's search (one candidate per microbatch size, simulated like the rest)
 SEARCHED = True
 PER_MICROBATCH = False
+#: weights, gradients and optimizer state stay on the GPU from step to step (the engine's
+#: harmony.engine.step.resident runs it so)
+STATE_ON_GPU = True
 
 
 def plan_for(num_layers: int, minibatch: int, microbatch: int, **options) -> Plan:
@@ -93,10 +98,12 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     step.duration = gpu_update_seconds(spec, group.layers) + hw.task_overhead_s
     step.what = f"update {group.layers} on gpu0 (resident)"
     graph = b.graph(policy=NAME)
-    if "disk" in graph.info:
-        raise HarmonyError(
-            f"a {NAME} plan keeps its state on the GPU and has no disk tier: give the engine "
-            "more host memory, or use a policy that places state on disk (harmony-pp)"
+    if "disk" in graph.info:  # a HostMemoryError: the search and plan="auto" pass it by
+        raise HostMemoryError(
+            f"a {NAME} plan has no disk tier, and its host copy of the state needs one in "
+            f"{format_bytes(hw.host_memory)} of host memory: give it more, or use a policy "
+            "that places state on disk (harmony-pp)",
+            available=float(hw.host_memory),
         )
     return graph
 

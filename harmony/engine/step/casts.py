@@ -12,8 +12,8 @@ from overlapping anything. Here:
   engine's host gradient buffers are, for a GPU), and one wait for all of them;
 * to the device (:func:`stage`): the cast runs on the host into a page-locked
   staging buffer (the same rounding as the GPU's, so the same bits), from which
-  the copy is non-blocking; the staging buffer is the step's (given back when
-  the step ends, after every copy has completed).
+  the copy is non-blocking; the staging buffers go back to their pool once the
+  task's copies have completed, so they hold one load's weights at a time.
 
 On a device that computes on host memory nothing changes: the copies are the
 plain ``copy_`` they were, bit for bit.
@@ -21,9 +21,9 @@ plain ``copy_`` they were, bit for bit.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from ..buffers import BufferPool
 
 
 def land(runs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -43,16 +43,22 @@ def land(runs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def stage(
-    dst: torch.Tensor,
-    src: torch.Tensor,
-    take: Callable[[int, torch.dtype], torch.Tensor],
-    non_blocking: bool,
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], pool: BufferPool, non_blocking: bool
 ) -> None:
-    """Copy host ``src`` into device ``dst`` of another dtype through a staging buffer
-    from ``take(numel, dtype)`` (page-locked, the step's), cast on the host."""
-    if dst.device.type != "cuda" or src.device.type != "cpu" or src.dtype == dst.dtype:
-        dst.copy_(src, non_blocking=non_blocking)
-        return
-    staged = take(src.numel(), dst.dtype).view(src.shape)
-    staged.copy_(src)
-    dst.copy_(staged, non_blocking=non_blocking)
+    """Copy each ``(device destination, host source)`` of ``pairs``; a source of
+    another dtype than its GPU destination is cast on the host into a page-locked
+    buffer of ``pool`` first, copied from there without blocking, and the buffers
+    go back to ``pool`` once the copies are complete (one wait for all)."""
+    staged = []
+    for dst, src in pairs:
+        if dst.device.type != "cuda" or src.device.type != "cpu" or src.dtype == dst.dtype:
+            dst.copy_(src, non_blocking=non_blocking)
+            continue
+        buffer = pool.take(src.numel(), dst.dtype)
+        buffer.view(src.shape).copy_(src)
+        dst.copy_(buffer.view(src.shape), non_blocking=True)
+        staged.append((buffer, dst.device))
+    for device in {d for _, d in staged}:
+        torch.cuda.current_stream(device).synchronize()
+    for buffer, _ in staged:
+        pool.give(buffer)

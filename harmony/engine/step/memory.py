@@ -263,13 +263,9 @@ class StepMemory:
                 out[k] = piece.view(t.shape).detach()
                 pairs.append((piece, t.detach()))
                 offset += t.numel()
-            for dst, src in copy_runs(pairs):  # a cast on the way: staged (see .casts)
-                stage(dst, src, self._host_buffer, non_blocking)
+            # a cast on the way: staged in the host pool's page-locked memory (see .casts)
+            stage(copy_runs(pairs), self.ctx.host.pool, non_blocking)
         return out
-
-    def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A buffer of the host pool (page-locked, for a GPU), given back when the step ends."""
-        return self.take(self.ctx.host.pool, numel, dtype)
 
     def to_host(
         self,

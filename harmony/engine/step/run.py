@@ -43,7 +43,7 @@ from ...graph import (
     Task,
     TaskGraph,
 )
-from ...policies.resident import NAME as RESIDENT
+from ...policies import state_on_gpu
 from ...trace import Trace
 from ..admission import MemoryOrder
 from ..context import StepContext
@@ -146,7 +146,7 @@ class StepRun:
         """Task kind -> the bound method of the part that does it."""
         transfers, compute, updates, disk = self.transfers, self.compute, self.updates, self.disk
         resident = {}
-        if self.ctx.plan.policy == RESIDENT:  # the state stays on the GPU: nothing crosses
+        if state_on_gpu(self.ctx.plan.policy):  # the state stays on the GPU: nothing crosses
             parts = (self.ctx, self.memory, transfers, updates, self.bytes.count)
             resident = ResidentSteps(*parts).handlers()
         return {
