@@ -136,6 +136,12 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+def uncapped(m: "Machine") -> None:
+    """The whole GPU again, after (b) capped it (also where (b) failed half-way)."""
+    if m.cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0, m.torch_device)
+
+
 @dataclass
 class Machine:
     """Where the sections run: ``torch_device`` for plain PyTorch, ``engine_device``
@@ -144,7 +150,7 @@ class Machine:
     torch_device: torch.device
     tiny: bool
     dtype: torch.dtype = torch.bfloat16
-    measured: dict = field(default_factory=dict)  # what section c reads
+    measured: dict = field(default_factory=dict)  # what section c reads (note)
 
     @property
     def cuda(self) -> bool:
@@ -168,6 +174,16 @@ class Machine:
             self.sync()
             out.append(time.perf_counter() - t0)
         return out
+
+    def note(self, key: str, engine: Engine, step: float) -> None:
+        """What section c reads of a run (not the engine: its memory is given back)."""
+        self.measured[key] = dict(
+            step=step,
+            simulated=engine.simulate().summary,
+            ledger=engine.trace.summary.peak_memory.get("gpu0", 0.0),
+            policy=engine.plan.policy,
+            torch_peak=self.torch_peak(),
+        )
 
     def torch_peak(self) -> float | None:
         return torch.cuda.max_memory_allocated(self.torch_device) if self.cuda else None
@@ -255,11 +271,11 @@ def fits(m: Machine, table: Table) -> None:
     table.add("a", "harmony plan='auto' step", f"{step:.4f} s", engine.plan.describe())
     table.add("a", "harmony / plain", f"{step / plain:.2f}x", "goal <= 1.05x where it fits")
     table.add("a", "time to first step", f"{first:.1f} s", "profile + search + one step")
-    m.measured["a"] = (engine, step, m.torch_peak())
+    m.note("a", engine, step)
 
 
 # ---- (b) a model over the capped memory -----------------------------------------------
-def floor_s(m: Machine, params: int, tokens: int, hw, peak_flops: float, update_bw: float):
+def floor_s(params: int, tokens: int, hw, peak_flops: float, update_bw: float):
     """The physical floor of one offloaded step and its three terms."""
     compute = 6 * params * tokens / peak_flops
     pcie = max(2 * params / hw.h2d, 2 * params / hw.d2h)  # bf16 weights in, gradients out
@@ -292,7 +308,7 @@ def big(m: Machine, table: Table) -> None:
         f"h2d {hw.h2d / GB:.1f} GB/s",
     )
     tokens = minibatch * seq
-    floor, compute, pcie, update = floor_s(m, params, tokens, hw, peak, update_bw)
+    floor, compute, pcie, update = floor_s(params, tokens, hw, peak, update_bw)
     table.add(
         "b",
         "physical floor",
@@ -321,8 +337,6 @@ def big(m: Machine, table: Table) -> None:
             f"{minibatch / seconds:.2f} samples/s",
             f"{seconds:.3f} s/step, MFU {mfu:.1%}, {seconds / floor:.2f}x the floor; {note}",
         )
-    if m.cuda:  # the whole GPU again
-        torch.cuda.set_per_process_memory_fraction(1.0, m.torch_device)
 
 
 def offload_systems(m: Machine, model, minibatch: int, device) -> list:
@@ -361,7 +375,7 @@ def measure(m: Machine, system, x, y, hw, model, minibatch) -> tuple[float | Non
     if make is None:
         device = m.engine_device(hw.gpu_memory / 0.9)
         engine, first, step = auto_engine(m, model, x, y, minibatch, hw, device)
-        m.measured["b"] = (engine, step, m.torch_peak())
+        m.note("b", engine, step)
         return step, f"{engine.plan.describe()}; first step {first:.1f} s"
     log: list[str] = []
     with single_process_group(m.torch_device) if group else contextlib.nullcontext():
@@ -384,21 +398,20 @@ def simulated(m: Machine, table: Table) -> None:
         if key not in m.measured:
             table.add("c", f"run of ({key})", "none", "its section did not finish")
             continue
-        engine, step, torch_peak = m.measured[key]
-        sim = engine.simulate().summary
-        ledger = engine.trace.summary.peak_memory.get("gpu0", 0.0)
+        run = m.measured[key]
+        step, sim = run["step"], run["simulated"]
         table.add(
             "c",
             f"({key}) measured / simulated step",
             f"{step / sim.iteration_s:.2f}",
-            f"{step:.4f} s measured, {sim.iteration_s:.4f} s simulated, {engine.plan.policy}",
+            f"{step:.4f} s measured, {sim.iteration_s:.4f} s simulated, {run['policy']}",
         )
         table.add(
             "c",
             f"({key}) peak memory",
-            f"ledger {gb(ledger)}",
+            f"ledger {gb(run['ledger'])}",
             f"simulated {gb(sim.peak_memory.get('gpu0'))}, torch.cuda.max_memory_allocated "
-            f"{gb(torch_peak)}",
+            f"{gb(run['torch_peak'])}",
         )
 
 
@@ -476,9 +489,13 @@ def main() -> int:
     print(f"{name}, torch {torch.__version__}", flush=True)
     table.add("-", "device", name, f"torch {torch.__version__}")
     started = time.perf_counter()
-    for key, run in (("a", fits), ("b", big)):
-        with section(table, key, LIMITS[key]):
-            run(m, table)
+    with section(table, "a", LIMITS["a"]):
+        fits(m, table)
+    with section(table, "b", LIMITS["b"]):
+        try:
+            big(m, table)
+        finally:
+            uncapped(m)
     with section(table, "c", 60):
         simulated(m, table)
     with section(table, "d", LIMITS["d"]):

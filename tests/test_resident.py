@@ -106,12 +106,16 @@ def test_the_search_rejects_resident_plans_over_the_gpu_memory():
 
 
 def test_a_resident_plan_of_packs_or_gpus_is_refused():
-    with pytest.raises(HarmonyError, match="one backward pack of every layer"):
-        harmony.build_graph(
-            harmony.model_spec("gpt2-tiny"),
-            harmony.preset("paper-4x1080ti"),
-            Plan("resident", 1, 8, 4, 4, (), ((0, 2), (2, 4))),
-        )
+    spec, hw = harmony.model_spec("gpt2-tiny"), harmony.preset("paper-4x1080ti")
+    n = len(spec)
+    for plan in (
+        Plan("resident", 1, 8, 4, 4, ((0, 2),), ((0, 2), (2, n))),
+        Plan("resident", 2, 8, 4, 4, (), ((0, n),)),
+    ):
+        with pytest.raises(HarmonyError, match="one backward pack of every layer"):
+            harmony.build_graph(spec, hw, plan)
+    with pytest.raises(HarmonyError, match="one microbatch size"):
+        harmony.build_graph(spec, hw, Plan("resident", 1, 8, 8, 4, (), ((0, n),)))
 
 
 def test_a_resident_plan_whose_host_copy_does_not_fit_is_a_host_memory_error():
