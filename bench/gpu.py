@@ -159,7 +159,8 @@ class Machine:
     def engine_device(self, capacity: float | None = None):
         if self.cuda:
             return f"cuda:{self.torch_device.index or 0}"
-        return EmulatedDevice(memory=int(capacity or 256e6), h2d="2GB/s", d2h="2GB/s")
+        # links slow enough that a tiny model's swaps cost more than a task does
+        return EmulatedDevice(memory=int(capacity or 256e6), h2d="20MB/s", d2h="20MB/s")
 
     def sync(self) -> None:
         if self.cuda:
