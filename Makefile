@@ -3,6 +3,8 @@
 #   make test      create .venv if missing, install, run the test suite
 #   make heavy     the paper-size and kill-at-random checks make test leaves out
 #                  (CI runs them after make test)
+#   make gpu       bench/gpu.py: one table on one GPU (about 7 minutes on an H100;
+#                  says so and exits 0 where torch sees no GPU; --out gpu.md)
 #   make browser   the browser test: the notebooks in JupyterLab in headless
 #                  Chromium, offline (needs chromium: apt-get install chromium);
 #                  CI runs it after make test
@@ -13,7 +15,7 @@ STAMP  := $(VENV)/.installed
 PIP    := $(BIN)/pip install -q --disable-pip-version-check
 OUT    ?= figures
 
-.PHONY: figures test heavy test-all browser bench clean-venv
+.PHONY: figures test heavy test-all browser bench gpu clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@# A machine that already has a CUDA build of torch keeps it: the venv sees
@@ -57,6 +59,9 @@ browser: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/swap_volume.py
 	$(BIN)/python bench/search_speed.py
+
+gpu: $(STAMP)
+	$(BIN)/python bench/gpu.py --out gpu.md
 
 clean-venv:
 	rm -rf $(VENV)

@@ -2,12 +2,15 @@
 plain PyTorch step time with the same microbatches and optimizer, medians over
 repeats, measured side by side (interleaved) in one run. Goal <= 1.05.
 
-Two comparisons, because packing changes the work itself:
+Three comparisons, because packing changes the work itself:
 * one fused pack (no stash, no recompute) vs `harmony.reference_step`: the
   engine's own cost (tasks, threads, per-pack optimizers);
 * a pack per layer (every layer recomputed in backward, as Harmony does) vs
   the same plain loop with `torch.utils.checkpoint` around every layer, which
-  does the same recompute.
+  does the same recompute;
+* ``plan="auto"`` on an emulated GPU with room to spare (it picks the resident
+  plan: weights, gradients and optimizer state on the device) vs the plain
+  loop at the microbatch size it chose.
 
     python bench/overhead.py [--steps 12] [--hidden 256] [--blocks 4]
 """
@@ -77,6 +80,17 @@ def main() -> None:
         e = Engine(build(args.hidden, args.blocks), opt, loss, "cpu", B, plan, safe_updates=safe)
         return lambda step: e.step(x, y)
 
+    # plan="auto" on a roomy emulated GPU: profiled and searched at its first step (untimed)
+    roomy = harmony.EmulatedDevice(memory="8GB", h2d="12GB/s", d2h="12GB/s")
+    auto = Engine(build(args.hidden, args.blocks), opt, loss, roomy, B, "auto")
+    auto.step(x, y)
+    auto_u = auto.plan.bwd_microbatch
+
+    def plain_at(u):
+        model = build(args.hidden, args.blocks)
+        optimizer = opt(list(model.parameters()))
+        return lambda step: reference_step(list(model), loss, optimizer, (x,), y, u, step)
+
     one = ((0, n),)
     variants = {
         "plain loop": plain(False),
@@ -85,6 +99,8 @@ def main() -> None:
         "plain loop, checkpoint per layer": plain(True),
         "engine, pack per layer": engine(packs),
         "engine, pack per layer, no rollback journal": engine(packs, safe=False),
+        "plain loop, auto's microbatch": plain_at(auto_u),
+        "engine, plan='auto', roomy emulated GPU": lambda step: auto.step(x, y),
     }
     times = {k: [] for k in variants}
     for step in range(args.steps):  # interleaved, so drift hits every variant alike
@@ -98,10 +114,13 @@ def main() -> None:
         f"model: GPT-2 style, {args.blocks} blocks x {args.hidden}, {params:,} params; minibatch "
         f"{B}, microbatch {u}, {n} layers; torch threads 1; median of {args.steps - 2} steps"
     )
+    print(f"plan='auto' on the roomy emulated GPU: {auto.plan.describe()}")
     for name, t in med.items():
         base = (
             med["plain loop"]
             if "fused" in name or name == "plain loop"
+            else med["plain loop, auto's microbatch"]
+            if "auto" in name
             else med["plain loop, checkpoint per layer"]
         )
         print(f"{name:46s} {t * 1e3:8.1f} ms/step   ratio {t / base:.3f}")

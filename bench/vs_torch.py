@@ -41,7 +41,8 @@ gradients take at most half the device.
 ``--device cuda`` runs on the first GPU, its usable memory capped (``--memory``,
 ``torch.cuda.set_per_process_memory_fraction``) below the model's plain
 training footprint: harmony, the same recipe with real copies through
-page-locked memory, FSDP2 on one GPU with ``CPUOffloadPolicy`` (and
+page-locked memory, FSDP2 on one GPU with ``CPUOffloadPolicy`` (bf16 gathers of float32
+master weights under ``torch.autocast``, see ``harmony.workbench.fsdp_offload``; and
 checkpointed layers), and DeepSpeed ZeRO-Offload (stage 2, optimizer on the
 CPU) where ``deepspeed`` is installed. The systems run one after another (they
 cannot share the capped memory). Printed per system: samples/s, the ratio to
@@ -60,8 +61,6 @@ import argparse
 import copy
 import gc
 import importlib.util
-import os
-import socket
 import statistics
 import time
 from dataclasses import replace
@@ -69,7 +68,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import harmony
 from harmony import Engine, FlatAdamW
@@ -79,6 +77,7 @@ from harmony.plan import split_samples
 from harmony.planner.search import search
 from harmony.workbench.baselines import TorchOffload, fastest_microbatch, timed
 from harmony.workbench.experiments import gpt2_config, torch_offload_comparison
+from harmony.workbench.fsdp_offload import Checkpointed, FSDP2Offload, single_process_group
 from harmony.workbench.training import build_model, lm_loss
 
 DEFAULTS = {
@@ -186,56 +185,6 @@ def report(result):
 
 
 # ---- a real GPU ------------------------------------------------------------------
-class Checkpointed(nn.Module):
-    """A layer whose forward is activation-checkpointed (what torch's checkpoint_wrapper does)."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, *args):
-        return checkpoint(self.layer, *args, use_reentrant=False)
-
-
-class FSDP2Offload:
-    """FSDP2 on one GPU, every layer and the root sharded with
-    ``CPUOffloadPolicy`` (parameters, gradients and torch.optim.AdamW on the
-    host; each layer's weights gathered to the GPU as it runs), checkpointed
-    layers, gradient accumulation over microbatches (each microbatch's gradient
-    is reduced into the host's)."""
-
-    def __init__(
-        self,
-        model: nn.Sequential,
-        loss_fn: Callable,
-        microbatch_size: int,
-        dtype: torch.dtype | None,
-    ):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        self.model = nn.Sequential(*(Checkpointed(layer) for layer in model))
-        for block in self.model:
-            fully_shard(block, offload_policy=CPUOffloadPolicy(), mp_policy=mp)
-        # the logits in float32 for the loss, as under torch.autocast
-        fully_shard(
-            self.model,
-            offload_policy=CPUOffloadPolicy(),
-            mp_policy=replace(mp, output_dtype=torch.float32),
-        )
-        self.optimizer = torch_adamw(self.model.parameters())
-        self.loss_fn, self.microbatch_size = loss_fn, microbatch_size
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        total = y.shape[0]
-        for a, b in split_samples(total, self.microbatch_size):
-            out = self.model(x[a:b].cuda(non_blocking=True))
-            (self.loss_fn(out, y[a:b].cuda(non_blocking=True)) * ((b - a) / total)).backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-
-
 class DeepSpeedOffload:
     """DeepSpeed ZeRO-Offload: ZeRO stage 2 with the optimizer (DeepSpeed's CPU
     Adam, AdamW mode) and its float32 master weights on the host, checkpointed
@@ -291,17 +240,6 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 8192)
         a @ b
     torch.cuda.synchronize(device)
     return 10 * 2 * n**3 / (time.perf_counter() - t0)
-
-
-def init_single_process_group(device: torch.device) -> None:
-    """A torch.distributed group of one process (FSDP2 and DeepSpeed need one)."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
-    )
-    torch.distributed.init_process_group("nccl", rank=0, world_size=1, device_id=device)
 
 
 def run_cuda(args) -> None:
@@ -382,8 +320,7 @@ def run_cuda(args) -> None:
         ),
         sizes,
     )
-    init_single_process_group(dev)
-    try:
+    with single_process_group(dev):
         measure(
             "FSDP2 + CPUOffloadPolicy",
             lambda u: FSDP2Offload(copy.deepcopy(model), lm_loss, u, dtype),
@@ -399,8 +336,6 @@ def run_cuda(args) -> None:
                 ),
                 [u for u in sizes if args.minibatch % u == 0],
             )
-    finally:
-        torch.distributed.destroy_process_group()
 
     flop_per_step = 6 * params * args.minibatch * cfg["seq_len"]
     print(

@@ -133,7 +133,12 @@ def fit_to_policy(plan: Plan) -> Plan:
     needs a backward pack (stage) per GPU, zero-offload the same number of
     microbatches on every GPU (a minibatch divisible by the GPUs),
     model-parallel a pack per GPU, forward on the backward packs and one
-    microbatch size."""
+    microbatch size, resident one GPU, one pack and one microbatch size."""
+    if plan.policy == "resident":
+        every = ((0, plan.bwd_packs[-1][1]),)
+        return replace(
+            plan, n_gpus=1, fwd_packs=(), bwd_packs=every, bwd_microbatch=plan.fwd_microbatch
+        )
     if plan.policy == "hydra":
         return replace(plan, n_gpus=1)
     if plan.policy == "gpipe-swap":

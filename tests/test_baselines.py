@@ -188,7 +188,8 @@ def test_every_system_is_left_out_of_the_full_comparison_only_when_it_cannot_fit
     # 64 MB to keep resident, 48 MB of GPUs
     spec, hw = tiny_spec(8, params=500_000), simple_hardware(2, memory=24_000_000)
     chosen = harmony.planner.plans_for(None, spec, hw, 8, workers=1)
-    assert set(chosen) == set(POLICIES) - {"model-parallel"}
+    # resident (the plain loop on one of the GPUs) keeps 64 MB there too
+    assert set(chosen) == set(POLICIES) - {"model-parallel", "resident"}
     with pytest.raises(OutOfMemoryError, match="model-parallel"):
         harmony.planner.plans_for(["model-parallel"], spec, hw, 8)
 

@@ -125,7 +125,8 @@ def _ranked(job: Searched, measured: ModelSpec, hw: Hardware) -> list[Plan]:
     """Plans for ``job``'s chain (``measured``) on ``hw``, fastest first."""
     try:
         n = len(job.backends)
-        policies = ("harmony-pp",) if n == 1 else ("harmony-pp", "harmony-dp")
+        # one GPU: the plain loop with everything on it too, where it fits
+        policies = ("harmony-pp", "resident") if n == 1 else ("harmony-pp", "harmony-dp")
         df = search(
             measured,
             hw,

@@ -6,7 +6,9 @@ A device description (``"cpu"``, ``"cuda:N"``, a list of them,
 :class:`~harmony.costs.hardware.Hardware`; :func:`calibrate` adds what only a
 measurement on this machine tells: the engine's own cost per compute task
 (every backend), the FLOP rate of this CPU (the cpu and emulated backends
-compute on it) and, for a real GPU, its link bandwidth and memory. Each
+compute on it), the host's optimizer bandwidth (a real FlatAdamW step,
+:mod:`.rates`) and, for a real GPU, its matmul FLOP rate (in bfloat16 where it
+has it: what mixed precision runs at), link bandwidth and memory. Each
 measurement is made once per process and kept, so every engine, search and
 bench on the same device sees the same numbers.
 """
@@ -26,12 +28,13 @@ from .devices import EmulatedDevice, EmulatedServer
 def calibrate(device) -> Hardware:
     """``device`` as a :class:`~harmony.costs.hardware.Hardware`, with the engine's cost
     per compute task and the compute rate measured on this machine."""
+    # an emulated GPU computes on this CPU, and its host update is this CPU's
     if isinstance(device, EmulatedServer):
-        hw = device.hardware(gpu_flops=_cpu_flops())
+        hw = device.hardware(_cpu_update_bandwidth(), gpu_flops=_cpu_flops())
         return replace(hw, task_overhead_s=task_overhead("emulated", device.device()))
     if isinstance(device, EmulatedDevice):
         return replace(
-            device.hardware(gpu_flops=_cpu_flops()),
+            device.hardware(_cpu_update_bandwidth(), gpu_flops=_cpu_flops()),
             task_overhead_s=task_overhead("emulated", device),
         )
     if isinstance(device, str) and device == "cpu":
@@ -46,7 +49,7 @@ def calibrate(device) -> Hardware:
             uplink=100 * GB,
             gpus_per_switch=1,
             p2p=100 * GB,
-            cpu_update_bandwidth=10 * GB,
+            cpu_update_bandwidth=_cpu_update_bandwidth(),
             cpu_update_workers=1,
             host_memory=10**15,
             task_overhead_s=task_overhead("cpu", "cpu"),
@@ -83,6 +86,21 @@ def _cpu_flops() -> float:
 
 
 @cache
+def _cpu_update_bandwidth() -> float:
+    from .rates import cpu_update_bandwidth
+
+    return cpu_update_bandwidth()
+
+
+def _gpu_flops(dev: torch.device) -> float:
+    """A 4096 x 4096 matmul's FLOP/s on ``dev``: in bfloat16 where the GPU has it."""
+    from .rates import matmul_flops
+
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return matmul_flops(dev, dtype, 4096)
+
+
+@cache
 def _cuda(devices: tuple[str, ...]) -> Hardware:
     """The GPUs at hand: memory from the driver (90% usable: the CUDA context and
     the caching allocator take the rest), link bandwidth measured; all GPUs
@@ -99,13 +117,13 @@ def _cuda(devices: tuple[str, ...]) -> Hardware:
         name=f"{n}x {props.name}",
         n_gpus=n,
         gpu_memory=int(0.9 * props.total_memory),
-        gpu_flops=1e13,
+        gpu_flops=_gpu_flops(dev),
         h2d=h2d,
         d2h=d2h,
         uplink=n * max(h2d, d2h),
         gpus_per_switch=n,
         p2p=h2d,
-        cpu_update_bandwidth=10 * GB,
+        cpu_update_bandwidth=_cpu_update_bandwidth(),
         cpu_update_workers=n,
         host_memory=10**12,
         task_overhead_s=task_overhead(f"cuda:{dev.index or 0}", devices[0]),

@@ -12,7 +12,7 @@ from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..graph import OPT_IN, UPD, TaskGraph
 from ..plan import Plan
-from ..policies import POLICIES, get_policy
+from ..policies import POLICIES, get_policy, state_on_gpu
 from .describe import microbatch_dependence
 from .journal import optimizer_params
 
@@ -110,7 +110,10 @@ def check_plan(
 
 def check_updates_run_where_state_is(graph: TaskGraph, plan: Plan) -> None:
     """The engine keeps weights and optimizer state on the host: an update on a GPU
-    needs a graph that brings them there (OPT_IN) once all it steps with is in."""
+    needs a graph that brings them there (OPT_IN) once all it steps with is in, unless
+    the plan keeps them there (:mod:`~harmony.engine.step.resident`)."""
+    if state_on_gpu(plan.policy):
+        return
     for t in graph.tasks:
         if t.kind != UPD or t.device == "cpu":
             continue

@@ -41,7 +41,7 @@ from ..costs.reference import max_profiled
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError, OutOfMemoryError
 from ..plan import Pack, Plan
-from ..policies import build_graph, get_policy, gradient_window, names
+from ..policies import build_graph, get_policy, gradient_window, names, resident
 from ..simulate import gc_paused, simulate_graph
 from ..trace import Summary
 from .packing import (
@@ -250,6 +250,9 @@ class _Stages:
         self.fcap, self.bcap = max_profiled(self.spec)
 
     def run(self, runner: _Runner, policy: str, n: int) -> None:
+        if policy == resident.NAME:
+            runner.run(self.resident(n))
+            return
         spec, top_k, fcap, bcap = self.spec, self.top_k, self.fcap, self.bcap
         share = -(-self.minibatch_size // n) if policy != "harmony-pp" else self.minibatch_size
         # Stage A: the backward microbatch size, with the largest packs that fit ...
@@ -282,6 +285,18 @@ class _Stages:
         return _Candidate(
             Plan(policy, n, self.minibatch_size, ub, ub, bwd[:-1], bwd, options), "A"
         )
+
+    def resident(self, n: int) -> list[_Candidate]:
+        """The plain loop on one GPU (:mod:`~harmony.policies.resident`) at every
+        microbatch size; the simulator's ledger rejects those that do not fit."""
+        if n != 1:
+            return []
+        options = {} if self.precision is None else {"precision": self.precision}
+        sizes = microbatch_sizes(self.minibatch_size, self.bcap, self.spec.min_microbatch)
+        plans = [
+            resident.plan_for(len(self.spec), self.minibatch_size, u, **options) for u in sizes
+        ]
+        return [_Candidate(p, "A") for p in plans]
 
     def forward_side(
         self, policy: str, share: int, fcap: int | None, best: list[dict]

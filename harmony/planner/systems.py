@@ -24,7 +24,7 @@ from ..costs.reference import max_profiled
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError, OutOfMemoryError
 from ..plan import DEFAULT_OPTIONS, Plan, uniform_packs
-from ..policies import POLICIES, get_policy
+from ..policies import POLICIES, get_policy, resident
 from ..policies.zero_offload import lockstep_counts
 from ..simulate import gc_paused, simulate_graph
 from .karma import model_packs
@@ -295,11 +295,22 @@ def model_parallel_plans(
     return PlanMaker("model-parallel", minibatch, plan_at)
 
 
+def resident_plans(
+    spec: ModelSpec, hw: Hardware, minibatch: int, n_gpus: int | None = None
+) -> PlanMaker:
+    """The plain loop on one GPU (:mod:`~harmony.policies.resident`, whatever
+    ``n_gpus``) at each microbatch size."""
+    return PlanMaker(
+        resident.NAME, minibatch, lambda u: resident.plan_for(len(spec), minibatch, u)
+    )
+
+
 #: the baselines whose microbatch follows :func:`largest_fitting`: policy -> its plans
 PLAN_MAKERS: dict[str, Callable[..., PlanMaker]] = {
     "layer-swap": layer_swap_plans,
     "gpipe-swap": gpipe_swap_plans,
     "model-parallel": model_parallel_plans,
+    "resident": resident_plans,
 }
 
 
@@ -408,6 +419,7 @@ CHOOSERS = {
     "gpipe-swap": choose_gpipe_swap,
     "layer-swap": choose_layer_swap,
     "model-parallel": choose_model_parallel,
+    "resident": functools.partial(choose_by_rule, "resident"),
 }
 
 
@@ -442,7 +454,9 @@ def plans_for(
         if df is not None
         else {}
     )
-    missing = [p for p in searched if p not in found]
+    # every policy: one the search planned none of is left to its chooser, if it has one
+    # (resident, the plain loop, runs one GPU of the several a search may plan for)
+    missing = [p for p in searched if p not in found and not (every and p in CHOOSERS)]
     if missing:
         raise OutOfMemoryError(f"no {', '.join(missing)} plan for {spec.name} fits on {hw.name!r}")
     for p in policies:

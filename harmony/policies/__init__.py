@@ -27,6 +27,7 @@ from . import (
     karma,
     layer_swap,
     model_parallel,
+    resident,
     zero_offload,
 )
 from .common import replica_shares
@@ -45,6 +46,7 @@ POLICIES: dict[str, ModuleType] = {
         gpipe_swap,
         layer_swap,
         model_parallel,
+        resident,
     )
 }
 #: names policies had before, and why they changed
@@ -141,6 +143,12 @@ def _without(trait: str):
     finally:
         for name, m in POLICIES.items():
             setattr(m, trait, saved[name])
+
+
+def state_on_gpu(policy: str) -> bool:
+    """Whether ``policy`` keeps the whole training state (weights, gradients, optimizer
+    state) on its GPU from step to step, moving none of it (its ``STATE_ON_GPU``)."""
+    return getattr(get_policy(policy), "STATE_ON_GPU", False)
 
 
 def gradient_window(policy: str) -> bool:

@@ -25,6 +25,7 @@ from ..context import StepContext
 from ..devices import Backend
 from ..meters import WorkMeter
 from ..tiers.pacing import LinkPacer
+from .casts import stage
 
 
 def nbytes(value) -> int:
@@ -262,8 +263,8 @@ class StepMemory:
                 out[k] = piece.view(t.shape).detach()
                 pairs.append((piece, t.detach()))
                 offset += t.numel()
-            for dst, src in copy_runs(pairs):
-                dst.copy_(src, non_blocking=non_blocking)
+            # a cast on the way: staged in the host pool's page-locked memory (see .casts)
+            stage(copy_runs(pairs), self.ctx.host.pool, non_blocking)
         return out
 
     def to_host(

@@ -43,6 +43,7 @@ from ...graph import (
     Task,
     TaskGraph,
 )
+from ...policies import state_on_gpu
 from ...trace import Trace
 from ..admission import MemoryOrder
 from ..context import StepContext
@@ -52,6 +53,7 @@ from ..tiers.pacing import LinkPacer
 from .compute import BufferVersions, Compute, Outcome, Recomputed
 from .disk import DiskSteps
 from .memory import BytesMoved, StepMemory
+from .resident import ResidentSteps
 from .transfers import Transfers
 from .updates import Updates
 
@@ -143,6 +145,10 @@ class StepRun:
     def _handlers(self) -> dict:
         """Task kind -> the bound method of the part that does it."""
         transfers, compute, updates, disk = self.transfers, self.compute, self.updates, self.disk
+        resident = {}
+        if state_on_gpu(self.ctx.plan.policy):  # the state stays on the GPU: nothing crosses
+            parts = (self.ctx, self.memory, transfers, updates, self.bytes.count)
+            resident = ResidentSteps(*parts).handlers()
         return {
             W_IN: transfers.weights_in,
             DATA_IN: transfers.data_in,
@@ -163,7 +169,7 @@ class StepRun:
             FWDBWD: compute.fused,
             DISK_IN: disk.disk_in,
             DISK_OUT: disk.disk_out,
-        }
+        } | resident
 
     @property
     def loss(self) -> float:

@@ -20,6 +20,7 @@ from ...plan import layer_shard
 from ..buffers import copy_runs
 from ..context import StepContext
 from .accumulators import Accumulators
+from .casts import land
 from .compute import BufferVersions
 from .disk import DiskSteps
 from .memory import StepMemory, assemble
@@ -255,8 +256,7 @@ class Transfers:
                     first.append((host.grad, g))
                 else:
                     more.append((host.grad, g))
-            for dst, src in copy_runs(first):
-                dst.copy_(src)
+            land(copy_runs(first))  # cast on the GPU, one wait (see .casts)
             for dst, src in more:
                 if src.device != dst.device:  # added on the host, after a copy there
                     src = self.to_host(self.backends[task.device], [src], non_blocking=False)[0]
