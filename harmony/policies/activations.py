@@ -17,7 +17,7 @@ from ..plan import Plan
 from .base import HOST, GraphBase, Op
 
 
-@dataclass
+@dataclass(slots=True)
 class Value:
     """An activation (or activation gradient) for a sample range at a pack boundary."""
 

@@ -74,6 +74,12 @@ class GraphBase:
         task.releases.append(buffer)
         self.buffers[buffer].refs += 1
 
+    def release_all(self, task: Task, buffers: list[int]) -> None:
+        """:meth:`release` of each of ``buffers``, in order."""
+        task.releases += buffers
+        for b in buffers:
+            self.buffers[b].refs += 1
+
     def _add(self, task: Task) -> Task:
         self.tasks.append(task)
         return task
@@ -85,6 +91,8 @@ class GraphBase:
         if for_op is not None:
             return (for_op, 0, self._sub)
         tasks = self.tasks
+        if len(deps) == 1:  # most often: the task it comes out of
+            return (tasks[deps[0]].seq[0], 2, self._sub)
         return (max([tasks[d].seq[0] for d in deps], default=0), 2, self._sub)
 
     def transfer(
@@ -108,7 +116,7 @@ class GraphBase:
         """A transfer of ``data``; it reads buffers ``src`` (and releases them) and,
         with ``alloc_on``, writes a new buffer there (``io["dst"]``). ``seq``: its
         priority, where it is not :meth:`_next_seq`'s."""
-        deps = sorted(set(deps))
+        deps = sorted(set(deps)) if len(deps) > 1 else list(deps)
         t = self._add(
             Task(
                 len(self.tasks),
@@ -128,10 +136,7 @@ class GraphBase:
         )
         if src:
             t.io["src"] = list(src)
-            buffers = self.buffers
-            for b in src:
-                buffers[b].refs += 1
-            t.releases.extend(src)
+            self.release_all(t, src)
         if alloc_on is not None:
             samples = data.samples if isinstance(data, (Batch, Activation)) else (0, 0)
             dst = t.io["dst"] = self.buffer(alloc_on, nbytes, what, samples)

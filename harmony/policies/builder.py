@@ -300,8 +300,7 @@ class GraphBuilder(ActivationFlow):
         else:
             t = self._compute(op, op.kind, (k, 1, 0), deps, io, opens_group)
             self.release(t, io["work"])
-        for buf in local:
-            self.release(t, buf)
+        self.release_all(t, local)
         self._ops_on[op.gpu].append(t.id)
         return t
 
