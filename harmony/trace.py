@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from .graph import DISK_IN, DISK_OUT, UPD, TaskGraph
+from .graph import DISK_IN, DISK_OUT, TRANSFER_KINDS, UPD, TaskGraph
 
 TIMELINE_COLUMNS = [
     "device",
@@ -173,15 +173,19 @@ class Trace:
         by_kind: dict[str, float] = defaultdict(float)
         cpu = 0.0
         for t in graph.tasks:
-            took = end[t.id] - start[t.id]
-            if t.kind == UPD:
-                cpu += took
-            elif t.is_transfer:
-                by_kind[t.kind] += moved[t.id]
-                for link, cost in zip(t.links, t.link_costs()):
-                    link_bytes[link] += moved[t.id] * cost
+            i, kind = t.id, t.kind
+            if kind == UPD:
+                cpu += end[i] - start[i]
+            elif kind in TRANSFER_KINDS:
+                by_kind[kind] += moved[i]
+                if t.costs:
+                    for link, cost in zip(t.links, t.costs):
+                        link_bytes[link] += moved[i] * cost
+                else:  # a cost of 1 on each link (Task.link_costs)
+                    for link in t.links:
+                        link_bytes[link] += moved[i] * 1.0
             else:
-                compute[t.device] += took
+                compute[t.device] += end[i] - start[i]
         bounds = {f"compute:{d}": v for d, v in compute.items()}
         bounds["cpu_update"] = cpu / max(1, graph.cpu_workers)
         if link_bounds:

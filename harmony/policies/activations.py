@@ -17,7 +17,7 @@ from ..plan import Plan
 from .base import HOST, GraphBase, Op
 
 
-@dataclass
+@dataclass(slots=True)
 class Value:
     """An activation (or activation gradient) for a sample range at a pack boundary."""
 
@@ -38,7 +38,7 @@ class ActivationFlow(GraphBase):
         self._stash_layers = set(plan.stash_layers())
 
     def _produce(self, key: tuple, op: Op, task: Task, buf: int) -> None:
-        dev = f"gpu{op.gpu}"
+        dev = self._dev[op.gpu]
         value = Value(op.samples, dev, task.id, buf)
         if op.offload_output:
             out = self.transfer(
@@ -59,7 +59,7 @@ class ActivationFlow(GraphBase):
 
     def _stash(self, op: Op, task: Task, input_buffers: list[int]) -> None:
         """Save the inputs of backward packs that start inside this forward op."""
-        dev = f"gpu{op.gpu}"
+        dev = self._dev[op.gpu]
         n = op.samples[1] - op.samples[0]
         for layer in range(op.layers[0], op.layers[1]):
             if layer not in self._stash_layers:
@@ -104,18 +104,19 @@ class ActivationFlow(GraphBase):
         """Values of ``key`` whose samples overlap ``samples`` (they never overlap each other)."""
         a, b = samples
         starts, values = self._values.get(key, ([], []))
-        i = max(0, bisect.bisect_right(starts, a) - 1)
+        i = bisect.bisect_right(starts, a) - 1
+        if i < 0:
+            i = 0
         out = []
-        while i < len(values) and values[i].samples[0] < b:
-            if values[i].samples[1] > a:
-                out.append(values[i])
-            i += 1
+        for v in values[i : bisect.bisect_left(starts, b, i)]:  # those that start before b
+            if v.samples[1] > a:
+                out.append(v)
         return out
 
     def _batch_in(self, op: Op, k: int, what: str, nbytes: float) -> Task:
         """The copy of the minibatch's ``what`` ("inputs" or "labels") for the op's
         samples from host memory to its GPU."""
-        dev = f"gpu{op.gpu}"
+        dev = self._dev[op.gpu]
         return self.transfer(
             DATA_IN,
             f"{dev}.h2d",
@@ -137,23 +138,28 @@ class ActivationFlow(GraphBase):
         """Make the values of ``key`` for the op's samples available on its GPU.
 
         Returns the tasks the op waits on and the buffers it releases."""
-        dev = f"gpu{op.gpu}"
-        values = self._overlapping(key, op.samples)
-        covered = sum(
-            min(v.samples[1], op.samples[1]) - max(v.samples[0], op.samples[0]) for v in values
-        )
-        if covered != op.samples[1] - op.samples[0]:
-            raise AssertionError(f"{key} for samples {op.samples} not produced before {op}")
+        g = op.gpu
+        dev = self._dev[g]
+        a, b = samples = op.samples
+        values = self._overlapping(key, samples)
+        covered = 0
+        devices = set()
+        for v in values:
+            va, vb = v.samples
+            covered += (vb if vb < b else b) - (va if va > a else a)
+            devices.add(v.device)
+        if covered != b - a:
+            raise AssertionError(f"{key} for samples {samples} not produced before {op}")
         deps = [v.task for v in values if v.task is not None]
-        if all(v.device == dev for v in values):
+        if not values or devices == {dev}:
             return deps, [v.buffer for v in values]
-        if all(v.device == HOST for v in values):
+        if devices == {HOST}:
             kind = STASH_IN if key[0] == "stash" else kind_via_host
             t = self.transfer(
                 kind,
-                f"{dev}.h2d",
+                dev + ".h2d",
                 dev,
-                self.h2d_route(op.gpu),
+                self._h2d[g],
                 nbytes,
                 deps + self._release_dep(op.gpu, 2),
                 f"{key[0]} layer {key[1]} {op.samples}",
@@ -164,10 +170,9 @@ class ActivationFlow(GraphBase):
                 samples=op.samples,
             )
             return [t.id], list(t.allocs)
-        src = {v.device for v in values}
-        if len(src) != 1 or HOST in src:
-            raise AssertionError(f"{key} for {op.samples} spread over {src}")
-        src_gpu = int(next(iter(src))[3:])
+        if len(devices) != 1:
+            raise AssertionError(f"{key} for {samples} spread over {devices}")
+        src_gpu = int(next(iter(devices))[3:])
         route, rate = self.p2p_route(src_gpu, op.gpu)
         t = self.transfer(
             P2P,

@@ -21,7 +21,7 @@ HOST = "host"
 SEQ_ROOM = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Op:
     """One compute task the policy wants: ``kind`` of pack ``pack`` on ``samples``."""
 
@@ -57,18 +57,28 @@ class GraphBase:
             self.links[f"switch{s}.up"] = hw.uplink
         self._sub = 0  # seq tiebreak of everything but compute ops
         self._ops_on: dict[int, list[int]] = {g: [] for g in range(plan.n_gpus)}
+        # per GPU, the names and routes every transfer of it uses: made once, not per task
+        gpus = range(hw.n_gpus)
+        self._dev = [f"gpu{g}" for g in gpus]
+        self._h2d = [(f"gpu{g}.h2d", f"switch{hw.switch_of(g)}.down") for g in gpus]
+        self._d2h = [(f"gpu{g}.d2h", f"switch{hw.switch_of(g)}.up") for g in gpus]
 
     def buffer(
         self, device: str, nbytes: float, what: str, samples: tuple[int, int] = (0, 0)
     ) -> int:
-        self.buffers.append(
-            Buffer(len(self.buffers), device, float(nbytes), what, samples=samples)
-        )
-        return len(self.buffers) - 1
+        n = len(self.buffers)
+        self.buffers.append(Buffer(n, device, float(nbytes), what, 0, samples))
+        return n
 
     def release(self, task: Task, buffer: int) -> None:
         task.releases.append(buffer)
         self.buffers[buffer].refs += 1
+
+    def release_all(self, task: Task, buffers: list[int]) -> None:
+        """:meth:`release` of each of ``buffers``, in order."""
+        task.releases += buffers
+        for b in buffers:
+            self.buffers[b].refs += 1
 
     def _add(self, task: Task) -> Task:
         self.tasks.append(task)
@@ -80,7 +90,10 @@ class GraphBase:
         self._sub += SEQ_ROOM
         if for_op is not None:
             return (for_op, 0, self._sub)
-        return (max((self.tasks[d].seq[0] for d in deps), default=0), 2, self._sub)
+        tasks = self.tasks
+        if len(deps) == 1:  # most often: the task it comes out of
+            return (tasks[deps[0]].seq[0], 2, self._sub)
+        return (max([tasks[d].seq[0] for d in deps], default=0), 2, self._sub)
 
     def transfer(
         self,
@@ -103,7 +116,7 @@ class GraphBase:
         """A transfer of ``data``; it reads buffers ``src`` (and releases them) and,
         with ``alloc_on``, writes a new buffer there (``io["dst"]``). ``seq``: its
         priority, where it is not :meth:`_next_seq`'s."""
-        deps = sorted(set(deps))
+        deps = sorted(set(deps)) if len(deps) > 1 else list(deps)
         t = self._add(
             Task(
                 len(self.tasks),
@@ -123,20 +136,19 @@ class GraphBase:
         )
         if src:
             t.io["src"] = list(src)
-            for b in src:
-                self.release(t, b)
+            self.release_all(t, src)
         if alloc_on is not None:
             samples = data.samples if isinstance(data, (Batch, Activation)) else (0, 0)
-            t.io["dst"] = self.buffer(alloc_on, nbytes, what, samples)
-            t.allocs.append(t.io["dst"])
+            dst = t.io["dst"] = self.buffer(alloc_on, nbytes, what, samples)
+            t.allocs.append(dst)
         return t
 
     # ---- routes ----------------------------------------------------------------
     def h2d_route(self, g: int) -> tuple[str, ...]:
-        return (f"gpu{g}.h2d", f"switch{self.hw.switch_of(g)}.down")
+        return self._h2d[g]
 
     def d2h_route(self, g: int) -> tuple[str, ...]:
-        return (f"gpu{g}.d2h", f"switch{self.hw.switch_of(g)}.up")
+        return self._d2h[g]
 
     def p2p_route(self, src: int, dst: int) -> tuple[tuple[str, ...], float]:
         """GPU->GPU: direct on one switch with peer access; else staged through host memory."""

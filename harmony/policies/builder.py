@@ -218,7 +218,7 @@ class GraphBuilder(ActivationFlow):
         """The weight group of ``op`` on its GPU, and whether the op opens it: then the
         weights' load (W_IN; for backward, with the gradient accumulator)."""
         spec, g = self.spec, op.gpu
-        dev = f"gpu{g}"
+        dev = self._dev[g]
         s, e = op.layers
         groups = self._groups_on[g]
         opens_group = not groups or groups[-1].key != op.group
@@ -300,15 +300,14 @@ class GraphBuilder(ActivationFlow):
         else:
             t = self._compute(op, op.kind, (k, 1, 0), deps, io, opens_group)
             self.release(t, io["work"])
-        for buf in local:
-            self.release(t, buf)
+        self.release_all(t, local)
         self._ops_on[op.gpu].append(t.id)
         return t
 
     def _outputs(self, op: Op, t: Task, io: dict, input_buffers: list[int]) -> None:
         """What the op's task ``t`` hands on: a tied parameter's gradient piece, the
         stashes, and the activations (forward) or their gradient (backward)."""
-        dev, (s, e), n = f"gpu{op.gpu}", op.layers, op.samples[1] - op.samples[0]
+        dev, (s, e), n = self._dev[op.gpu], op.layers, op.samples[1] - op.samples[0]
         if op.kind != FWD and self._split_bytes(s, e):
             self._tie_piece(op, t)
         if op.kind == FWD:
@@ -339,7 +338,7 @@ class GraphBuilder(ActivationFlow):
     def _tie_piece(self, op: Op, task: Task) -> None:
         """This microbatch's gradient of the parameters the op's layers share with
         other packs: a buffer the op fills, sent to the host at once."""
-        dev = f"gpu{op.gpu}"
+        dev = self._dev[op.gpu]
         nbytes = self._split_bytes(*op.layers)
         piece = self.buffer(dev, nbytes, f"tied gradients {op.layers} {op.samples}", op.samples)
         task.allocs.append(piece)
@@ -375,7 +374,7 @@ class GraphBuilder(ActivationFlow):
         weight group on the task that ``opens_group``."""
         s, e = op.layers
         a, b = op.samples
-        dev = f"gpu{op.gpu}"
+        dev = self._dev[op.gpu]
         duration, work = self._compute_cost(kind, s, e, b - a)
         if self.hw.overhead_per == "task" or opens_group:
             duration += self.hw.task_overhead_s
@@ -441,7 +440,7 @@ class GraphBuilder(ActivationFlow):
         """The group's gradient to host memory, or for data parallel the ``shard``
         ``(r, k)`` of it summed over the ``replicas`` (every replica's accumulator
         is read, and freed once every shard is out)."""
-        dev = f"gpu{group.gpu}"
+        dev = self._dev[group.gpu]
         replicas = replicas or [group]
         if shard == (0, 1):  # a tied parameter once, and its split part already out
             nbytes = self.spec.grad_bytes(*group.layers) - self._split_bytes(*group.layers)
