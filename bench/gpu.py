@@ -27,9 +27,11 @@ call of at most 10 minutes yields the whole table (about 7 minutes on one H100):
 Where torch sees no GPU, it says so and exits 0. ``--device cpu --tiny`` runs
 every section's code on the CPU (an emulated GPU for the engine, gloo for
 FSDP2) with tiny models, in seconds: ``tests/test_gpu_bench.py`` runs it.
-``--out PATH`` also writes the table as markdown.
+``--out PATH`` also writes the table as markdown; ``--timelines DIR`` writes each
+engine run's measured and simulated task timelines there (``a_measured.csv.gz``,
+...), for reading where the time went after the GPU is given back.
 
-    python bench/gpu.py [--out gpu.md]
+    python bench/gpu.py [--out gpu.md] [--timelines DIR]
     python bench/gpu.py --device cpu --tiny
 """
 
@@ -45,6 +47,7 @@ import signal
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 
 # cuBLAS needs it set before CUDA starts for deterministic algorithms (section d)
@@ -77,7 +80,7 @@ SIZES = {
     "tiny": dict(fits=(32, 2, 16, 64, 4), big=(32, 4, 16, 64, 4), cap=None),
 }
 #: seconds each section may take (a, b, c reads what a and b measured, d)
-LIMITS = {"a": 150, "b": 240, "d": 60}
+LIMITS = {"a": 150, "b": 300, "d": 60}
 
 
 @dataclass
@@ -120,6 +123,7 @@ def section(table: Table, name: str, seconds: int):
     try:
         yield
     except Exception as e:  # the table goes on
+        traceback.print_exc()
         table.add(
             name, "error", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         )
@@ -151,6 +155,7 @@ class Machine:
     tiny: bool
     dtype: torch.dtype = torch.bfloat16
     measured: dict = field(default_factory=dict)  # what section c reads (note)
+    timelines: str | None = None  # where note writes each run's timelines
 
     @property
     def cuda(self) -> bool:
@@ -178,9 +183,17 @@ class Machine:
 
     def note(self, key: str, engine: Engine, step: float) -> None:
         """What section c reads of a run (not the engine: its memory is given back)."""
+        played = engine.simulate()
+        if self.timelines:
+            os.makedirs(self.timelines, exist_ok=True)
+            for name, trace in (("measured", engine.trace), ("simulated", played)):
+                trace.timeline.drop(columns=["layers"], errors="ignore").to_csv(
+                    os.path.join(self.timelines, f"{key}_{name}.csv.gz"), index=False
+                )
         self.measured[key] = dict(
             step=step,
-            simulated=engine.simulate().summary,
+            simulated=played.summary,
+            by_kind=(seconds_by_kind(engine.trace), seconds_by_kind(played)),
             ledger=engine.trace.summary.peak_memory.get("gpu0", 0.0),
             policy=engine.plan.policy,
             torch_peak=self.torch_peak(),
@@ -192,6 +205,12 @@ class Machine:
     def reset_peak(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+
+def seconds_by_kind(trace) -> dict[str, float]:
+    """Task seconds summed per kind (transfers included) over one step."""
+    df = trace.timeline
+    return (df["end_s"] - df["start_s"]).groupby(df["kind"]).sum().round(4).to_dict()
 
 
 def gpt2(sizes: tuple) -> tuple:
@@ -272,7 +291,22 @@ def fits(m: Machine, table: Table) -> None:
     table.add("a", "harmony plan='auto' step", f"{step:.4f} s", engine.plan.describe())
     table.add("a", "harmony / plain", f"{step / plain:.2f}x", "goal <= 1.05x where it fits")
     table.add("a", "time to first step", f"{first:.1f} s", "profile + search + one step")
+    table.add("a", "the search's fastest", ranked(engine), "simulated s/step, as plan='auto' ranks")
     m.note("a", engine, step)
+
+
+def ranked(engine: Engine, best: int = 3) -> str:
+    """The fastest plans of each policy plan='auto' weighs on one GPU, simulated."""
+    df = harmony.search(
+        engine.profile,
+        engine.hardware(),
+        engine.minibatch_size,
+        policies=("harmony-pp", "resident"),
+        n_gpus=1,
+        workers=1,
+    )
+    top = df.groupby("policy", sort=False).head(best)
+    return "; ".join(f"{p.describe()} {s:.4f}" for p, s in zip(top["plan"], top["iteration_s"]))
 
 
 # ---- (b) a model over the capped memory -----------------------------------------------
@@ -414,6 +448,13 @@ def simulated(m: Machine, table: Table) -> None:
             f"simulated {gb(sim.peak_memory.get('gpu0'))}, torch.cuda.max_memory_allocated "
             f"{gb(run['torch_peak'])}",
         )
+        measured, sim = run["by_kind"]
+        table.add(
+            "c",
+            f"({key}) task seconds by kind",
+            ", ".join(f"{k} {v:.3f}" for k, v in sorted(measured.items())),
+            "simulated: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(sim.items())),
+        )
 
 
 # ---- (d) exactness --------------------------------------------------------------------
@@ -478,6 +519,7 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny models (the CPU smoke run)")
     ap.add_argument("--out", help="also write the table as markdown to this file")
+    ap.add_argument("--timelines", help="write each engine run's timelines to this folder")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/gpu.py: torch sees no GPU (torch.cuda.is_available() is False); nothing run")
@@ -485,7 +527,7 @@ def main() -> int:
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    m, table = Machine(device, args.tiny), Table()
+    m, table = Machine(device, args.tiny, timelines=args.timelines), Table()
     name = torch.cuda.get_device_name(device) if m.cuda else "CPU (emulated GPU for the engine)"
     print(f"{name}, torch {torch.__version__}", flush=True)
     table.add("-", "device", name, f"torch {torch.__version__}")
