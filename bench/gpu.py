@@ -58,6 +58,7 @@ import torch  # noqa: E402
 import harmony  # noqa: E402
 from harmony import EmulatedDevice, Engine, FlatAdamW, Plan, reference_step  # noqa: E402
 from harmony.costs.hardware import format_bytes  # noqa: E402
+from harmony.engine import auto_plan as auto_plan_module  # noqa: E402
 from harmony.engine.calibrate import calibrate  # noqa: E402
 from harmony.engine.rates import (  # noqa: E402
     ADAMW_BYTES_PER_ELEMENT,
@@ -258,9 +259,32 @@ def plain_loop(m: Machine, model, x, y) -> float:
     return statistics.median(times[1:] if m.tiny else times[2:])
 
 
+#: seconds the last plan="auto" spent in each part of its first step (timed)
+SPENT: dict[str, float] = {}
+
+
+def timed_part(module, name: str) -> None:
+    """``module.name`` (a function) adds its seconds to ``SPENT[name]``."""
+    inner = getattr(module, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            SPENT[name] = SPENT.get(name, 0.0) + time.perf_counter() - started
+
+    setattr(module, name, timed)
+
+
+for _part in ("profile", "search", "_first_that_runs"):
+    timed_part(auto_plan_module, _part)
+
+
 def auto_engine(m: Machine, model, x, y, minibatch: int, hardware=None, device=None):
     """``Engine(plan="auto")``: the engine, its first step's seconds (profile, search
     and the step) and the median of three more."""
+    SPENT.clear()
     t0 = time.perf_counter()
     engine = Engine(
         copy.deepcopy(model),
@@ -290,9 +314,18 @@ def fits(m: Machine, table: Table) -> None:
     engine, first, step = auto_engine(m, model, x, y, minibatch)
     table.add("a", "harmony plan='auto' step", f"{step:.4f} s", engine.plan.describe())
     table.add("a", "harmony / plain", f"{step / plain:.2f}x", "goal <= 1.05x where it fits")
-    table.add("a", "time to first step", f"{first:.1f} s", "profile + search + one step")
-    table.add("a", "the search's fastest", ranked(engine), "simulated s/step, as plan='auto' ranks")
+    table.add("a", "time to first step", f"{first:.1f} s", first_step_parts(first))
+    table.add(
+        "a", "the search's fastest", ranked(engine), "simulated s/step, as plan='auto' ranks"
+    )
     m.note("a", engine, step)
+
+
+def first_step_parts(first: float) -> str:
+    parts = {"profile": "profile", "search": "search", "_first_that_runs": "fit check"}
+    spent = {label: SPENT.get(key, 0.0) for key, label in parts.items()}
+    rest = first - sum(spent.values())
+    return ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()) + f", the rest {rest:.1f} s"
 
 
 def ranked(engine: Engine, best: int = 3) -> str:
@@ -341,6 +374,14 @@ def big(m: Machine, table: Table) -> None:
         f"GPT-2, {count(params)} params, minibatch {minibatch}, bf16, memory {gb(cap)}",
         f"matmul peak {peak / 1e12:.2f} TFLOP/s; FlatAdamW {update_bw / GB:.1f} GB/s; "
         f"h2d {hw.h2d / GB:.1f} GB/s",
+    )
+    big_tensors = cpu_update_bandwidth(1 << (20 if m.tiny else 26))
+    table.add(
+        "b",
+        "host update rate",
+        f"FlatAdamW {update_bw / GB:.1f} GB/s on 4 M elements, {big_tensors / GB:.1f} on "
+        f"{'1 M' if m.tiny else '64 M'}",
+        f"torch threads {torch.get_num_threads()}; the floor takes the first",
     )
     tokens = minibatch * seq
     floor, compute, pcie, update = floor_s(params, tokens, hw, peak, update_bw)
@@ -411,7 +452,10 @@ def measure(m: Machine, system, x, y, hw, model, minibatch) -> tuple[float | Non
         device = m.engine_device(hw.gpu_memory / 0.9)
         engine, first, step = auto_engine(m, model, x, y, minibatch, hw, device)
         m.note("b", engine, step)
-        return step, f"{engine.plan.describe()}; first step {first:.1f} s"
+        return (
+            step,
+            f"{engine.plan.describe()}; first step {first:.1f} s: {first_step_parts(first)}",
+        )
     log: list[str] = []
     with single_process_group(m.torch_device) if group else contextlib.nullcontext():
         u = sizes[0]

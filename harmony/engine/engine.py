@@ -414,7 +414,9 @@ class Engine:
                 self.disk.tier.commit(self.step_count)
             return float("nan")
         except BaseException:
-            run.roll_back()
+            if run.roll_back():  # past its point of no return: completed, not undone
+                self.run_state.stepped()
+                self.trace = None
             raise
         self.run_state.stepped()
         self.trace = run.trace()

@@ -159,11 +159,14 @@ def apply_update(
     key,
     journal: UpdateJournal | None,
     on_disk: tuple[str, ...] = (),
+    checked: bool = False,
 ) -> None:
-    """Step ``opt`` (the update of ``layers``) after checking its gradients; with a
-    ``journal``, first record what the step will change, to undo it, less the
-    kinds ``on_disk`` (``"weights"``, ``"optimizer"``: a disk tier's)."""
-    check_finite_gradients(opt, layers)
+    """Step ``opt`` (the update of ``layers``) after checking its gradients (unless
+    ``checked`` already); with a ``journal``, first record what the step will
+    change, to undo it, less the kinds ``on_disk`` (``"weights"``, ``"optimizer"``:
+    a disk tier's)."""
+    if not checked:
+        check_finite_gradients(opt, layers)
     if journal is not None:
         journal.record(key, opt, "weights" not in on_disk, "optimizer" not in on_disk)
     opt.step()

@@ -162,6 +162,25 @@ class FlatAdamW(torch.optim.Optimizer):
                 # a tensor of its own: load_state_dict hands over the source's step tensors
                 state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
+    def ready_to_step(self) -> bool:
+        """Raise what :meth:`step` would raise for its inputs as they are now (a
+        hyperparameter out of range, a sparse gradient, a state that is not an AdamW
+        state of its parameter), changing nothing. True when the step would then
+        create no state: it only updates tensors that exist, so nothing but the
+        interpreter itself (an interrupt, no memory at all) can make it fail."""
+        creates = False
+        for group in self.param_groups:
+            _check_hyperparameters(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                _check_dense(p)
+                if self.state.get(p):
+                    _check_state(self.state[p], p)
+                else:
+                    creates = True
+        return not creates
+
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """One AdamW step of every parameter that has a gradient; returns the
@@ -174,11 +193,7 @@ class FlatAdamW(torch.optim.Optimizer):
             _check_hyperparameters(group)
             live = [p for p in group["params"] if p.grad is not None]
             for p in live:
-                if p.grad.is_sparse:
-                    raise HarmonyError(
-                        "FlatAdamW got a sparse gradient for a parameter of shape "
-                        f"{tuple(p.shape)}; use torch.optim.SparseAdam for sparse gradients"
-                    )
+                _check_dense(p)
             fresh = [p for p in live if not self.state.get(p)]
             for p, views in zip(fresh, _FlatMoments(fresh).views):
                 state = self.state[p]
@@ -244,6 +259,14 @@ def _check_hyperparameters(group: dict) -> None:
     ):
         if group.get(flag):
             raise HarmonyError(f"FlatAdamW does not implement {flag}=True: use {instead}")
+
+
+def _check_dense(p: torch.Tensor) -> None:
+    if p.grad.is_sparse:
+        raise HarmonyError(
+            "FlatAdamW got a sparse gradient for a parameter of shape "
+            f"{tuple(p.shape)}; use torch.optim.SparseAdam for sparse gradients"
+        )
 
 
 def _check_state(state: dict, p: torch.Tensor) -> None:

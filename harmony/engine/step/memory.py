@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ...costs.hardware import format_bytes
-from ...graph import Task, TaskGraph
+from ...graph import UPD, Task, TaskGraph
 from ..buffers import BufferPool, copy_runs
 from ..context import StepContext
 from ..devices import Backend
@@ -106,6 +106,8 @@ class StepMemory:
         # no value can be overwritten while a view of it is still held anywhere.
         self.taken: list[tuple[torch.Tensor, BufferPool]] = []
         self.tasks_left = len(graph.tasks)
+        #: tasks other than updates not yet ended (the step's point of no return: none)
+        self.others_left = sum(t.kind != UPD for t in graph.tasks)
 
     # ---- bookkeeping --------------------------------------------------------------
     # The executor charges each buffer's declared bytes to its device when the task
@@ -136,6 +138,7 @@ class StepMemory:
     def finish(self, task: Task) -> None:
         with self.lock:
             self.tasks_left -= 1
+            self.others_left -= task.kind != UPD
         for b in task.releases:
             with self.lock:
                 self.refs[b] -= 1

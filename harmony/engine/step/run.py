@@ -215,6 +215,7 @@ class StepRun:
             self.wall_s = self.executor.run(self.t0)
         finally:
             self.close()
+            self.updates.raise_deferred()
 
     def _nothing_overlaps(self, admission: MemoryOrder | None) -> bool:
         """Whether this step's lanes would only take turns, so that the calling
@@ -254,8 +255,13 @@ class StepRun:
             ) from None
         self.memory.finish(task)
 
-    def roll_back(self) -> None:
-        """Undo a failed step: host weights, optimizer state and buffers as before it."""
+    def roll_back(self) -> bool:
+        """Settle a failed step: undone (host weights, optimizer state and buffers as
+        before it), or, past its point of no return, completed (every update run):
+        True then, and the step counts."""
+        if self.updates.complete():
+            self._drop()
+            return True
         if self.ctx.journal is not None:
             self.ctx.journal.undo()
         if self.buffers_before is not None:
@@ -267,6 +273,11 @@ class StepRun:
         if self.ctx.gradient_slots is not None:
             self.ctx.gradient_slots.reset()
         self.disk.disk_roll_back()
+        self._drop()
+        return False
+
+    def _drop(self) -> None:
+        """What the failed step's buffers hold is dropped, its pooled buffers given back."""
         for value in self.memory.drop_all():
             if isinstance(value, Recomputed):  # a REC whose BWD never ran
                 value.meter.close()

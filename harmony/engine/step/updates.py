@@ -20,6 +20,7 @@ CUDA graphs, and are not among the bytes moved.
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from collections import Counter, defaultdict
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import HarmonyError
-from ...graph import OPT_IN, Task, TaskGraph
+from ...graph import OPT_IN, UPD, Task, TaskGraph
 from ..context import StepContext
 from ..journal import apply_update, check_finite_gradients, optimizer_params
 from ..optim import FlatAdamW
@@ -131,17 +132,57 @@ class Updates:
         self.reserve, self.put, self._moved = memory.reserve, memory.put, moved
         self.to_device, self.to_host = memory.to_device, memory.to_host
         self.commits = PackCommits(graph)
+        self.host_updates = [t for t in graph.tasks if t.kind == UPD and t.device == "cpu"]
+        # The point of no return (commit): every task but the updates has ended and
+        # every update left is checked; the updates from there on are not journaled.
+        self.committed = False
+        self.turns = threading.Condition()  # guards committed, claimed, running
+        self.claimed: set[int] = set()  # host updates begun (each runs once)
+        self.running = 0
+        self.deferring = self.interrupted = False  # Ctrl-C held back (_defer_interrupts)
 
     def update(self, task: Task) -> None:
         if task.device != "cpu":
             self.device_update(task)
             return
+        with self.turns:
+            if task.id in self.claimed:  # a failed step's settling already ran it
+                return
+            self.claimed.add(task.id)
+            self.running += 1
+        try:
+            self._host(task)
+        finally:
+            with self.turns:
+                self.running -= 1
+                self.turns.notify_all()
+
+    def _host(self, task: Task) -> None:
         key = (task.pack, task.data.shard[0])
         opt = self.ctx.optimizers[key]
         if opt is not None:
             self.host_update(task, key, opt)
         if self.ctx.gradient_slots is not None:  # the pack's gradients are dropped
             self.ctx.gradient_slots.updated(task.pack)
+
+    def complete(self) -> bool:
+        """After a failure (an interrupt, say): a step past its point of no return
+        runs the updates it has left, so it ends done, not half done (True); else
+        nothing happens here (False: the step is to be undone)."""
+        with self.turns:
+            if not self.committed:
+                return False
+            left = [t for t in self.host_updates if t.id not in self.claimed]
+            self.claimed.update(t.id for t in left)
+            self.running += len(left)
+        try:
+            for t in left:
+                self._host(t)
+        finally:
+            with self.turns:
+                self.running -= len(left)
+                self.turns.wait_for(lambda: self.running == 0)  # updates on other lanes
+        return True
 
     def host_update(self, task: Task, key: tuple[int, int], opt: torch.optim.Optimizer) -> None:
         """Step ``opt`` (update ``task`` of the unit ``key``) on the host tensors."""
@@ -155,14 +196,67 @@ class Updates:
                     torch._foreach_div_(grads, self.ctx.loss_scale)
             disk = self.ctx.disk
             on_disk = disk.units[key].kinds if disk is not None and key in disk.units else ()
-            apply_update(opt, task.layers, key, self._journal(), on_disk)
+            journal = self._journal(task)
+            apply_update(opt, task.layers, key, journal, on_disk, checked=self.committed)
         opt.zero_grad(set_to_none=True)
 
-    def _journal(self):
-        """The journal an update records in: none once every other task has ended."""
-        with self.lock:
-            pending = self.memory.tasks_left > 1  # tasks other than this one
+    def _journal(self, update: Task | None = None):
+        """The journal a change of the host copy records in: none once every other
+        task has ended, nor past the point of no return, which the host ``update``
+        about to run may reach (:meth:`_commit`)."""
+        if self.ctx.journal is None:
+            return None
+        with self.turns:
+            with self.lock:
+                pending = self.memory.tasks_left > 1  # tasks other than this one
+                only_updates = self.memory.others_left == 0
+            if self.committed or (update is not None and only_updates and self._commit(update)):
+                return None
         return self.ctx.journal if pending else None
+
+    def _commit(self, update: Task) -> bool:
+        """Whether the step can pass its point of no return as ``update`` starts, the
+        updates left (``update`` and those not begun) checked now, as each would be
+        before its step: every gradient finite, every optimizer a :class:`FlatAdamW`
+        ready to step state it has (nothing but the interpreter can make it fail).
+        Not across servers (an update waits on the others), with a disk tier, nor
+        under a loss scale below 1 (unscaling could overflow a finite gradient)."""
+        if self.ctx.sync is not None or self.ctx.disk is not None or self.ctx.loss_scale < 1:
+            return False
+        left = [update] + [t for t in self.host_updates if t.id not in self.claimed]
+        opts = [(t, self.ctx.optimizers[(t.pack, t.data.shard[0])]) for t in left]
+        if not all(opt is None or type(opt) is FlatAdamW for _, opt in opts):
+            return False
+        ready = all(opt.ready_to_step() for _, opt in opts if opt is not None)
+        for t, opt in opts:  # a non-finite gradient fails the step here, still undoable
+            if opt is not None:
+                check_finite_gradients(opt, t.layers)
+        self.committed = ready
+        if ready and threading.current_thread() is threading.main_thread():
+            self._defer_interrupts()  # this thread runs updates that are not journaled
+        return ready
+
+    def _defer_interrupts(self) -> None:
+        """Ctrl-C past the point of no return, on the thread that runs the updates
+        left: noted, and raised once they have run (:meth:`raise_deferred`)."""
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return  # a handler of the caller's own: theirs to keep
+
+        def note(*_):
+            self.interrupted = True
+
+        signal.signal(signal.SIGINT, note)
+        self.deferring = True
+
+    def raise_deferred(self) -> None:
+        """The step's tasks are over: Ctrl-C acts again, and one that came while
+        deferred is raised now (the step is done: it counts)."""
+        if self.deferring:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.deferring = False
+        if self.interrupted:
+            self.interrupted = False
+            raise KeyboardInterrupt
 
     # ---- on a GPU -----------------------------------------------------------------------
     def state_in(self, task: Task) -> None:

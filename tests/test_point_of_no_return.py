@@ -1,0 +1,176 @@
+"""A step's point of no return: once every task but the updates has ended and
+every update left is checked (gradients finite, optimizer ready), the updates
+from there on are not journaled (safe_updates copies what each update changes,
+which costs as much memory traffic as the update itself), and a failure from
+there on (Ctrl-C) completes the step instead of undoing it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from harmony import EmulatedDevice, Engine, FlatAdamW, NonFiniteError, Plan
+from harmony.engine.step import updates as updates_module
+
+B = 12
+DEVICES = {
+    "cpu": lambda: "cpu",
+    "emulated": lambda: EmulatedDevice(memory=int(64e6), h2d="4GB/s", d2h="4GB/s"),
+}
+
+
+class Poison(torch.autograd.Function):
+    """Identity whose gradient is NaN while ``Poison.on``."""
+
+    on = False
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan") if Poison.on else g
+
+
+class Scale(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * Poison.apply(self.w)
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [Scale(16)]
+    for _ in range(5):
+        layers += [nn.Linear(16, 16), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(16, 5))
+
+
+def plan(n: int) -> Plan:
+    """One pack per layer: many updates, most of them after the last backward."""
+    bwd = tuple((i, i + 1) for i in range(n))
+    return Plan("harmony-pp", 1, B, 4, 4, bwd[:-1], bwd)
+
+
+def batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(B, 16, generator=g), torch.randint(0, 5, (B,), generator=g)) for _ in range(n)
+    ]
+
+
+def engine(device: str, **kw) -> Engine:
+    m = model()
+    return Engine(
+        m,
+        lambda ps: FlatAdamW(ps, lr=1e-2),
+        nn.functional.cross_entropy,
+        device=DEVICES[device](),
+        minibatch_size=B,
+        plan=plan(len(m)),
+        **kw,
+    )
+
+
+def snapshot(e: Engine) -> list[torch.Tensor]:
+    state = [p.detach().clone() for p in e.model.parameters()]
+    for opt in filter(None, e.optimizers.values()):  # None: a pack without parameters
+        for s in opt.state.values():
+            state += [v.clone() for v in s.values() if torch.is_tensor(v)]
+    return state
+
+
+def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture
+def journaled(monkeypatch):
+    """(journal given?, other tasks still pending?) per update, per step."""
+    calls: list[list[tuple[bool, bool]]] = []
+    original = updates_module.Updates._journal
+
+    def spy(self, update=None):
+        journal = original(self, update)
+        if update is not None and self.ctx.journal is not None:
+            calls[-1].append((journal is not None, self.memory.tasks_left > 1))
+        return journal
+
+    monkeypatch.setattr(updates_module.Updates, "_journal", spy)
+    return calls
+
+
+def test_updates_past_the_point_of_no_return_are_not_journaled(journaled, monkeypatch):
+    # updates slower than the backward, as on a GPU with a host update: they queue up
+    # behind it, and most of them start once every other task has ended
+    step = FlatAdamW.step
+
+    def slow(self, closure=None):
+        time.sleep(0.02)
+        return step(self, closure)
+
+    monkeypatch.setattr(FlatAdamW, "step", slow)
+    e, plain = engine("emulated"), engine("emulated", safe_updates=False)
+    for x, y in batches(3):
+        journaled.append([])
+        e.step(x, y)
+        plain.step(x, y)
+    first, *later = journaled
+    # the first step creates the optimizer state: every update but the last is journaled
+    assert all(j for j, pending in first if pending)
+    # later steps stop journaling before the last update, the result the same bitwise
+    for step_calls in later:
+        assert any(pending and not j for j, pending in step_calls), step_calls
+    assert equal(snapshot(e), snapshot(plain))
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
+def test_a_non_finite_gradient_found_at_the_point_of_no_return_undoes_the_step(device):
+    e = engine(device)
+    (x0, y0), (x1, y1) = batches(2)
+    e.step(x0, y0)
+    before = snapshot(e)
+    Poison.on = True  # layer 0's gradient, the last one updated, is NaN
+    try:
+        with pytest.raises(NonFiniteError, match="gradient of layers 0..0"):
+            e.step(x1, y1)
+    finally:
+        Poison.on = False
+    assert equal(snapshot(e), before)
+    assert e.step_count == 1
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
+def test_ctrl_c_past_the_point_of_no_return_completes_the_step(device, monkeypatch):
+    clean = engine(device)
+    data = batches(3)
+    for x, y in data[:2]:
+        clean.step(x, y)
+    e = engine(device)
+    e.step(*data[0])
+    step = FlatAdamW.step
+    last = e.optimizers[(0, 0)]  # layer 0's: updated last
+
+    def interrupted(self, closure=None):
+        if self is last:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the update runs
+        return step(self, closure)
+
+    monkeypatch.setattr(FlatAdamW, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        e.step(*data[1])
+    monkeypatch.setattr(FlatAdamW, "step", step)
+    assert e.step_count == 2
+    assert equal(snapshot(e), snapshot(clean))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    e.step(*data[2]), clean.step(*data[2])  # the run goes on, the same
+    assert equal(snapshot(e), snapshot(clean))
