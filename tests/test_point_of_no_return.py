@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +177,15 @@ def test_ctrl_c_past_the_point_of_no_return_completes_the_step(device, monkeypat
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     e.step(*data[2]), clean.step(*data[2])  # the run goes on, the same
     assert equal(snapshot(e), snapshot(clean))
+
+
+def test_the_host_update_bench_prints_its_ratios():
+    bench = Path(__file__).parents[1] / "bench" / "host_update.py"
+    out = subprocess.run(
+        [sys.executable, str(bench), "--elements", "2e5"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "RATIO finite check 2-norm / sum" in out
+    assert "RATIO journaled update / update past the point of no return" in out
