@@ -3,7 +3,7 @@
 #   make test      create .venv if missing, install, run the test suite
 #   make heavy     the paper-size and kill-at-random checks make test leaves out
 #                  (CI runs them after make test)
-#   make gpu       bench/gpu.py: one table on one GPU (about 7 minutes on an H100;
+#   make gpu       bench/gpu.py: one table on one GPU (about 4-5 minutes on an H100;
 #                  says so and exits 0 where torch sees no GPU; --out gpu.md)
 #   make browser   the browser test: the notebooks in JupyterLab in headless
 #                  Chromium, offline (needs chromium: apt-get install chromium);

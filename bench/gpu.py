@@ -2,7 +2,7 @@
 
 Four sections, each in its own try/except and time limit (a section that fails
 or runs out of time says so in its rows, and the others still run), so one
-call of at most 10 minutes yields the whole table (about 7 minutes on one H100):
+call of at most 10 minutes yields the whole table (4-5 minutes on one H100):
 
 (a) a GPT-2 that fits the GPU (12 x 1024, seq 1024, minibatch 8, bf16, 255 M
     parameters): the plain PyTorch loop on the GPU (fused AdamW there) vs
