@@ -599,3 +599,27 @@ def test_run_for_real_says_what_it_is_doing_before_its_result():
     assert "Running for real: building gpt2-tiny" in html[0]
     assert any("engine step 1 of 1" in h for h in html)
     assert "harmony-chart" in html[-1] and not real.run_button.disabled
+
+
+def test_a_plan_that_swaps_next_to_nothing_gets_no_ratio_of_bytes():
+    from harmony.workbench.comparison import NO_SWAP_GB, headline, versus
+
+    df = pd.DataFrame(
+        {
+            "policy": ["layer-swap", "model-parallel", "harmony-pp"],
+            "iteration_s": [10.0, 4.0, 2.0],
+            "swap_gb": [64.0, 64.0 / 645747.51, 8.0],
+            "fits": [True, True, True],
+            "status": ["", "", ""],
+        }
+    )
+    rows = versus(df, "layer-swap").set_index("policy")
+    assert 64.0 / 645747.51 < NO_SWAP_GB and math.isnan(
+        rows.loc["model-parallel", "swap_ratio_vs_baseline"]
+    )
+    assert rows.loc["harmony-pp", "swap_ratio_vs_baseline"] == 8.0
+    text = headline(versus(df, "layer-swap"), "model-parallel", "layer-swap")
+    assert text == (
+        "model-parallel: 4 s/iter, next to nothing swapped: 2.5x faster than layer-swap; "
+        "fastest that fits: harmony-pp at 2 s/iter"
+    )

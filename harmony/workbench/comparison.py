@@ -59,13 +59,20 @@ def default_baseline() -> str:
     return layer_swap.NAME
 
 
+#: swap volume per iteration below which a plan swaps next to nothing (model parallel
+#: moves only its inputs): a ratio against it would read as 645747x fewer bytes
+NO_SWAP_GB = 1e-3
+
+
 def versus(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
     """``df`` with ``speedup_vs_baseline`` (the baseline's time / each row's) and
-    ``swap_ratio_vs_baseline`` (the baseline's swap volume / each row's)."""
+    ``swap_ratio_vs_baseline`` (the baseline's swap volume / each row's; NaN for a
+    row that swaps next to nothing, :data:`NO_SWAP_GB`)."""
     base = df[df.policy == baseline]
     t, gb = (base.iteration_s.iloc[0], base.swap_gb.iloc[0]) if len(base) else (math.nan, math.nan)
     return df.assign(
-        speedup_vs_baseline=t / df.iteration_s, swap_ratio_vs_baseline=gb / df.swap_gb
+        speedup_vs_baseline=t / df.iteration_s,
+        swap_ratio_vs_baseline=gb / df.swap_gb.where(df.swap_gb >= NO_SWAP_GB),
     )
 
 
@@ -83,18 +90,21 @@ def headline(comparison: pd.DataFrame, chosen: str, baseline: str) -> str:
     me = rows.loc[chosen]
     if math.isnan(me.iteration_s):
         return f"{chosen}: {me.status}"
-    text = f"{chosen}: {me.iteration_s:.3g} s/iter, {me.swap_gb:.3g} GB swapped"
+    swapped = "next to nothing" if me.swap_gb < NO_SWAP_GB else f"{me.swap_gb:.3g} GB"
+    text = f"{chosen}: {me.iteration_s:.3g} s/iter, {swapped} swapped"
     if not me.fits:
         return f"{text}, {me.status}"
     base = rows.loc[baseline] if baseline in rows.index and baseline != chosen else None
     if base is not None and math.isnan(base.iteration_s):
         text += f"; {baseline}: {base.status}"
     elif base is not None:
+        faster = times(base.iteration_s / me.iteration_s, "faster", "slower")
         text += (
-            f": {times(base.iteration_s / me.iteration_s, 'faster', 'slower')} and "
-            f"{times(base.swap_gb / me.swap_gb, 'fewer bytes', 'more bytes')} than {baseline}"
-            + ("" if base.fits else f" (which {base.status.replace(':', ',', 1)})")
-        )
+            f": {faster} than {baseline}"
+            if me.swap_gb < NO_SWAP_GB
+            else f": {faster} and {times(base.swap_gb / me.swap_gb, 'fewer bytes', 'more bytes')} "
+            f"than {baseline}"
+        ) + ("" if base.fits else f" (which {base.status.replace(':', ',', 1)})")
     fitting = rows[rows.fits.astype(bool)].sort_values("iteration_s")
     if (
         len(fitting)
@@ -137,7 +147,8 @@ def comparison_table(comparison: pd.DataFrame, baseline: str = ""):
 
     caption = (
         f"Every policy on the controls' packs, or a baseline on its own plan; × faster and "
-        f"× fewer bytes are against {baseline}. Grey rows do not fit in GPU memory or cannot run."
+        f"× fewer bytes are against {baseline} (– where a plan swaps next to nothing). Grey rows "
+        "do not fit in GPU memory or cannot run."
     )
     if "disk_gb" in df:
         caption += " Swap GB are bytes between host and GPUs; disk GB, between host and disk."
