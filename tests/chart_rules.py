@@ -109,7 +109,7 @@ def _repr_in_data(vega_lite: dict) -> list[str]:
 
 
 #: for the browser: in a drawn chart's SVG, tick labels that overlap one another, axis and
-#: legend titles missing, text that looks like Python repr
+#: legend titles missing, text that looks like Python repr, a title cut at the chart's edges
 RENDERED = r"""root => {
   const out = [];
   const svg = root.querySelector("svg.marks");
@@ -153,5 +153,11 @@ RENDERED = r"""root => {
   }
   if (!svg.querySelector("g.role-title-text text, g.role-title text"))
     out.push("a chart without a title");
+  const box = svg.getBoundingClientRect();
+  for (const t of svg.querySelectorAll("g.role-title-text text")) {
+    const r = t.getBoundingClientRect();
+    if (r.left < box.left - 1 || r.right > box.right + 1)
+      out.push("a title wider than its chart: " + text(t));
+  }
   return [...new Set(out)];
 }"""

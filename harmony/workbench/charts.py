@@ -112,12 +112,15 @@ def bar_chart(
             alt.Chart(df)
             .mark_bar()
             .encode(x=x_enc, y=y_enc, tooltip=tips)
-            .properties(title=title, width=alt.Step(BAR_STEP))
+            .properties(
+                title=fitted_title(title, BAR_STEP * df[x].nunique()), width=alt.Step(BAR_STEP)
+            )
         )
     scale = scale or palette.series_scale(df[color])
     series = list(scale["domain"])
     color_title = color_title or labels.title(color)
     per_panel = int(df.groupby(x, sort=False)[color].nunique().max()) if len(df) else 1
+    step = max(18, 96 // max(1, per_panel))
     bars = (
         alt.Chart()
         .mark_bar()
@@ -137,7 +140,7 @@ def bar_chart(
             ),
             tooltip=tips,
         )
-        .properties(width=alt.Step(max(18, 96 // max(1, per_panel))))
+        .properties(width=alt.Step(step))
     )
     header = alt.Header(labelAngle=0, labelExpr="split(datum.label, ', ')", labelLimit=200)
     return (
@@ -148,8 +151,19 @@ def bar_chart(
             )
         )
         .resolve_scale(x="independent")
-        .properties(title=title)
+        .properties(title=fitted_title(title, df[x].nunique() * (per_panel * step + 20)))
     )
+
+
+#: pixels per character of a chart's title (bold, 13 px), a little generous
+TITLE_CHAR_PX = 8
+
+
+def fitted_title(title: str, width_px: int) -> str | list[str]:
+    """``title`` as one line, or as lines no wider than ``width_px`` (vega centres a
+    title over its chart and cuts what does not fit at both edges)."""
+    per_line = max(24, width_px // TITLE_CHAR_PX)
+    return title if len(title) <= per_line else textwrap.wrap(title, per_line)
 
 
 def _longest(values) -> int:
