@@ -65,6 +65,13 @@ def test_the_readme_has_what_this_test_runs():
     assert {c for c in shell_commands() if c.startswith("make ")} == set(NOT_RUN)
 
 
+def test_every_file_the_readme_links_or_shows_exists():
+    linked = re.findall(r'(?:src|href)="([^":]+)"|\]\(([^):#]+)\)', README)
+    paths = {a or b for a, b in linked}
+    assert {"figures/17_systems.png", "figures/17_systems.svg"} <= paths
+    assert not [p for p in sorted(paths) if not (ROOT / p).exists()]
+
+
 def test_python_blocks_run_in_order(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
