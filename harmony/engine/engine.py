@@ -194,8 +194,7 @@ class Engine:
             seed, minibatch_size, precision, loss_scale=2.0**16 if precision == "fp16" else 1.0
         )
         self.safe_updates = safe_updates
-        # what a step's updates changed, to undo it if the step fails
-        self.journal = UpdateJournal()
+        self.journal = UpdateJournal()  # what a step's updates changed, to undo a failed one
         self.nonfinite = nonfinite
         self.compute_dtype: torch.dtype | None = PRECISIONS[precision]
         self.trace: Trace | None = None
