@@ -9,7 +9,7 @@ engine makes it (a sum per tensor) against the 2-norm it made before, the
 journal's copies, the step, and a journaled update against one past the point
 of no return.
 
-    python bench/host_update.py [--elements 150e6]
+    python bench/host_update.py [--elements 150e6] [--width 2048]
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import torch
 from harmony import FlatAdamW
 from harmony.engine.journal import UpdateJournal, check_finite_gradients
 
-#: one GPT-2 block of width 2048: attention in, its bias, out, its bias, MLP in, bias,
-#: MLP out, bias, two LayerNorms
-BLOCK = [2048 * 6144, 6144, 2048 * 2048, 2048, 2048 * 8192, 8192, 8192 * 2048, 2048, 2048, 2048]
+
+def block(h: int) -> list[int]:
+    """The tensors of one GPT-2 block of width ``h``: attention in, its bias, out, its
+    bias, MLP in, bias, MLP out, bias, two LayerNorms."""
+    return [h * 3 * h, 3 * h, h * h, h, h * 4 * h, 4 * h, 4 * h * h, h, h, h]
 
 
 def median_s(fn, repeats: int = 3) -> float:
@@ -41,10 +43,11 @@ def median_s(fn, repeats: int = 3) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--elements", type=float, default=150e6, help="parameters in the pack")
+    ap.add_argument("--width", type=int, default=2048, help="the GPT-2 blocks' width")
     args = ap.parse_args()
     sizes: list[int] = []
     while sum(sizes) < args.elements:
-        sizes += BLOCK
+        sizes += block(args.width)
     params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
     for p in params:
         p.grad = torch.randn_like(p)
