@@ -93,6 +93,18 @@ def test_auto_picks_resident_where_it_fits_and_not_where_it_does_not():
     assert tight.trace.summary.peak_memory["gpu0"] <= tight_device.capacity
 
 
+def test_the_update_streams_at_the_hardware_gpu_update_bandwidth():
+    spec = harmony.model_spec("gpt2-medium")
+    hw = dataclasses.replace(harmony.preset("h100-pcie5"), task_overhead_s=0.0)
+    p = resident.plan_for(len(spec), 8, 8)
+    streamed = sum(layer.param_numel for layer in spec.layers) - sum(t.numel for t in spec.ties)
+    for rate in (1e11, 1e12):
+        graph = harmony.build_graph(spec, dataclasses.replace(hw, gpu_update_bandwidth=rate), p)
+        (step,) = [t for t in graph.tasks if t.kind == "UPD"]
+        # weights, gradient and Adam's two moments read; weights and moments written
+        assert step.duration == pytest.approx(streamed * 4 * 7 / rate)
+
+
 def test_the_search_rejects_resident_plans_over_the_gpu_memory():
     spec = harmony.model_spec("gpt2-medium")
     hw = harmony.preset("paper-4x1080ti")
