@@ -316,6 +316,13 @@ def fits(m: Machine, table: Table) -> None:
     table.add("a", "harmony / plain", f"{step / plain:.2f}x", "goal <= 1.05x where it fits")
     table.add("a", "time to first step", f"{first:.1f} s", first_step_parts(first))
     table.add(
+        "a",
+        "device update rate",
+        f"{engine.hardware().gpu_update_bandwidth / GB:.0f} GB/s",
+        "calibrated: fused AdamW on the device (on the host's CPU for an emulated GPU); "
+        "what the simulator costs the resident update at",
+    )
+    table.add(
         "a", "the search's fastest", ranked(engine), "simulated s/step, as plan='auto' ranks"
     )
     m.note("a", engine, step)

@@ -88,6 +88,7 @@ def hardwares(draw, min_gpus: int = 1, max_gpus: int = 4, memory=None) -> Hardwa
         cpu_update_bandwidth=draw(st.floats(1e9, 1e11)),
         cpu_update_workers=draw(st.integers(1, 4)),
         host_memory=10**13,
+        gpu_update_bandwidth=draw(st.floats(1e10, 1e13)),
     )
 
 

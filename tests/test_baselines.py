@@ -103,6 +103,19 @@ def test_a_pipeline_steps_each_pack_on_its_stage_and_model_parallel_moves_no_sta
     assert (compute.start_s.to_numpy()[1:] >= compute.end_s.to_numpy()[:-1] - 1e-12).all()
 
 
+@pytest.mark.parametrize("policy", BASELINES)
+def test_an_update_on_the_gpu_streams_at_the_hardware_gpu_update_bandwidth(policy):
+    spec, plan, _, _ = _graph(policy, 2, {"gpu_optimizer": True})
+    hw = simple_hardware(2)
+    for rate in (1e10, 4e10):
+        graph = harmony.build_graph(spec, replace(hw, gpu_update_bandwidth=rate), plan)
+        steps = [t for t in graph.tasks if t.kind == UPD]
+        assert steps and all(t.device.startswith("gpu") for t in steps)
+        for t in steps:  # weights, gradient and Adam's two slots read; weights, slots written
+            streamed = spec.grad_bytes(*t.layers) * (3 + 2 * 2)
+            assert t.duration == pytest.approx(streamed / rate + hw.task_overhead_s)
+
+
 def test_on_demand_loading_never_overlaps_a_weight_load_with_compute():
     spec, hw = tiny_spec(6), simple_hardware(1, link=1e8)
     demand = systems.choose_layer_swap(spec, hw, 8, prefetch=False)

@@ -1,8 +1,7 @@
 """Resident plans: the whole training state on the GPU, as the plain loop keeps it.
 The engine trains bitwise like the plain loop, moves nothing over the links,
-peaks where the simulator says; the search picks it where it fits and never
-where it does not (plan="auto" weighs it on the cpu backend and CUDA, not on an
-emulated GPU)."""
+peaks where the simulator says; the search and plan="auto" pick it where it
+fits and never where it does not."""
 
 from __future__ import annotations
 
@@ -77,7 +76,7 @@ def test_mixed_precision_resident_equals_the_one_pack_harmony_plan():
     assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(w0, w1))
 
 
-def test_auto_leaves_resident_out_on_an_emulated_gpu():
+def test_auto_picks_resident_where_it_fits_and_not_where_it_does_not():
     data = batches(2)
     # slow links: what a swap costs stands out of the noise of the profile's timings
     slow = EmulatedDevice(memory="64MB", h2d="2MB/s", d2h="2MB/s")
@@ -87,14 +86,23 @@ def test_auto_leaves_resident_out_on_an_emulated_gpu():
     for x, y in data:
         roomy.step(x, y)
         tight.step(x, y)
-    # plan="auto" leaves the plain loop out on an emulated GPU, where its step holds a
-    # few KB more than the plan declares (tests/test_memory_fuzz.py found plans near
-    # capacity that ran out); the cpu backend and CUDA weigh it
-    assert roomy.plan.policy == "harmony-pp"
+    assert roomy.plan.policy == "resident"
     state = 4 * sum(p.numel() * 4 for p in roomy.model.parameters())
     assert state > tight_device.capacity  # weights, gradients and AdamW state do not fit
     assert tight.plan.policy == "harmony-pp"
     assert tight.trace.summary.peak_memory["gpu0"] <= tight_device.capacity
+
+
+def test_the_update_streams_at_the_hardware_gpu_update_bandwidth():
+    spec = harmony.model_spec("gpt2-medium")
+    hw = dataclasses.replace(harmony.preset("h100-pcie5"), task_overhead_s=0.0)
+    p = resident.plan_for(len(spec), 8, 8)
+    streamed = sum(layer.param_numel for layer in spec.layers) - sum(t.numel for t in spec.ties)
+    for rate in (1e11, 1e12):
+        graph = harmony.build_graph(spec, dataclasses.replace(hw, gpu_update_bandwidth=rate), p)
+        (step,) = [t for t in graph.tasks if t.kind == "UPD"]
+        # weights, gradient and Adam's two moments read; weights and moments written
+        assert step.duration == pytest.approx(streamed * 4 * 7 / rate)
 
 
 def test_the_search_rejects_resident_plans_over_the_gpu_memory():

@@ -20,6 +20,13 @@ from ..errors import HarmonyError
 
 GiB = 1024**3
 GB = 10**9
+#: bytes/s a GTX 1080 Ti's optimizer step streams: an assumption (not measured), most of
+#: its 484 GB/s of memory bandwidth (the step is short next to its state's trip over PCIe)
+GTX_1080TI_UPDATE_BANDWIDTH = 400e9
+#: what fraction of its memory bandwidth an H100's fused AdamW step streams, measured
+#: (bench/gpu.py, an H100 SXM: the resident update of a 255 M GPT-2, 7.6 GB streamed in
+#: 5-6 ms, ~1.4 TB/s of its 3.35 TB/s); the presets of other recent GPUs assume it too
+MEASURED_UPDATE_FRACTION = 0.4
 #: what :attr:`Hardware.task_overhead_s` is charged to
 OVERHEAD_PER = ("task", "pack")
 
@@ -39,6 +46,12 @@ class Hardware:
     cpu_update_workers: int  # optimizer steps that can run in parallel on the host
     host_memory: int  # bytes of host RAM
     notes: str = ""
+    #: bytes/s an optimizer step on a GPU streams, counted as ``cpu_update_bandwidth`` is
+    #: (weights, gradient and state read, weights and state written): the resident plan's
+    #: update and the swapping baselines' ``gpu_optimizer``. The engine measures it on the
+    #: device at hand (:func:`harmony.engine.rates.update_bandwidth`); the default is
+    #: an assumption for a GTX 1080 Ti, most of its 484 GB/s of memory bandwidth
+    gpu_update_bandwidth: float = GTX_1080TI_UPDATE_BANDWIDTH
     #: seconds of fixed cost (launch, Python, synchronisation, freeing) on top of the
     #: compute, charged as ``overhead_per`` says; the Harmony authors' simulator uses
     #: 40 ms (time_del), and the engine's profiler measures it for the device at hand
@@ -81,6 +94,7 @@ class Hardware:
             "d2h",
             "uplink",
             "cpu_update_bandwidth",
+            "gpu_update_bandwidth",
             "host_memory",
         ):
             v = getattr(self, fld)
@@ -212,6 +226,8 @@ PRESETS: dict[str, Hardware] = {
         cpu_update_bandwidth=40 * GB,
         cpu_update_workers=8,
         host_memory=512 * GB,
+        # assumed: the fraction an H100 SXM was measured at, of the PCIe card's 2.0 TB/s
+        gpu_update_bandwidth=MEASURED_UPDATE_FRACTION * 2.0e12,
         notes="modern single-GPU box; datasheet peaks, derated as commented",
     ),
     # 8 x RTX 4090 (24 GB) on PCIe 4.0 x16 (~25 GB/s measured per direction),
@@ -230,6 +246,8 @@ PRESETS: dict[str, Hardware] = {
         cpu_update_bandwidth=40 * GB,
         cpu_update_workers=16,
         host_memory=1024 * GB,
+        # assumed: the fraction an H100 SXM was measured at, of the 4090's 1008 GB/s
+        gpu_update_bandwidth=MEASURED_UPDATE_FRACTION * 1008 * GB,
         notes="commodity 8-GPU server; no P2P on GeForce; topology assumed",
     ),
 }

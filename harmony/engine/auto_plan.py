@@ -125,15 +125,8 @@ def _ranked(job: Searched, measured: ModelSpec, hw: Hardware) -> list[Plan]:
     """Plans for ``job``'s chain (``measured``) on ``hw``, fastest first."""
     try:
         n = len(job.backends)
-        # one GPU: the plain loop with everything on it too, where it fits. Not on an
-        # emulated GPU: there the engine's resident step holds a few KB more than the
-        # plan declares (the memory fuzz finds plans near capacity that run out)
-        if n > 1:
-            policies: tuple[str, ...] = ("harmony-pp", "harmony-dp")
-        elif job.backends[0].kind == "emulated":
-            policies = ("harmony-pp",)
-        else:
-            policies = ("harmony-pp", "resident")
+        # one GPU: the plain loop with everything on it too, where it fits
+        policies = ("harmony-pp", "resident") if n == 1 else ("harmony-pp", "harmony-dp")
         df = search(
             measured,
             hw,

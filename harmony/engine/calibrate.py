@@ -7,8 +7,10 @@ A device description (``"cpu"``, ``"cuda:N"``, a list of them,
 measurement on this machine tells: the engine's own cost per compute task
 (every backend), the FLOP rate of this CPU (the cpu and emulated backends
 compute on it), the host's optimizer bandwidth (a real FlatAdamW step,
-:mod:`.rates`) and, for a real GPU, its matmul FLOP rate (in bfloat16 where it
-has it: what mixed precision runs at), link bandwidth and memory. Each
+:mod:`.rates`: also the rate of an update on a device that computes on host
+memory) and, for a real GPU, its matmul FLOP rate (in bfloat16 where it has
+it: what mixed precision runs at), its optimizer bandwidth (a fused AdamW step
+on it), link bandwidth and memory. Each
 measurement is made once per process and kept, so every engine, search and
 bench on the same device sees the same numbers.
 """
@@ -50,6 +52,7 @@ def calibrate(device) -> Hardware:
             gpus_per_switch=1,
             p2p=100 * GB,
             cpu_update_bandwidth=_cpu_update_bandwidth(),
+            gpu_update_bandwidth=_cpu_update_bandwidth(),
             cpu_update_workers=1,
             host_memory=10**15,
             task_overhead_s=task_overhead("cpu", "cpu"),
@@ -106,6 +109,7 @@ def _cuda(devices: tuple[str, ...]) -> Hardware:
     the caching allocator take the rest), link bandwidth measured; all GPUs
     assumed behind one uplink of their summed bandwidth and with peer access."""
     from .profiler import measure_link
+    from .rates import update_bandwidth
 
     if not torch.cuda.is_available():
         raise HarmonyError(f"device {devices[0]!r} asked for, but this torch has no CUDA device")
@@ -124,6 +128,7 @@ def _cuda(devices: tuple[str, ...]) -> Hardware:
         gpus_per_switch=n,
         p2p=h2d,
         cpu_update_bandwidth=_cpu_update_bandwidth(),
+        gpu_update_bandwidth=update_bandwidth(dev),
         cpu_update_workers=n,
         host_memory=10**12,
         task_overhead_s=task_overhead(f"cuda:{dev.index or 0}", devices[0]),

@@ -76,6 +76,7 @@ class EmulatedDevice:
             gpus_per_switch=1,
             p2p=None,
             cpu_update_bandwidth=cpu_update_bandwidth,
+            gpu_update_bandwidth=cpu_update_bandwidth,  # its updates run on this CPU
             cpu_update_workers=1,
             host_memory=10**12,
             notes="an emulated GPU: real CPU compute, ledger capacity, paced links",
@@ -131,6 +132,7 @@ class EmulatedServer:
             gpus_per_switch=per_switch,
             p2p=None if self.p2p is None else parse_rate(self.p2p, "emulated p2p bandwidth"),
             cpu_update_bandwidth=cpu_update_bandwidth,
+            gpu_update_bandwidth=cpu_update_bandwidth,  # its updates run on this CPU
             cpu_update_workers=self.gpus,
             host_memory=10**12,
             notes="emulated GPUs: real CPU compute, ledger capacity, paced links",

@@ -332,7 +332,9 @@ class _Schedule:
                 dev = self.dev(q)
                 # b.update makes a CPU step; this one runs on the GPU, in its lane's order
                 step.lane, step.device, step.seq = f"{dev}.compute", dev, (after + q, 1, 0)
-                step.duration = gpu_update_seconds(self.spec, layers) + self.hw.task_overhead_s
+                step.duration = (
+                    gpu_update_seconds(self.spec, layers, self.hw) + self.hw.task_overhead_s
+                )
                 step.what = f"update {layers} on {dev}"
                 b.release(step, w)
                 continue

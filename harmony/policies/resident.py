@@ -20,7 +20,8 @@ across the whole step: charged to the GPU, with the weights and gradients in
 the compute dtype, at the step's peak.
 
 Simplified: the update streams its bytes at
-:data:`~.swapping.GPU_UPDATE_BANDWIDTH`; nothing of the state goes to a disk
+:attr:`~harmony.costs.hardware.Hardware.gpu_update_bandwidth` (measured on the
+device by the engine's calibration); nothing of the state goes to a disk
 tier (a plan whose host copy would need one is refused with a
 :class:`~harmony.costs.placement.HostMemoryError`, which the search counts as
 not fitting the host).
@@ -95,7 +96,7 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     b.release(step, state)
     last = max(t.seq[0] for t in b.tasks)
     step.lane, step.device, step.seq = "gpu0.compute", "gpu0", (last + 1, 1, 0)
-    step.duration = gpu_update_seconds(spec, group.layers) + hw.task_overhead_s
+    step.duration = gpu_update_seconds(spec, group.layers, hw) + hw.task_overhead_s
     step.what = f"update {group.layers} on gpu0 (resident)"
     graph = b.graph(policy=NAME)
     if "disk" in graph.info:  # a HostMemoryError: the search and plan="auto" pass it by

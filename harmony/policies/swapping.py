@@ -28,11 +28,12 @@ it, the CPU update reads what does not fit from the disk tier, as Harmony's.
 Simplified: the accumulator and the state are swapped every time, as a fixed
 schedule would, not only when memory runs short; parameters cross in the
 spec's dtype (no float32 master copy on the GPU); the step streams its bytes
-at :data:`GPU_UPDATE_BANDWIDTH`.
+at :attr:`~harmony.costs.hardware.Hardware.gpu_update_bandwidth`.
 """
 
 from __future__ import annotations
 
+from ..costs.hardware import Hardware
 from ..costs.spec import ModelSpec, dtype_bytes, state_slots
 from ..graph import BWD, FWDBWD, G_IN, OPT_IN, OPT_OUT, REDUCE, W_IN, Gradients, Update
 from ..plan import Plan
@@ -40,10 +41,6 @@ from .builder import BwdGroup, GraphBuilder
 from .common import reuse_gradient_buffers
 from .state import stepped_numel
 
-#: bytes/s an optimizer step streams on a GPU (parameters and state read and written,
-#: the gradient read). Hardware says no memory bandwidth; 400 GB/s is most of a GTX
-#: 1080 Ti's 484 GB/s, and the step is short next to its state's trip over PCIe.
-GPU_UPDATE_BANDWIDTH = 400e9
 #: the plan options this module reads
 OPTIONS = ("gpu_optimizer", "gpu_gradients")
 
@@ -57,10 +54,11 @@ def update_bytes(spec: ModelSpec, layers: tuple[int, int]) -> tuple[float, float
     return 2 * params + state, params + state
 
 
-def gpu_update_seconds(spec: ModelSpec, layers: tuple[int, int]) -> float:
-    """A pack's optimizer step on the GPU: what it streams, at :data:`GPU_UPDATE_BANDWIDTH`."""
+def gpu_update_seconds(spec: ModelSpec, layers: tuple[int, int], hw: Hardware) -> float:
+    """A pack's optimizer step on a GPU of ``hw``: what it streams, at its
+    :attr:`~harmony.costs.hardware.Hardware.gpu_update_bandwidth`."""
     slots = state_slots(spec.optimizer)
-    return stepped_numel(spec, *layers) * 4 * (3 + 2 * slots) / GPU_UPDATE_BANDWIDTH
+    return stepped_numel(spec, *layers) * 4 * (3 + 2 * slots) / hw.gpu_update_bandwidth
 
 
 def accumulator_bytes(spec: ModelSpec, layers: tuple[int, int], split_ties: bool) -> float:
@@ -205,7 +203,7 @@ def update_on_gpus(
             step = b.update(pack, layers, [state.id], worker=gpu, shard=(r, len(gpus)))
             # b.update makes a CPU step; this one runs on the GPU, in its lane's order
             step.lane, step.device, step.seq = f"{dev}.compute", dev, (k, 1, 0)
-            step.duration = gpu_update_seconds(spec, layers) + b.hw.task_overhead_s
+            step.duration = gpu_update_seconds(spec, layers, b.hw) + b.hw.task_overhead_s
             step.what = f"update {layers} on {dev}"
             out = b.transfer(
                 OPT_OUT,

@@ -29,7 +29,7 @@ import torch
 from ...graph import Task
 from ..context import StepContext
 from ..optim import FlatAdamW
-from .memory import StepMemory
+from .memory import StepMemory, nbytes
 from .transfers import Transfers
 from .updates import Updates
 
@@ -109,6 +109,8 @@ class ResidentSteps:
                     if first and is_param and t.requires_grad:
                         leaves[i][name] = copies[id(t)]
         self.transfers.note_loaded(task.io["weights"], s, e)
+        # a tensor several layers share is held once, as the plan declares it
+        memory.reserve(task.io["weights"], sum(map(nbytes, copies.values())))
         memory.put(task.io["weights"], weights)
         memory.put(task.io["grads"], leaves)
         self._moved(task, 0, started)
