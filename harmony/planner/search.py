@@ -25,11 +25,8 @@ reads and writes are tasks on the disk's links.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import numbers
-import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Iterable
 
@@ -41,9 +38,13 @@ from ..costs.reference import max_profiled
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError, OutOfMemoryError
 from ..plan import Pack, Plan
-from ..policies import build_graph, get_policy, gradient_window, names, resident
-from ..simulate import gc_paused, simulate_graph
-from ..trace import Summary
+from ..policies import (
+    compute_lower_bound,
+    get_policy,
+    gradient_window,
+    names,
+    resident,
+)
 from .packing import (
     BUDGETS,
     balanced_packs,
@@ -52,6 +53,7 @@ from .packing import (
     microbatch_sizes,
     split_for_staging,
 )
+from .pool import Pool
 
 #: what the search compares by default: Harmony's placements and their ablations
 DEFAULT_POLICIES = tuple(names("harmony") + names("ablation"))
@@ -84,6 +86,7 @@ def search(
     workers: int | None = None,
     equal_microbatches: bool = False,
     precision: str | None = None,
+    prune: bool = False,
 ) -> pd.DataFrame:
     """Rank plans for ``spec`` on ``hardware`` by simulated iteration time.
 
@@ -95,7 +98,13 @@ def search(
     sizes are equal (what a model with dropout or BatchNorm needs to train
     exactly; the engine refuses other plans for it). ``precision``: plan a run
     in ``"fp32"``, ``"bf16"`` or ``"fp16"`` (:meth:`ModelSpec.in_precision`);
-    the plans carry it. None: the spec's own, not written in the plans."""
+    the plans carry it. None: the spec's own, not written in the plans.
+    ``prune``: skip a candidate whose compute alone on its busiest GPU (a lower
+    bound of its simulated time, :func:`~harmony.policies.compute_lower_bound`)
+    exceeds the ``top_k``-th fastest plan its policy and GPU count have found so
+    far: it could never be among those the later stages start from, nor among the
+    fastest ``top_k`` rows. The rows returned are those simulated: the same
+    plans, times and order as without pruning, less some of the slower ones."""
     t0 = time.perf_counter()
     if precision is not None:
         spec = spec.in_precision(precision)
@@ -105,7 +114,7 @@ def search(
     worst, need = _check_one_layer_fits(spec, hardware)
 
     bar = _progress(progress)
-    runner = _Runner(_Pool(spec, hardware, workers), bar)
+    runner = _Runner(Pool(spec, hardware, workers), bar, top_k if prune else None)
     stages = _Stages(spec, hardware, minibatch_size, top_k, equal_microbatches, precision)
     for policy in policies:
         for n in gpu_counts:
@@ -120,7 +129,8 @@ def search(
     df.insert(0, "rank", range(1, len(df) + 1))
     df.attrs.update(
         search_s=time.perf_counter() - t0,
-        simulated=len(runner.seen),
+        simulated=len(runner.seen) - runner.pruned,
+        pruned=runner.pruned,
         rejected_memory=runner.rejected,
         rejected_host_memory=len(runner.no_host_room),
         model=spec.name,
@@ -201,21 +211,29 @@ def _no_plan_error(
 
 class _Runner:
     """Simulates candidates not seen before, keeps the rows of those that fit, and
-    counts those that do not (over GPU memory, or their state over the host's)."""
+    counts those that do not (over GPU memory, or their state over the host's).
+    With ``prune_k``, skips (and counts) those that cannot beat the ``prune_k``-th
+    fastest of their rivals."""
 
-    def __init__(self, pool: _Pool, bar) -> None:
-        self.pool, self.bar = pool, bar
+    def __init__(self, pool: Pool, bar, prune_k: int | None = None) -> None:
+        self.pool, self.bar, self.prune_k = pool, bar, prune_k
         self.rows: list[dict] = []
         self.seen: set[Plan] = set()
         self.rejected = 0
+        self.pruned = 0
         self.no_host_room: list[HostMemoryError] = []
 
-    def run(self, cands: list[_Candidate]) -> list[dict]:
-        """The rows of the new candidates among ``cands`` that fit."""
+    def run(self, cands: list[_Candidate], rivals: list[dict] = ()) -> list[dict]:
+        """The rows of the new candidates among ``cands`` that fit (``rivals``: the
+        rows found so far that these candidates compete with)."""
+        bar = self._bar(rivals)
         fresh = []
         for c in cands:
             if c.plan not in self.seen:
                 self.seen.add(c.plan)
+                if bar is not None and self._ruled_out(c.plan, bar):
+                    self.pruned += 1
+                    continue
                 fresh.append(c)
         out = []
         for c, s in zip(fresh, self.pool.map([c.plan for c in fresh])):
@@ -229,6 +247,20 @@ class _Runner:
             out.append(_row(c, s))
         self.rows.extend(out)
         return out
+
+    def _bar(self, rivals: list[dict]) -> float | None:
+        """The time a candidate must be able to beat: the ``prune_k``-th fastest rival's
+        (None: no pruning, or too few rivals yet)."""
+        if self.prune_k is None or len(rivals) < self.prune_k:
+            return None
+        return _fastest(rivals, self.prune_k)[-1]["iteration_s"]
+
+    def _ruled_out(self, plan: Plan, bar: float) -> bool:
+        """Whether ``plan`` is slower than ``bar`` for sure: its lower bound exceeds it.
+        Then at least ``prune_k`` rivals are faster, so it is in no stage's
+        fastest ``prune_k``, whatever is found later."""
+        bound = compute_lower_bound(self.pool.spec, self.pool.hw, plan)
+        return bound is not None and bound > bar
 
     def close(self) -> None:
         self.bar.close()
@@ -266,14 +298,15 @@ class _Stages:
         # ... then every backward packing for the best sizes.
         sizes = [r["plan"].bwd_microbatch for r in _fastest(found, top_k)]
         found += runner.run(
-            [self.plan_for(policy, n, ub, bwd) for ub in sizes for bwd in packings[ub][1:]]
+            [self.plan_for(policy, n, ub, bwd) for ub in sizes for bwd in packings[ub][1:]],
+            found,
         )
         # Stage B: the forward side around the best backward choices ...
-        found += runner.run(self.forward_side(policy, share, fcap, _fastest(found, top_k)))
+        found += runner.run(self.forward_side(policy, share, fcap, _fastest(found, top_k)), found)
         # ... and activations through host memory for the best plans, where that changes
         # anything.
         if _offload_matters(policy, n):
-            runner.run([_offloading(r["plan"]) for r in _fastest(found, top_k)])
+            runner.run([_offloading(r["plan"]) for r in _fastest(found, top_k)], found)
 
     def plan_for(
         self, policy: str, n: int, ub: int, packing: tuple[tuple[Pack, ...], dict]
@@ -399,55 +432,6 @@ def _row(c: _Candidate, s: dict) -> dict:
         "stage": c.stage,
         "plan": p,
     }
-
-
-def _summary(spec: ModelSpec, hw: Hardware, plan: Plan) -> Summary | HostMemoryError:
-    """The plan's simulated summary, or why its state does not fit the host."""
-    with gc_paused():
-        try:
-            graph = build_graph(spec, hw, plan)
-        except HostMemoryError as e:
-            return e
-        return simulate_graph(graph).summary
-
-
-_WORKER_ARGS: tuple | None = None
-
-
-def _init_worker(spec: ModelSpec, hw: Hardware) -> None:
-    global _WORKER_ARGS
-    _WORKER_ARGS = (spec, hw)
-
-
-def _work(plan: Plan) -> Summary | HostMemoryError:
-    return _summary(*_WORKER_ARGS, plan)
-
-
-class _Pool:
-    """Simulate plans in worker processes (forked: the simulator is pure Python,
-    no torch state crosses the fork) or inline when one worker is asked for."""
-
-    def __init__(self, spec: ModelSpec, hw: Hardware, workers: int | None):
-        self.spec, self.hw = spec, hw
-        if workers is None:
-            workers = min(4, os.cpu_count() or 1)
-        self.executor = None
-        if workers > 1 and "fork" in mp.get_all_start_methods():
-            self.executor = ProcessPoolExecutor(
-                workers,
-                mp_context=mp.get_context("fork"),
-                initializer=_init_worker,
-                initargs=(spec, hw),
-            )
-
-    def map(self, plans: list[Plan]) -> list[Summary | HostMemoryError]:
-        if self.executor is None or len(plans) < 4:
-            return [_summary(self.spec, self.hw, p) for p in plans]
-        return list(self.executor.map(_work, plans, chunksize=max(1, len(plans) // 16)))
-
-    def close(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown()
 
 
 class _NoBar:
