@@ -92,7 +92,8 @@ def search(
 
     Returns one row per simulated candidate that fits in GPU memory, fastest
     first, with the :class:`Plan` in column ``plan``. ``df.attrs`` holds the
-    search time and how many candidates were simulated and rejected.
+    search time and how many candidates were simulated and rejected (with
+    ``prune``, ``"pruned"``: how many were skipped).
     ``workers`` processes simulate in parallel (default: one per core, at most 4).
     ``equal_microbatches``: only plans whose forward and backward microbatch
     sizes are equal (what a model with dropout or BatchNorm needs to train
@@ -130,13 +131,14 @@ def search(
     df.attrs.update(
         search_s=time.perf_counter() - t0,
         simulated=len(runner.seen) - runner.pruned,
-        pruned=runner.pruned,
         rejected_memory=runner.rejected,
         rejected_host_memory=len(runner.no_host_room),
         model=spec.name,
         hardware=hardware.name,
         minibatch=minibatch_size,
     )
+    if prune:
+        df.attrs["pruned"] = runner.pruned
     return df
 
 
