@@ -51,6 +51,7 @@ class Pool:
         if workers is None:
             workers = min(4, os.cpu_count() or 1)
         self.executor = None
+        self.workers = 1
         if workers > 1 and "fork" in mp.get_all_start_methods():
             self.executor = ProcessPoolExecutor(
                 workers,
@@ -58,9 +59,10 @@ class Pool:
                 initializer=_init_worker,
                 initargs=(spec, hw),
             )
+            self.workers = workers
 
     def map(self, plans: list[Plan]) -> list[Summary | HostMemoryError]:
-        if self.executor is None or len(plans) < 4:
+        if self.executor is None or len(plans) < 2:
             return [_summary(self.spec, self.hw, p) for p in plans]
         return list(self.executor.map(_work, plans, chunksize=max(1, len(plans) // 16)))
 

@@ -25,6 +25,8 @@ reads and writes are tasks on the disk's links.
 
 from __future__ import annotations
 
+import bisect
+import math
 import numbers
 import time
 from dataclasses import dataclass, replace
@@ -226,19 +228,23 @@ class _Runner:
         self.no_host_room: list[HostMemoryError] = []
 
     def run(self, cands: list[_Candidate], rivals: list[dict] = ()) -> list[dict]:
-        """The rows of the new candidates among ``cands`` that fit (``rivals``: the
-        rows found so far that these candidates compete with)."""
-        bar = self._bar(rivals)
+        """The rows of the new candidates among ``cands`` that fit, in their order
+        (``rivals``: the rows found so far that these candidates compete with)."""
         fresh = []
         for c in cands:
             if c.plan not in self.seen:
                 self.seen.add(c.plan)
-                if bar is not None and self._ruled_out(c.plan, bar):
-                    self.pruned += 1
-                    continue
                 fresh.append(c)
+        plans = [c.plan for c in fresh]
+        if self.prune_k is None:
+            summaries = self.pool.map(plans)
+        else:
+            summaries = self._map_pruned(plans, [r["iteration_s"] for r in rivals])
         out = []
-        for c, s in zip(fresh, self.pool.map([c.plan for c in fresh])):
+        for c, s in zip(fresh, summaries):
+            if s is None:
+                self.pruned += 1
+                continue
             self.bar.update(1)
             if isinstance(s, HostMemoryError):
                 self.no_host_room.append(s)
@@ -250,19 +256,35 @@ class _Runner:
         self.rows.extend(out)
         return out
 
-    def _bar(self, rivals: list[dict]) -> float | None:
-        """The time a candidate must be able to beat: the ``prune_k``-th fastest rival's
-        (None: no pruning, or too few rivals yet)."""
-        if self.prune_k is None or len(rivals) < self.prune_k:
-            return None
-        return _fastest(rivals, self.prune_k)[-1]["iteration_s"]
-
-    def _ruled_out(self, plan: Plan, bar: float) -> bool:
-        """Whether ``plan`` is slower than ``bar`` for sure: its lower bound exceeds it.
-        Then at least ``prune_k`` rivals are faster, so it is in no stage's
-        fastest ``prune_k``, whatever is found later."""
-        bound = compute_lower_bound(self.pool.spec, self.pool.hw, plan)
-        return bound is not None and bound > bar
+    def _map_pruned(self, plans: list[Plan], times: list[float]) -> list:
+        """The summaries of ``plans``, None for those skipped. Simulated in waves of
+        one plan per worker, those with the least lower bound first; a plan is
+        skipped once its bound exceeds the ``prune_k``-th fastest time of those
+        that fit among ``times`` (the rivals') and the waves before. Then at least
+        ``prune_k`` plans that fit are faster, so it is in no stage's fastest
+        ``prune_k``, whatever is found later."""
+        k, spec, hw = self.prune_k, self.pool.spec, self.pool.hw
+        bounds = [compute_lower_bound(spec, hw, p) for p in plans]
+        # a plan without a bound cannot be ruled out: first, with the rest
+        order = sorted(
+            range(len(plans)), key=lambda i: -math.inf if bounds[i] is None else bounds[i]
+        )
+        times = sorted(times)
+        out: list = [None] * len(plans)
+        for at in range(0, len(order), self.pool.workers):
+            bar = times[k - 1] if len(times) >= k else math.inf
+            wave = [
+                i
+                for i in order[at : at + self.pool.workers]
+                if bounds[i] is None or bounds[i] <= bar
+            ]
+            if not wave:
+                break  # by bound: those after these are ruled out too
+            for i, s in zip(wave, self.pool.map([plans[i] for i in wave])):
+                out[i] = s
+                if not isinstance(s, HostMemoryError) and s.fits:
+                    bisect.insort(times, s.iteration_s)
+        return out
 
     def close(self) -> None:
         self.bar.close()
