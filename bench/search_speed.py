@@ -1,11 +1,13 @@
 """How long the planner takes: GPT-2 XL on the paper's 4-GPU server at
 minibatch 64 (the explorer needs it in at most 5 s with 2 workers). Prints the
 wall time, the number of candidate plans simulated, and the time per plan,
-with the worker processes the machine offers and with one; then the time to
-simulate the best plan alone (build its graph, play it: what a control of the
-explorer costs), wall and CPU time, median of ``--repeats``.
+with the worker processes the machine offers and with one, simulating every
+candidate and pruning those that cannot reach the top (``search(prune=True)``;
+the top plans and their times are the same); then the time to simulate the best
+plan alone (build its graph, play it: what a control of the explorer costs), wall
+and CPU time, median of ``--repeats``.
 
-    python bench/search_speed.py [--repeats 3] [--workers auto,1]
+    python bench/search_speed.py [--repeats 3] [--workers auto,1] [--prune off,on]
 """
 
 import argparse
@@ -18,13 +20,13 @@ from harmony.policies import build_graph
 from harmony.simulate import play, simulate_graph
 
 
-def timed(spec, hw, workers, repeats):
+def timed(spec, hw, workers, repeats, prune):
     """Median wall and CPU seconds of the search (the CPU time of this process only:
     with workers, theirs is not in it), and its DataFrame."""
     times, cpu, df = [], [], None
     for _ in range(repeats):
         t0, c0 = time.perf_counter(), time.process_time()
-        df = harmony.search(spec, hw, 64, workers=workers)
+        df = harmony.search(spec, hw, 64, workers=workers, prune=prune)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     return statistics.median(times), statistics.median(cpu), df
@@ -60,20 +62,23 @@ def main() -> None:
     ap.add_argument(
         "--workers", default="auto,1", help="worker counts, comma-separated (auto: the default)"
     )
+    ap.add_argument("--prune", default="off,on", help="off and/or on, comma-separated")
     args = ap.parse_args()
     counts = [None if w == "auto" else int(w) for w in args.workers.split(",")]
+    prunes = [{"off": False, "on": True}[p] for p in args.prune.split(",")]
     spec, hw = harmony.model_spec("gpt2-xl"), harmony.preset("paper-4x1080ti")
     print(f"cores: {os.cpu_count()}")
     for workers in counts:
-        t, cpu, df = timed(spec, hw, workers, args.repeats)
-        n = df.attrs["simulated"]
-        print(
-            f"workers={workers or 'auto'}: search {t:.2f} s (median of {args.repeats}"
-            + (f"; CPU {cpu:.2f} s" if workers == 1 else "")
-            + f"), {n} plans "
-            f"simulated, {1e3 * t / n:.1f} ms per plan, {len(df)} fit; best: "
-            f"{df.iloc[0].plan.describe()} {df.iloc[0].iteration_s:.2f} s/iter"
-        )
+        for prune in prunes:
+            t, cpu, df = timed(spec, hw, workers, args.repeats, prune)
+            n = df.attrs["simulated"]
+            print(
+                f"workers={workers or 'auto'} prune={'on' if prune else 'off'}: search {t:.2f} s "
+                f"(median of {args.repeats}; CPU of this process {cpu:.2f} s), {n} plans "
+                f"simulated ({df.attrs.get('pruned', 0)} pruned), {1e3 * t / n:.1f} ms per plan, "
+                f"{len(df)} fit; best: "
+                f"{df.iloc[0].plan.describe()} {df.iloc[0].iteration_s:.2f} s/iter"
+            )
     plan = df.iloc[0].plan
     print(f"one plan, {plan.describe()}: {one_plan(spec, hw, plan, args.repeats)}")
 

@@ -25,11 +25,10 @@ reads and writes are tasks on the disk's links.
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import bisect
+import math
 import numbers
-import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Iterable
 
@@ -41,9 +40,13 @@ from ..costs.reference import max_profiled
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError, OutOfMemoryError
 from ..plan import Pack, Plan
-from ..policies import build_graph, get_policy, gradient_window, names, resident
-from ..simulate import gc_paused, simulate_graph
-from ..trace import Summary
+from ..policies import (
+    compute_lower_bound,
+    get_policy,
+    gradient_window,
+    names,
+    resident,
+)
 from .packing import (
     BUDGETS,
     balanced_packs,
@@ -52,6 +55,7 @@ from .packing import (
     microbatch_sizes,
     split_for_staging,
 )
+from .pool import Pool
 
 #: what the search compares by default: Harmony's placements and their ablations
 DEFAULT_POLICIES = tuple(names("harmony") + names("ablation"))
@@ -84,18 +88,26 @@ def search(
     workers: int | None = None,
     equal_microbatches: bool = False,
     precision: str | None = None,
+    prune: bool = False,
 ) -> pd.DataFrame:
     """Rank plans for ``spec`` on ``hardware`` by simulated iteration time.
 
     Returns one row per simulated candidate that fits in GPU memory, fastest
     first, with the :class:`Plan` in column ``plan``. ``df.attrs`` holds the
-    search time and how many candidates were simulated and rejected.
+    search time and how many candidates were simulated and rejected (with
+    ``prune``, ``"pruned"``: how many were skipped).
     ``workers`` processes simulate in parallel (default: one per core, at most 4).
     ``equal_microbatches``: only plans whose forward and backward microbatch
     sizes are equal (what a model with dropout or BatchNorm needs to train
     exactly; the engine refuses other plans for it). ``precision``: plan a run
     in ``"fp32"``, ``"bf16"`` or ``"fp16"`` (:meth:`ModelSpec.in_precision`);
-    the plans carry it. None: the spec's own, not written in the plans."""
+    the plans carry it. None: the spec's own, not written in the plans.
+    ``prune``: skip a candidate whose compute alone on its busiest GPU (a lower
+    bound of its simulated time, :func:`~harmony.policies.compute_lower_bound`)
+    exceeds the ``top_k``-th fastest plan its policy and GPU count have found so
+    far: it could never be among those the later stages start from, nor among the
+    fastest ``top_k`` rows. The rows returned are those simulated: the same
+    plans, times and order as without pruning, less some of the slower ones."""
     t0 = time.perf_counter()
     if precision is not None:
         spec = spec.in_precision(precision)
@@ -105,7 +117,7 @@ def search(
     worst, need = _check_one_layer_fits(spec, hardware)
 
     bar = _progress(progress)
-    runner = _Runner(_Pool(spec, hardware, workers), bar)
+    runner = _Runner(Pool(spec, hardware, workers), bar, top_k if prune else None)
     stages = _Stages(spec, hardware, minibatch_size, top_k, equal_microbatches, precision)
     for policy in policies:
         for n in gpu_counts:
@@ -120,13 +132,15 @@ def search(
     df.insert(0, "rank", range(1, len(df) + 1))
     df.attrs.update(
         search_s=time.perf_counter() - t0,
-        simulated=len(runner.seen),
+        simulated=len(runner.seen) - runner.pruned,
         rejected_memory=runner.rejected,
         rejected_host_memory=len(runner.no_host_room),
         model=spec.name,
         hardware=hardware.name,
         minibatch=minibatch_size,
     )
+    if prune:
+        df.attrs["pruned"] = runner.pruned
     return df
 
 
@@ -201,24 +215,36 @@ def _no_plan_error(
 
 class _Runner:
     """Simulates candidates not seen before, keeps the rows of those that fit, and
-    counts those that do not (over GPU memory, or their state over the host's)."""
+    counts those that do not (over GPU memory, or their state over the host's).
+    With ``prune_k``, skips (and counts) those that cannot beat the ``prune_k``-th
+    fastest of their rivals."""
 
-    def __init__(self, pool: _Pool, bar) -> None:
-        self.pool, self.bar = pool, bar
+    def __init__(self, pool: Pool, bar, prune_k: int | None = None) -> None:
+        self.pool, self.bar, self.prune_k = pool, bar, prune_k
         self.rows: list[dict] = []
         self.seen: set[Plan] = set()
         self.rejected = 0
+        self.pruned = 0
         self.no_host_room: list[HostMemoryError] = []
 
-    def run(self, cands: list[_Candidate]) -> list[dict]:
-        """The rows of the new candidates among ``cands`` that fit."""
+    def run(self, cands: list[_Candidate], rivals: list[dict] = ()) -> list[dict]:
+        """The rows of the new candidates among ``cands`` that fit, in their order
+        (``rivals``: the rows found so far that these candidates compete with)."""
         fresh = []
         for c in cands:
             if c.plan not in self.seen:
                 self.seen.add(c.plan)
                 fresh.append(c)
+        plans = [c.plan for c in fresh]
+        if self.prune_k is None:
+            summaries = self.pool.map(plans)
+        else:
+            summaries = self._map_pruned(plans, [r["iteration_s"] for r in rivals])
         out = []
-        for c, s in zip(fresh, self.pool.map([c.plan for c in fresh])):
+        for c, s in zip(fresh, summaries):
+            if s is None:
+                self.pruned += 1
+                continue
             self.bar.update(1)
             if isinstance(s, HostMemoryError):
                 self.no_host_room.append(s)
@@ -228,6 +254,36 @@ class _Runner:
                 continue
             out.append(_row(c, s))
         self.rows.extend(out)
+        return out
+
+    def _map_pruned(self, plans: list[Plan], times: list[float]) -> list:
+        """The summaries of ``plans``, None for those skipped. Simulated in waves of
+        one plan per worker, those with the least lower bound first; a plan is
+        skipped once its bound exceeds the ``prune_k``-th fastest time of those
+        that fit among ``times`` (the rivals') and the waves before. Then at least
+        ``prune_k`` plans that fit are faster, so it is in no stage's fastest
+        ``prune_k``, whatever is found later."""
+        k, spec, hw = self.prune_k, self.pool.spec, self.pool.hw
+        bounds = [compute_lower_bound(spec, hw, p) for p in plans]
+        # a plan without a bound cannot be ruled out: first, with the rest
+        order = sorted(
+            range(len(plans)), key=lambda i: -math.inf if bounds[i] is None else bounds[i]
+        )
+        times = sorted(times)
+        out: list = [None] * len(plans)
+        for at in range(0, len(order), self.pool.workers):
+            bar = times[k - 1] if len(times) >= k else math.inf
+            wave = [
+                i
+                for i in order[at : at + self.pool.workers]
+                if bounds[i] is None or bounds[i] <= bar
+            ]
+            if not wave:
+                break  # by bound: those after these are ruled out too
+            for i, s in zip(wave, self.pool.map([plans[i] for i in wave])):
+                out[i] = s
+                if not isinstance(s, HostMemoryError) and s.fits:
+                    bisect.insort(times, s.iteration_s)
         return out
 
     def close(self) -> None:
@@ -266,14 +322,15 @@ class _Stages:
         # ... then every backward packing for the best sizes.
         sizes = [r["plan"].bwd_microbatch for r in _fastest(found, top_k)]
         found += runner.run(
-            [self.plan_for(policy, n, ub, bwd) for ub in sizes for bwd in packings[ub][1:]]
+            [self.plan_for(policy, n, ub, bwd) for ub in sizes for bwd in packings[ub][1:]],
+            found,
         )
         # Stage B: the forward side around the best backward choices ...
-        found += runner.run(self.forward_side(policy, share, fcap, _fastest(found, top_k)))
+        found += runner.run(self.forward_side(policy, share, fcap, _fastest(found, top_k)), found)
         # ... and activations through host memory for the best plans, where that changes
         # anything.
         if _offload_matters(policy, n):
-            runner.run([_offloading(r["plan"]) for r in _fastest(found, top_k)])
+            runner.run([_offloading(r["plan"]) for r in _fastest(found, top_k)], found)
 
     def plan_for(
         self, policy: str, n: int, ub: int, packing: tuple[tuple[Pack, ...], dict]
@@ -399,55 +456,6 @@ def _row(c: _Candidate, s: dict) -> dict:
         "stage": c.stage,
         "plan": p,
     }
-
-
-def _summary(spec: ModelSpec, hw: Hardware, plan: Plan) -> Summary | HostMemoryError:
-    """The plan's simulated summary, or why its state does not fit the host."""
-    with gc_paused():
-        try:
-            graph = build_graph(spec, hw, plan)
-        except HostMemoryError as e:
-            return e
-        return simulate_graph(graph).summary
-
-
-_WORKER_ARGS: tuple | None = None
-
-
-def _init_worker(spec: ModelSpec, hw: Hardware) -> None:
-    global _WORKER_ARGS
-    _WORKER_ARGS = (spec, hw)
-
-
-def _work(plan: Plan) -> Summary | HostMemoryError:
-    return _summary(*_WORKER_ARGS, plan)
-
-
-class _Pool:
-    """Simulate plans in worker processes (forked: the simulator is pure Python,
-    no torch state crosses the fork) or inline when one worker is asked for."""
-
-    def __init__(self, spec: ModelSpec, hw: Hardware, workers: int | None):
-        self.spec, self.hw = spec, hw
-        if workers is None:
-            workers = min(4, os.cpu_count() or 1)
-        self.executor = None
-        if workers > 1 and "fork" in mp.get_all_start_methods():
-            self.executor = ProcessPoolExecutor(
-                workers,
-                mp_context=mp.get_context("fork"),
-                initializer=_init_worker,
-                initargs=(spec, hw),
-            )
-
-    def map(self, plans: list[Plan]) -> list[Summary | HostMemoryError]:
-        if self.executor is None or len(plans) < 4:
-            return [_summary(self.spec, self.hw, p) for p in plans]
-        return list(self.executor.map(_work, plans, chunksize=max(1, len(plans) // 16)))
-
-    def close(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown()
 
 
 class _NoBar:

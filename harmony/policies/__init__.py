@@ -31,6 +31,7 @@ from . import (
     zero_offload,
 )
 from .common import replica_shares
+from .compute_time import busiest_gpu_seconds
 from .swapping import OPTIONS as STATE_OPTIONS
 from .tier_placement import place, stashes_in_flight  # noqa: F401  (the engine reads it here)
 
@@ -91,6 +92,18 @@ def build_graph(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> Ta
     plan.validate(len(spec))
     check_options(plan)
     return policy.build(spec_for(spec, plan), hw, plan, model)
+
+
+def compute_lower_bound(spec: ModelSpec, hw: Hardware, plan: Plan) -> float | None:
+    """At most ``plan``'s simulated iteration time, without building its graph: the
+    compute of its busiest GPU (:func:`.compute_time.busiest_gpu_seconds`). None for
+    a policy that does not list its compute ops apart from its graph (``ops``)."""
+    ops = getattr(get_policy(plan.policy), "ops", None)
+    if ops is None:
+        return None
+    plan.validate(len(spec))
+    check_options(plan)
+    return busiest_gpu_seconds(spec_for(spec, plan), hw, ops(plan))
 
 
 def swap_volume(spec: ModelSpec, plan: Plan, hardware: Hardware | None = None) -> dict[str, float]:

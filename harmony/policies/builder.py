@@ -71,6 +71,7 @@ from ..graph import (
 from ..plan import Plan, layer_shard
 from .activations import ActivationFlow
 from .base import HOST, Op
+from .compute_time import compute_cost
 from .disk_tier import add_disk_tasks
 
 __all__ = ["BwdGroup", "GraphBuilder", "Op"]
@@ -402,26 +403,11 @@ class GraphBuilder(ActivationFlow):
         return t
 
     def _compute_cost(self, kind: str, s: int, e: int, n: int) -> tuple[float, float | None]:
-        """(seconds, working bytes) of a compute task of a pack on ``n`` samples;
-        microbatches repeat, so cache. REC and BWD split the spec's
-        backward-with-recompute time: REC its forward time (at most all of it)."""
+        """:func:`.compute_time.compute_cost`; microbatches repeat, so cache."""
         key = (kind, s, e, n)
         cost = self._costs.get(key)
         if cost is None:
-            spec, flops = self.spec, self.hw.gpu_flops
-            if kind == FWD:
-                cost = (spec.fwd_time(s, e, n, flops), spec.fwd_work_bytes(s, e, n))
-            elif kind == FWDBWD:
-                cost = (spec.bwd_time(s, e, n, flops), spec.bwd_work_bytes(s, e, n))
-            else:
-                total = spec.bwd_time(s, e, n, flops)
-                recompute = min(spec.fwd_time(s, e, n, flops), total)
-                cost = (
-                    (recompute, spec.bwd_work_bytes(s, e, n))
-                    if kind == REC
-                    else (total - recompute, None)
-                )
-            self._costs[key] = cost
+            cost = self._costs[key] = compute_cost(self.spec, self.hw.gpu_flops, kind, s, e, n)
         return cost
 
     def _close_group(self, g: int) -> None:

@@ -19,7 +19,7 @@ from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..graph import TaskGraph
 from ..plan import Plan
-from .builder import GraphBuilder
+from .builder import GraphBuilder, Op
 from .common import (
     grouped_ops,
     offloaded_bytes,
@@ -47,15 +47,7 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
     b = GraphBuilder(
         spec, hw, plan, model, split_ties=plan.n_gpus == 1, gradient_window=GRADIENT_WINDOW
     )
-    n = plan.n_gpus
-    offload = plan.option("offload_activations")
-    per_replica = [
-        grouped_ops(plan, share, lambda i, r=r: r, lambda i: offload)
-        for r, share in enumerate(replica_shares(plan.minibatch, n))
-        if share[1] > share[0]
-    ]
-    # One global order: step by step, replica by replica.
-    b.run([op for i in range(len(per_replica[0])) for steps in per_replica for op in steps[i]])
+    b.run(ops(plan))
     by_pack: dict[int, list] = {}
     for group in b.bwd_groups:
         by_pack.setdefault(group.pack, []).append(group)
@@ -69,6 +61,17 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
             drained[g.grad_buffer] = [o.id for o in outs]
     reuse_gradient_buffers(b, drained)  # a GPU ahead of the others does not pile up gradients
     return b.graph(policy=NAME)
+
+
+def ops(plan: Plan) -> list[Op]:
+    """The compute ops, in one global order: step by step, replica by replica."""
+    offload = plan.option("offload_activations")
+    per_replica = [
+        grouped_ops(plan, share, lambda i, r=r: r, lambda i: offload)
+        for r, share in enumerate(replica_shares(plan.minibatch, plan.n_gpus))
+        if share[1] > share[0]
+    ]
+    return [op for i in range(len(per_replica[0])) for steps in per_replica for op in steps[i]]
 
 
 def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> dict[str, float]:

@@ -21,7 +21,7 @@ from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..graph import TaskGraph
 from ..plan import Plan
-from .builder import GraphBuilder
+from .builder import GraphBuilder, Op
 from .common import (
     check_one_microbatch_size,
     data_parallel_microbatch_ops,
@@ -44,9 +44,14 @@ PER_MICROBATCH = True
 
 def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGraph:
     b = GraphBuilder(spec, hw, plan, model)
-    b.run(data_parallel_microbatch_ops(plan))
+    b.run(ops(plan))
     update_after_gradients(b)
     return b.graph(policy=NAME)
+
+
+def ops(plan: Plan) -> list[Op]:
+    """The compute ops, in the global order (:func:`.common.data_parallel_microbatch_ops`)."""
+    return data_parallel_microbatch_ops(plan)
 
 
 def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> dict[str, float]:

@@ -22,7 +22,7 @@ from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..graph import TaskGraph
 from ..plan import Plan
-from .builder import GraphBuilder
+from .builder import GraphBuilder, Op
 from .common import boundary_bytes, grouped_ops, volume
 
 NAME = "harmony-pp"
@@ -53,15 +53,21 @@ def build(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> TaskGrap
         gradient_window=GRADIENT_WINDOW,
         weights_with_update=WEIGHTS_WITH_UPDATE,
     )
-    n = plan.n_gpus
-    # Consecutive steps share a GPU only when there is one GPU.
-    offload = plan.option("offload_activations") and n == 1
-    steps = grouped_ops(plan, (0, plan.minibatch), lambda i: i % n, lambda i: offload)
-    b.run([op for step in steps for op in step])
+    b.run(ops(plan))
     for group in b.bwd_groups:
         out = b.grad_out(group)
         b.update(group.pack, group.layers, [out.id], worker=group.pack)
     return b.graph(policy=NAME)
+
+
+def ops(plan: Plan) -> list[Op]:
+    """The compute ops, in the global order: step by step, the steps round-robin
+    over the GPUs."""
+    n = plan.n_gpus
+    # Consecutive steps share a GPU only when there is one GPU.
+    offload = plan.option("offload_activations") and n == 1
+    steps = grouped_ops(plan, (0, plan.minibatch), lambda i: i % n, lambda i: offload)
+    return [op for step in steps for op in step]
 
 
 def swap_volume(spec: ModelSpec, plan: Plan, disk: Placement | None = None) -> dict[str, float]:
