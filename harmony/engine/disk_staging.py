@@ -81,12 +81,8 @@ class Slots:
         self._held: dict[int, str] = {}  # id(buffer) -> its name in the ledger
         self._made = 0
         self._lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the buffers take, held and kept."""
-        with self._lock:
-            return sum(self.budget.allocations[n] for n in self._names())
+        self.nbytes = 0  # what the buffers take, held and kept
+        self.peak = 0  # the most they ever took at once
 
     def take(self, nbytes: int) -> torch.Tensor:
         if not nbytes:  # nothing on disk yet (the optimizer makes its state in the update)
@@ -98,6 +94,7 @@ class Slots:
                     self._held[id(slot)] = name
                     return slot
             dropped, self._free = self._free, []
+            self.nbytes -= sum(t.numel() for _, t in dropped)
             name = f"{self.name} {self._made}"
             self._made += 1
         for old, _ in dropped:
@@ -106,6 +103,8 @@ class Slots:
         slot = self.budget.empty(name, nbytes, torch.uint8)
         with self._lock:
             self._held[id(slot)] = name
+            self.nbytes += nbytes
+            self.peak = max(self.peak, self.nbytes)
         return slot
 
     def give(self, slot: torch.Tensor) -> None:
@@ -116,7 +115,7 @@ class Slots:
     def close(self) -> None:
         with self._lock:
             names = self._names()
-            self._free, self._held = [], {}
+            self._free, self._held, self.nbytes = [], {}, 0
         for name in names:
             self.budget.release(name)
 
