@@ -93,13 +93,9 @@ class Slots:
                     del self._free[i]
                     self._held[id(slot)] = name
                     return slot
-            dropped, self._free = self._free, []
-            self.nbytes -= sum(t.numel() for _, t in dropped)
             name = f"{self.name} {self._made}"
             self._made += 1
-        for old, _ in dropped:
-            self.budget.release(old)
-        del dropped  # their memory goes back before the new buffer is made
+        self.trim()  # their memory goes back before the new buffer is made
         slot = self.budget.empty(name, nbytes, torch.uint8)
         with self._lock:
             self._held[id(slot)] = name
@@ -112,15 +108,20 @@ class Slots:
             with self._lock:
                 self._free.append((self._held.pop(id(slot)), slot))
 
+    def trim(self) -> None:
+        """Give back the buffers kept for reads to come (those held stay)."""
+        with self._lock:
+            dropped, self._free = self._free, []
+            self.nbytes -= sum(t.numel() for _, t in dropped)
+        for name, _ in dropped:
+            self.budget.release(name)
+
     def close(self) -> None:
         with self._lock:
-            names = self._names()
+            names = [n for n, _ in self._free] + list(self._held.values())
             self._free, self._held, self.nbytes = [], {}, 0
         for name in names:
             self.budget.release(name)
-
-    def _names(self) -> list[str]:
-        return [n for n, _ in self._free] + list(self._held.values())
 
 
 class StateOnDisk:
@@ -240,6 +241,9 @@ class StateOnDisk:
     ) -> tuple[dict, dict]:
         """Copies of everything of ``kinds`` on disk: (parameter name -> master
         weight, parameter name -> optimizer state), for a whole state dict."""
+        # between steps: what staging keeps for the next step's reads makes room for the copies
+        self.update_slots.trim()
+        self.load_slots.trim()
         weights, state = {}, {}
         for unit in self.units.values():
             wanted = [(unit, kind) for kind in unit.kinds if kind in kinds]
