@@ -221,8 +221,8 @@ def _most_for_placement(
     # staging beyond the placement's: padding in the files (ALIGN per tensor and per step
     # counter), and the weight loads' reads when master weights are on disk: a GPU's
     # next load may read while its current one is still copying, so two neighbouring
-    # loads' per GPU; and
-    # with safe_updates, the journal's copies of the state that stays in host memory.
+    # loads' per GPU; and with safe_updates, the journal's copies of the state that
+    # stays in host memory.
     # The more memory the placement is given, the more stays and the less is read:
     # bisect for the most it can be given with all that beside it.
     padding = 3 * ALIGN * tensors_per_unit
