@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from harmony import FlatAdamW
+from harmony.costs.placement import staged_at_once
 from harmony.engine.tiers import (
     DiskTier,
     DiskTierError,
@@ -428,18 +429,30 @@ def test_placement_moves_optimizer_state_out_first():
         place_state(packs, 500, reserve=100)
 
 
-def test_placement_keeps_a_pack_whose_staging_costs_more_than_it_frees_in_host_memory():
-    """A first pack 4x the others (a large vocabulary's embedding): its three staged
-    copies take more than moving it frees, so the rule alone (which would move its
-    optimizer state right after the others') finds no placement."""
+def test_placement_stages_a_large_pack_beside_its_neighbours():
+    """A first pack 4x the others (a large vocabulary's embedding): staging holds
+    it beside the two packs updated next to it, not three copies of it, so moving
+    its optimizer state frees more than it stages."""
     big, small = PackBytes(400, 0, 800), PackBytes(100, 0, 200)
-    packs = [big] + [small] * 8  # 2400 + 400 in all (gradients stay in the reserve)
-    placed = place_state(packs, 2400, reserve=100)
-    assert not placed.kinds_on_disk(0)
-    assert [k for _, k in placed.on_disk] == ["optimizer"] * 8 + ["weights"] * 6
-    assert placed.host_bytes == 1200 + 2 * 100 + 3 * 300 + 100 <= 2400
+    packs = [big] + [small] * 8  # 3600 in all (gradients stay in the reserve)
+    placed = place_state(packs, 2500, reserve=100)
+    assert placed.on_disk == tuple((q, "optimizer") for q in range(8, -1, -1))
+    assert placed.staging_bytes == 800 + 2 * 200  # three times the largest: 2400
+    assert placed.host_bytes == 3600 - 2400 + 1200 + 100 <= 2500
     with pytest.raises(HostBudgetError, match="even with all the state on disk"):
-        place_state(packs, 2100, reserve=100)
+        place_state(packs, 1800, reserve=100)  # 1800 staged beside 100
+
+
+def test_staging_counts_neighbours_among_the_packs_on_disk():
+    assert staged_at_once([800, 0, 0, 200, 200, 0, 100]) == 1200  # packs in host memory skipped
+    assert staged_at_once([300, 300]) == 600 and staged_at_once([0, 0]) == 0
+    rng = random.Random(0)
+    for _ in range(200):  # a move never stages more than it frees (it may stage less)
+        sizes = [rng.choice([0, 0, 1, 5, 40]) for _ in range(rng.randint(1, 9))]
+        i, x = rng.randrange(len(sizes)), rng.choice([1, 5, 40])
+        more = sizes[:i] + [sizes[i] + x] + sizes[i + 1 :]
+        assert staged_at_once(more) <= staged_at_once(sizes) + x
+    assert staged_at_once([40, 0, 1, 40]) == 81 > staged_at_once([40, 1, 1, 40]) == 42
 
 
 def _record_pacing(monkeypatch, io) -> list[dict]:

@@ -91,10 +91,11 @@ def test_ties_across_packs_keep_their_gradient_for_the_step():
     per_pack = [host_state(spec, range(*p)).gradients for p in one.bwd_packs]
     owner = next(q for q, (a, b) in enumerate(one.bwd_packs) if a <= tie.layers[0] < b)
     per_pack[owner] -= tie.numel * master
-    expected = GRADIENT_SLOTS * max(per_pack) + tie.numel * master
-    assert windowed_gradients(spec, one) == expected
+    # two neighbouring packs' at once (their gradients arrive one pack after the other)
+    neighbours = max(a + b for a, b in zip(per_pack, per_pack[1:]))
+    assert windowed_gradients(spec, one) == neighbours + tie.numel * master
     whole = Plan.uniform("harmony-pp", 1, 8, 8, n, n)  # one pack: the tie is inside it
-    assert windowed_gradients(spec, whole) == GRADIENT_SLOTS * whole_gradients(spec, whole)
+    assert windowed_gradients(spec, whole) == whole_gradients(spec, whole)
 
 
 @st.composite
@@ -229,7 +230,7 @@ def test_what_the_explorers_host_shares_put_on_disk_for_gpt2_xl():
         return kinds.count("optimizer"), kinds.count("weights")
 
     assert len(plan.bwd_packs) == 20
-    shares = {"90%": (6, 0), "75%": (12, 0), "60%": (18, 0), "45%": (20, 10)}
+    shares = {"90%": (5, 0), "75%": (11, 0), "60%": (18, 0), "45%": (20, 8)}
     assert {s: on_disk(plan, s) for s in shares} == shares
     assert on_disk(ablation, "60%")[0] > 0
 

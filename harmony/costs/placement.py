@@ -14,6 +14,11 @@ A (pack, kind) on disk still passes through host memory while it is used:
 the tier's staging buffers hold three packs' worth of what is on disk (the
 pack being updated, the next one, read ahead, and the previous one, being
 written back: so the update overlaps both), and they count in the budget.
+The packs staged at once are neighbours among those with state on disk (the
+updates run one pack after the other), so staging is the most that three
+such neighbours hold (:func:`staged_at_once`), not three times the largest:
+a 50k-word embedding on disk is staged beside two blocks, not two more
+embeddings.
 
 Stashes (and offloaded activations) go to disk last, only where even the
 state on disk leaves too little host memory for all of them: they are
@@ -155,69 +160,60 @@ def place_state(
             raise HostMemoryError(f"pack {i}: state sizes must be >= 0, got {pack}")
     moves = [(i, kind) for kind in KINDS for i in reversed(range(len(packs))) if packs[i].of(kind)]
     total = sum(p.total for p in packs)
-    on_disk, disk_of = _moved(packs, moves, limit - reserve, total, cap=None)
+    # staging holds neighbouring packs, so a move never adds more staging than it frees
+    # (the packs staged beside the one it adds were within a window before): where the
+    # rule runs out of moves, nothing fits
+    on_disk, disk_of = _moved(packs, moves, limit - reserve, total)
     if _host_use(total, disk_of) + reserve > limit:
-        # staging holds three of the largest pack on disk: moving one pack much larger
-        # than the others (a 50k-word embedding) can take more than it frees. Keep the
-        # packs over a cap in host memory and the rest on disk: the cap that fits and
-        # moves the least (the smallest of those that move as much)
-        caps = sorted(
-            {
-                sum(packs[i].of(k) for k in KINDS[: n + 1])
-                for i in range(len(packs))
-                for n in range(len(KINDS))
-            }
+        raise HostMemoryError(
+            f"host memory: even with all the state on disk the host needs "
+            f"{format_bytes(_host_use(total, disk_of) + reserve)} (staging for "
+            f"{STAGED_PACKS} packs {format_bytes(staged_at_once(disk_of))}, "
+            f"reserve {format_bytes(reserve)}) but the budget is {format_bytes(limit)}: use "
+            "smaller packs, a smaller reserve (fewer stashes in flight) or a larger budget"
         )
-        fitting = [
-            placed
-            for cap in caps
-            for placed in [_moved(packs, moves, limit - reserve, total, cap)]
-            if _host_use(total, placed[1]) + reserve <= limit
-        ]
-        if not fitting:
-            raise HostMemoryError(
-                f"host memory: even with all the state on disk the host needs "
-                f"{format_bytes(_host_use(total, disk_of) + reserve)} (staging for "
-                f"{STAGED_PACKS} packs {format_bytes(STAGED_PACKS * max(disk_of, default=0))}, "
-                f"reserve {format_bytes(reserve)}) but the budget is {format_bytes(limit)}: use "
-                "smaller packs, a smaller reserve (fewer stashes in flight) or a larger budget"
-            )
-        on_disk, disk_of = min(fitting, key=lambda placed: sum(placed[1]))
     reads = sum(packs[i].of(k) * (weight_reads if k == "weights" else 1) for i, k in on_disk)
     return Placement(
         on_disk=tuple(on_disk),
         budget=limit,
         reserve=reserve,
         host_state_bytes=total - sum(disk_of),
-        staging_bytes=STAGED_PACKS * max(disk_of, default=0),
+        staging_bytes=staged_at_once(disk_of),
         disk_bytes=sum(disk_of),
         read_bytes_per_step=reads,
         write_bytes_per_step=sum(disk_of),
     )
 
 
+def most_in_window(sizes: Sequence[int], n: int) -> int:
+    """The most any ``n`` neighbours of ``sizes`` add up to (fewer at the ends)."""
+    return max((sum(sizes[i : i + n]) for i in range(len(sizes))), default=0)
+
+
+def staged_at_once(disk_of: Sequence[int]) -> int:
+    """Host bytes the tier stages at most with ``disk_of`` bytes of each pack on disk
+    (in layer order, or in the order the updates run): the most any
+    :data:`STAGED_PACKS` neighbours among the packs with state on disk hold. The
+    read for an update waits for the write-back of the update that many before
+    it with state on disk, so no others are staged beside it."""
+    return most_in_window([n for n in disk_of if n], STAGED_PACKS)
+
+
 def _host_use(total: int, disk_of: list[int]) -> int:
     """Host bytes of the state with ``disk_of`` bytes of each pack on disk, staging included."""
-    return total - sum(disk_of) + STAGED_PACKS * max(disk_of, default=0)
+    return total - sum(disk_of) + staged_at_once(disk_of)
 
 
 def _moved(
-    packs: Sequence[PackBytes],
-    moves: list[tuple[int, str]],
-    room: int,
-    total: int,
-    cap: int | None,
+    packs: Sequence[PackBytes], moves: list[tuple[int, str]], room: int, total: int
 ) -> tuple[list[tuple[int, str]], list[int]]:
     """The (pack, kind) ``moves`` made in order until the state fits ``room`` host
-    bytes (or none is left), and the bytes on disk per pack; a move that would put
-    more than ``cap`` bytes of its pack on disk is left out (None: none is)."""
+    bytes (or none is left), and the bytes on disk per pack."""
     on_disk: list[tuple[int, str]] = []
     disk_of = [0] * len(packs)
     for i, kind in moves:
         if _host_use(total, disk_of) <= room:
             break
-        if cap is not None and disk_of[i] + packs[i].of(kind) > cap:
-            continue
         on_disk.append((i, kind))
         disk_of[i] += packs[i].of(kind)
     return on_disk, disk_of

@@ -148,8 +148,11 @@ def model_weights(held: HeldState) -> dict[str, torch.Tensor]:
     master weights on the disk tier read back (the optimizer state stays there)."""
     own = held.host_module.state_dict()
     _check_made(held, own)
-    model = {k: v.detach().clone() for k, v in own.items()}
     disk = held.disk
+    every = list(held.host_module.named_parameters(remove_duplicate=False))
+    # a placeholder's copy would take a whole weight's memory for zeros: read, not copied
+    there = {n for n, p in every if disk is not None and id(p) in disk.on_disk}
+    model = {k: v.detach().clone() for k, v in own.items() if k not in there}
     if disk is None:
         if held.resume is not None:
             raise HarmonyError(
@@ -159,9 +162,8 @@ def model_weights(held: HeldState) -> dict[str, torch.Tensor]:
         return model
     names = param_names(held.host_module)
     weights, _ = disk.read_all(names, kinds=("weights",))
-    every = held.host_module.named_parameters(remove_duplicate=False)
-    model.update({n: weights[names[id(p)]] for n, p in every if id(p) in disk.on_disk})
-    return model
+    model.update({n: weights[names[id(p)]] for n, p in every if n in there})
+    return {k: model[k] for k in own}  # in the state dict's order
 
 
 def _check_made(held: HeldState, model: dict[str, torch.Tensor]) -> None:

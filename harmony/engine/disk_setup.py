@@ -26,15 +26,16 @@ step (an engine checkpoint may lag the tier by one step: the tier keeps two).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from ..costs.hardware import Hardware, disk_rates, format_bytes
-from ..costs.placement import STAGED_PACKS, HostMemoryError, Placement
-from ..costs.spec import ModelSpec, state_slots
+from ..costs.placement import STAGED_PACKS, HostMemoryError, Placement, most_in_window
+from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
-from ..graph import DISK_OUT, Activation, TaskGraph, is_load_read
+from ..graph import DISK_OUT, W_IN, Activation, TaskGraph, is_load_read
 from ..plan import Plan
 from ..policies import build_graph, disk_placement
 from .disk_staging import StateOnDisk, Unit
@@ -219,8 +220,9 @@ def _most_for_placement(
     budget = settings.budget.capacity
     # staging beyond the placement's: padding in the files (ALIGN per tensor and per step
     # counter), and the weight loads' reads when master weights are on disk: a GPU's
-    # next load may read while its current one is still copying, so two per GPU; and
-    # with safe_updates, the journal's copies of the state that stays in host memory.
+    # next load may read while its current one is still copying, so two neighbouring
+    # loads' per GPU; and with safe_updates, the journal's copies of the state that
+    # stays in host memory.
     # The more memory the placement is given, the more stays and the less is read:
     # bisect for the most it can be given with all that beside it.
     padding = 3 * ALIGN * tensors_per_unit
@@ -235,11 +237,8 @@ def _most_for_placement(
 
     def beside(m: int) -> dict[str, int]:
         graph = build_graph(spec, hw.with_host_memory(m).with_disk(settings.rates), plan)
-        loads = load_reads(graph)
         return {
-            "staging for weight loads": held * plan.n_gpus * (int(max(loads)) + padding)
-            if loads
-            else 0,
+            "staging for weight loads": load_staging(graph, held, padding),
             JOURNAL: (placement_of(graph) or whole).host_state_bytes * journal,
         }
 
@@ -258,9 +257,19 @@ def _most_for_placement(
     return lo
 
 
-def load_reads(graph: TaskGraph) -> list[float]:
-    """Bytes of each DISK_IN that reads master weights for weight loads (W_IN) only."""
-    return [t.nbytes for t in graph.tasks if is_load_read(t)]
+def load_staging(graph: TaskGraph, held: int, padding: int) -> int:
+    """Host bytes the reads of master weights for weight loads (W_IN) stage at once
+    in ``graph``, where a GPU holds at most ``held`` of its loads' reads at once (its
+    reads and loads run in priority order): per GPU, the most any ``held``
+    neighbouring reads take, each with ``padding`` bytes more."""
+    tasks = graph.tasks
+    gpu_of = {
+        d: t.device for t in tasks if t.kind == W_IN for d in t.deps if is_load_read(tasks[d])
+    }
+    reads: dict[str, list[int]] = defaultdict(list)
+    for t in sorted((tasks[d] for d in gpu_of), key=lambda t: t.seq):
+        reads[gpu_of[t.id]].append(int(t.nbytes) + padding)
+    return sum(most_in_window(r, held) for r in reads.values())
 
 
 def attach(
@@ -270,15 +279,13 @@ def attach(
     host_module,
     optimizers: dict,
     unmade,
-    optimizer: str,
     step: int,
 ) -> StateOnDisk | None:
     """The run's state on disk for ``graph`` (see the module docstring); None when
     it all fits host memory. Nothing in memory changes unless it succeeds.
     ``journal``: as for :func:`build_for_host`; ``host_module`` and ``optimizers``
     ((pack, shard) -> optimizer): the state; ``unmade``: the weights not yet made
-    (None: all made); ``optimizer``: the optimizer's kind (its state per
-    parameter); ``step``: the run's step, which a new tier is committed as of."""
+    (None: all made); ``step``: the run's step, which a new tier is committed as of."""
     placement = placement_of(graph)
     resume = settings.resume
     _check_same_placement(resume, placement)
@@ -294,8 +301,7 @@ def attach(
             budget.charge(name, nbytes)
             held.append(name)
         tier = _open_tier(settings, placement, graph)
-        loads = [t.data.packs for t in graph.tasks if is_load_read(t)]
-        state = StateOnDisk(tier, placement, units, budget, loads, state_slots(optimizer))
+        state = StateOnDisk(tier, placement, units, budget)
         if resume is None:
             _write_all(state, units, unmade, made)
             tier.commit(step)

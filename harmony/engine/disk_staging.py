@@ -68,56 +68,66 @@ def has_memory(p: torch.Tensor) -> bool:
     return not p.is_meta and p.untyped_storage().nbytes() >= p.numel() * p.element_size()
 
 
-def state_payload(params: list[torch.Tensor], slots: int) -> int:
-    """Bytes of an optimizer state file of ``params``: ``slots`` tensors of each
-    one's size (Adam's two moments) and a step counter."""
-    return sum(slots * round_up(_nbytes(p), ALIGN) + ALIGN for p in params)
-
-
 class Slots:
-    """Host buffers that staged state is read into, charged to the budget and
-    reused: each made at least ``size`` bytes (the largest read it serves), so
-    their number is the most reads held at once."""
+    """Host buffers that staged state is read into, charged to the budget, each
+    the size of the read it serves. A buffer given back is kept for the next
+    read of its size (the blocks of a transformer: memory already in use, not
+    fresh pages to fault in); a read of another size first gives every kept
+    buffer back, so the slots never hold more than the reads held at once."""
 
-    def __init__(self, budget: HostBudget, name: str, size: int):
-        self.budget, self.name, self.size = budget, name, size
-        self._free: list[torch.Tensor] = []
-        self._made: list[str] = []
+    def __init__(self, budget: HostBudget, name: str):
+        self.budget, self.name = budget, name
+        self._free: list[tuple[str, torch.Tensor]] = []  # kept for a read of their size
+        self._held: dict[int, str] = {}  # id(buffer) -> its name in the ledger
+        self._made = 0
         self._lock = threading.Lock()
+        self.nbytes = 0  # what the buffers take, held and kept
+        self.peak = 0  # the most they ever took at once
 
     def take(self, nbytes: int) -> torch.Tensor:
         if not nbytes:  # nothing on disk yet (the optimizer makes its state in the update)
             return torch.empty(0, dtype=torch.uint8)
         with self._lock:
-            fits = [i for i, t in enumerate(self._free) if t.numel() >= nbytes]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-            name = f"{self.name} {len(self._made)}"
-            self._made.append(name)
-        try:
-            return self.budget.empty(name, max(nbytes, self.size), torch.uint8)
-        except BaseException:
-            with self._lock:
-                self._made.remove(name)
-            raise
+            for i, (name, slot) in enumerate(self._free):
+                if slot.numel() == nbytes:
+                    del self._free[i]
+                    self._held[id(slot)] = name
+                    return slot
+            name = f"{self.name} {self._made}"
+            self._made += 1
+        self.trim()  # their memory goes back before the new buffer is made
+        slot = self.budget.empty(name, nbytes, torch.uint8)
+        with self._lock:
+            self._held[id(slot)] = name
+            self.nbytes += nbytes
+            self.peak = max(self.peak, self.nbytes)
+        return slot
 
     def give(self, slot: torch.Tensor) -> None:
         if slot.numel():
             with self._lock:
-                self._free.append(slot)
+                self._free.append((self._held.pop(id(slot)), slot))
+
+    def trim(self) -> None:
+        """Give back the buffers kept for reads to come (those held stay)."""
+        with self._lock:
+            dropped, self._free = self._free, []
+            self.nbytes -= sum(t.numel() for _, t in dropped)
+        for name, _ in dropped:
+            self.budget.release(name)
 
     def close(self) -> None:
         with self._lock:
-            self._free = []
-            for name in self._made:
-                self.budget.release(name)
-            self._made = []
+            names = [n for n, _ in self._free] + list(self._held.values())
+            self._free, self._held, self.nbytes = [], {}, 0
+        for name in names:
+            self.budget.release(name)
 
 
 class StateOnDisk:
     """A run's state on a :class:`~harmony.engine.tiers.DiskTier` (see the module
     docstring). ``units``: (pack, shard) -> :class:`Unit`, those with a kind on
-    disk; ``loads``: the backward packs each weight load reads from disk."""
+    disk."""
 
     def __init__(
         self,
@@ -125,44 +135,23 @@ class StateOnDisk:
         placement: Placement,
         units: dict[tuple[int, int], Unit],
         budget: HostBudget,
-        loads: list[tuple[int, ...]],
-        state_slots: int = 2,
     ):
         self.tier, self.placement, self.units = tier, placement, units
-        self.state_slots = state_slots  # of the optimizer, per parameter, before it has any
         self.on_disk = {  # id(master weight on disk) -> its unit
             id(p): u for u in units.values() if "weights" in u.kinds for _, p in u.params
         }
-        size = max((self.payload(u) for u in units.values()), default=0)
-        self.update_slots = Slots(budget, "disk tier staging for updates", size)
-        load_size = max((self._load_bytes(packs) for packs in loads), default=0)
-        self.load_slots = Slots(budget, "disk tier staging for weight loads", load_size)
+        self.update_slots = Slots(budget, "disk tier staging for updates")
+        self.load_slots = Slots(budget, "disk tier staging for weight loads")
         #: the step's stashes, where the placement puts them on disk too
         self.stashes = StashFile(tier.io, tier.directory) if placement.stashes_on_disk else None
 
-    # ---- sizes ----------------------------------------------------------------------
-    def payload(self, unit: Unit, kinds: tuple[str, ...] | None = None) -> int:
-        """Bytes of ``unit``'s files of ``kinds`` (default: all on disk), each padded."""
-        total = 0
-        for kind in unit.kinds if kinds is None else kinds:
-            if self.tier.has(unit.key, kind):
-                total += round_up(self.tier.layout(unit.key, kind)[1], ALIGN)
-            elif kind == "weights":
-                total += sum(round_up(_nbytes(p), ALIGN) for _, p in unit.params)
-            else:
-                total += state_payload(optimizer_params(unit.opt), self.state_slots)
-        return total
-
+    # ---- moving state between memory and the tier -------------------------------------
     def _load_units(self, packs: tuple[int, ...]) -> list[Unit]:
         """The units whose master weights on disk a load of backward ``packs`` reads."""
         return [
             u for (q, _), u in sorted(self.units.items()) if q in packs and "weights" in u.kinds
         ]
 
-    def _load_bytes(self, packs: tuple[int, ...]) -> int:
-        return sum(self.payload(u, ("weights",)) for u in self._load_units(packs))
-
-    # ---- moving state between memory and the tier -------------------------------------
     def write(self, unit: Unit, kinds: tuple[str, ...], release: bool) -> int:
         """Write ``unit``'s ``kinds`` from memory to the tier (an optimizer without
         state writes nothing); with ``release``, then leave them on disk only.
@@ -252,6 +241,9 @@ class StateOnDisk:
     ) -> tuple[dict, dict]:
         """Copies of everything of ``kinds`` on disk: (parameter name -> master
         weight, parameter name -> optimizer state), for a whole state dict."""
+        # between steps: what staging keeps for the next step's reads makes room for the copies
+        self.update_slots.trim()
+        self.load_slots.trim()
         weights, state = {}, {}
         for unit in self.units.values():
             wanted = [(unit, kind) for kind in unit.kinds if kind in kinds]

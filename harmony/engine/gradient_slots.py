@@ -1,15 +1,20 @@
-"""Host gradients held in a few pack-sized slots instead of one buffer for the
+"""Host gradients held a few packs at a time instead of in one buffer for the
 whole model: :class:`GradientSlots`.
 
 Where host memory is short, a plan whose packs' gradients arrive pack after
-pack holds them in ``Placement.gradient_slots`` slots (see
+pack holds them in ``Placement.gradient_slots`` (two) slots (see
 :mod:`harmony.policies.disk_tier`): the graph makes the gradients of a pack
-wait for the update of the pack that many before it, so when the first
-gradient of a pack arrives a slot is free. The pack takes it, its
-parameters' ``.grad`` are views of it (laid out update by update, parameter
-by parameter, as the optimizers hold them, so a G_OUT still copies in few
-large runs), and the last update of the pack gives it back. Slots are kept
-from step to step: memory already in use, not fresh pages to fault in.
+wait for the updates of the packs before the one before it, so only two
+neighbours (in the order their gradients arrive) hold gradients at once.
+They share one buffer per dtype, as large as the most two neighbouring packs
+need: the packs take its start and its end in turn, so each is clear of its
+neighbours and may overlap only packs already updated. A 50k-word embedding
+then needs its size and a block's beside it, not two embeddings'. A pack's
+parameters' ``.grad`` are views of its part (laid out update by update,
+parameter by parameter, as the optimizers hold them, so a G_OUT still copies
+in few large runs), and the last update of the pack gives it back. The
+buffers are kept from step to step: memory already in use, not fresh pages
+to fault in.
 
 A parameter tied across packs gets its own buffer for the whole step: its
 gradient sums parts from several packs' backward passes, the first long
@@ -23,13 +28,14 @@ from collections import Counter, defaultdict
 
 import torch
 
-from ..graph import UPD, TaskGraph
+from ..costs.placement import most_in_window
+from ..graph import G_OUT, UPD, Gradients, TaskGraph
 from .journal import optimizer_params
 
 
 class GradientSlots:
-    """The slots, which pack holds which, and the tied parameters' own buffers
-    (see the module docstring)."""
+    """The packs' shared buffers, which packs hold their part, and the tied
+    parameters' own buffers (see the module docstring)."""
 
     def __init__(
         self,
@@ -39,13 +45,18 @@ class GradientSlots:
         graph: TaskGraph,
         pin: bool = False,
     ):
-        """``slots``: how many; ``optimizers``: (pack, shard) -> optimizer, as the
-        engine keeps them; ``packs_of``: id(parameter) -> the backward packs whose
-        layers hold it (more than one: tied across packs); ``graph``: the plan's
-        task graph (how many updates each pack has)."""
+        """``slots``: how many packs hold gradients at once (two: see the module
+        docstring); ``optimizers``: (pack, shard) -> optimizer, as the engine keeps
+        them; ``packs_of``: id(parameter) -> the backward packs whose layers hold
+        it (more than one: tied across packs); ``graph``: the plan's task graph
+        (the order the packs' gradients arrive, how many updates each pack has)."""
+        if slots != 2:
+            raise AssertionError(
+                f"packs take a buffer's start and end in turn: 2 slots, not {slots}"
+            )
         self.pin = pin
         self._lock = threading.Lock()
-        #: id(parameter) -> (pack, dtype, offset in the slot's buffer of that dtype)
+        #: id(parameter) -> (pack, dtype, offset in its pack's part)
         self.where: dict[int, tuple[int, torch.dtype, int]] = {}
         self._tied: dict[int, torch.Tensor | None] = {}
         self._tied_bytes = 0
@@ -59,28 +70,39 @@ class GradientSlots:
                 elif id(p) not in self.where:
                     self.where[id(p)] = (q, p.dtype, used[q][p.dtype])
                     used[q][p.dtype] += p.numel()
-        #: elements of each dtype a slot holds: the most any pack needs
+        order = arrival_order(graph)
+        if set(used) - set(order):
+            raise AssertionError(f"packs {sorted(set(used) - set(order))} get no gradients")
+        #: elements of each dtype the shared buffer holds: the most two neighbours need
         self.size: Counter = Counter()
-        for counts in used.values():
-            for dtype, n in counts.items():
-                self.size[dtype] = max(self.size[dtype], n)
+        for dtype in {d for counts in used.values() for d in counts}:
+            sizes = [used[q][dtype] for q in order]
+            self.size[dtype] = most_in_window(sizes, slots)
+        #: pack -> dtype -> where its part starts: the buffer's start and end in turn
+        self.start = {
+            q: {d: 0 if j % 2 == 0 else self.size[d] - n for d, n in used[q].items()}
+            for j, q in enumerate(order)
+        }
+        #: pack -> the packs next to it in ``order``, which may hold gradients beside it
+        self._neighbours = {
+            q: set(order[max(0, j - 1) : j + 2]) - {q} for j, q in enumerate(order)
+        }
         self.updates = Counter(t.pack for t in graph.tasks if t.kind == UPD)
-        self._buffers: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in range(slots)]
-        self._free = list(range(slots))
-        self._held: dict[int, int] = {}  # pack -> its slot
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._held: set[int] = set()  # packs whose gradients are in the buffers
+        self._slots = slots
         self._done: Counter = Counter()  # pack -> its updates run so far this step
         self.allocations = 0
         self.allocated_bytes = 0
 
     def __len__(self) -> int:
-        """How many slots."""
-        return len(self._buffers)
+        """How many packs hold gradients at once."""
+        return self._slots
 
     @property
     def nbytes(self) -> int:
-        """Host bytes the slots and the tied parameters' gradients take."""
-        slot = sum(n * dtype.itemsize for dtype, n in self.size.items())
-        return len(self._buffers) * slot + self._tied_bytes
+        """Host bytes the shared buffers and the tied parameters' gradients take."""
+        return sum(n * dtype.itemsize for dtype, n in self.size.items()) + self._tied_bytes
 
     def holds(self, p: torch.Tensor) -> bool:
         return id(p) in self.where or id(p) in self._tied
@@ -94,32 +116,33 @@ class GradientSlots:
                 return self._tied[id(p)].view(p.shape)
             q, dtype, offset = self.where[id(p)]
             if q not in self._held:
-                if not self._free:  # the graph lets a pack's gradients in only once one is free
+                # the graph lets a pack's gradients in only once every pack before its
+                # neighbours has been updated (a pack may arrive just before the one
+                # before it, never before others): the others' parts may overlap its own
+                if self._held - self._neighbours[q]:
                     raise AssertionError(
                         f"gradients of pack {q} arrived while packs {sorted(self._held)} hold "
-                        "every gradient slot: the graph's window is missing"
+                        "theirs: the graph's window is missing"
                     )
-                self._held[q] = self._free.pop(0)
-            slot = self._buffers[self._held[q]]
-            if dtype not in slot:
-                slot[dtype] = self._new(self.size[dtype], dtype)
-            return slot[dtype][offset : offset + p.numel()].view(p.shape)
+                self._held.add(q)
+            if dtype not in self._buffers:
+                self._buffers[dtype] = self._new(self.size[dtype], dtype)
+            at = self.start[q][dtype] + offset
+            return self._buffers[dtype][at : at + p.numel()].view(p.shape)
 
     def updated(self, pack: int) -> None:
-        """An update of ``pack`` has run (its gradients dropped): after its last, the
-        slot is free. Every update task says so, those of a shard without gradients
-        too (it may run before another shard's gradients take the slot)."""
+        """An update of ``pack`` has run (its gradients dropped): after its last, its
+        part is free. Every update task says so, those of a shard without gradients
+        too (it may run before another shard's gradients take the part)."""
         with self._lock:
             self._done[pack] += 1
             if self._done[pack] == self.updates[pack]:
                 del self._done[pack]
-                if pack in self._held:
-                    self._free.append(self._held.pop(pack))
+                self._held.discard(pack)
 
     def reset(self) -> None:
-        """A failed step: every slot is free again (the gradients were dropped)."""
+        """A failed step: every part is free again (the gradients were dropped)."""
         with self._lock:
-            self._free += self._held.values()
             self._held.clear()
             self._done.clear()
 
@@ -127,6 +150,15 @@ class GradientSlots:
         self.allocations += 1
         self.allocated_bytes += numel * dtype.itemsize
         return torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+
+
+def arrival_order(graph: TaskGraph) -> list[int]:
+    """The backward packs in the order their gradients reach host memory (first G_OUT)."""
+    order: list[int] = []
+    for t in sorted(graph.tasks, key=lambda t: t.seq):
+        if t.kind == G_OUT and isinstance(t.data, Gradients) and t.pack not in order:
+            order.append(t.pack)
+    return order
 
 
 def packs_of_parameters(host, plan) -> dict[int, set[int]]:

@@ -59,7 +59,6 @@ def place_state(
         host_module,
         kept.optimizers,
         kept.unmade,
-        kept.spec.optimizer,
         step,
     )
     slots = gradient_slots_for(placement_of(graph), kept.host, plan, kept.optimizers, graph)

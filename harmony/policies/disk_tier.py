@@ -9,10 +9,12 @@ gets the graph it always had), on lanes and links ``host.disk_read`` and
 * around each CPU update (UPD) of a pack with state on disk: a DISK_IN
   before it reads that state (payload :class:`~harmony.graph.DiskState`: the
   pack, its kinds on disk and the update's shard), a DISK_OUT after it writes
-  it back, updated. The staging buffers hold three packs (``STAGED_PACKS``),
-  so the read for the j-th such update (in priority order: last pack first)
-  waits for the write of the (j-3)-th: while a pack updates, the next pack's
-  state is read and the previous one's written;
+  it back, updated. The staging buffers hold three neighbouring packs
+  (``STAGED_PACKS``), so the read for the j-th such update (in priority
+  order: last pack first) waits for the writes of the (j-3)-th, and of the
+  two before it (updates do not wait on each other, so one may end after
+  the next: see :func:`window_before`): while a pack updates, the next
+  pack's state is read and the previous one's written;
 * before each weight load (W_IN) whose layers hold weights on disk: a
   DISK_IN of the whole weights of every backward pack it touches whose
   weights are on disk (files hold whole packs; a parameter tied into the
@@ -53,7 +55,7 @@ from collections import defaultdict
 from dataclasses import asdict
 
 from ..costs.hardware import format_bytes
-from ..costs.placement import STAGED_PACKS, STASH_SLOTS, Placement
+from ..costs.placement import STAGED_PACKS, STASH_SLOTS, Placement, most_in_window
 from ..graph import (
     ACT_IN,
     ACT_OUT,
@@ -75,6 +77,7 @@ from .state import host_state
 from .tier_placement import (  # noqa: F401  (placement's names, read here too)
     disk_volume,
     disk_weights,
+    gradients_per_pack,
     place,
     stash_piece_bytes,
     stashes_in_flight,
@@ -113,7 +116,8 @@ def add_disk_tasks(b: GraphBase, window: bool = False, ride: bool = False) -> di
 
 def hold_gradients_in_slots(b: GraphBase, slots: int) -> None:
     """The gradients of the j-th pack whose gradients reach host memory (in
-    priority order) wait for the updates of the (j - ``slots``)-th: its slot.
+    priority order) wait for the updates of the packs :func:`window_before` it:
+    so only it and the ``slots`` - 1 packs before it hold gradients then.
     A policy declares its gradients arrive pack after pack (``GRADIENT_WINDOW``);
     priorities that say otherwise (a pack's update after the first gradient that
     waits for it) would deadlock, and are refused here."""
@@ -128,16 +132,33 @@ def hold_gradients_in_slots(b: GraphBase, slots: int) -> None:
     for t in b.tasks:
         if t.kind == UPD and t.device == "cpu":
             updates[t.pack].append(t)
+    sizes = gradients_per_pack(b.spec, b.plan)
+    if most_in_window([sizes[q] for q in order], slots) > most_in_window(sizes, slots):
+        raise AssertionError(
+            f"{b.plan.policy}: its packs' gradients arrive in the order {order}, where "
+            f"{slots} neighbours hold more than any {slots} neighbouring packs: its "
+            "GRADIENT_WINDOW is wrong for this plan"
+        )
     for j in range(slots, len(order)):
-        free = updates[order[j - slots]]
+        free = [u for q in window_before(order, j, slots) for u in updates[q]]
         for out in outs[order[j]]:
-            if any(u.seq >= out.seq for u in free):
-                raise AssertionError(
-                    f"{b.plan.policy}: the gradients of pack {out.pack} arrive before the update "
-                    f"of pack {order[j - slots]} ({slots} packs earlier): its GRADIENT_WINDOW "
-                    "is wrong for this plan"
-                )
+            for u in free:
+                if u.seq >= out.seq:
+                    raise AssertionError(
+                        f"{b.plan.policy}: the gradients of pack {out.pack} arrive before the "
+                        f"update of pack {u.pack}, {slots} or more packs earlier: its "
+                        "GRADIENT_WINDOW is wrong for this plan"
+                    )
             out.deps = sorted(set(out.deps) | {u.id for u in free})
+
+
+def window_before(items: list, j: int, n: int) -> list:
+    """What the j-th of ``items`` waits for so that at most ``n`` neighbours (it and
+    the ``n`` - 1 before it) are held at once: the ``n``-th before it, whose place
+    it takes, and the ``n`` - 1 before that. Those each waited likewise, so all
+    before them are done too, whatever order the ones that do not wait on each
+    other (updates, the disk's reads) end in."""
+    return items[max(0, j - 2 * n + 1) : max(0, j - n + 1)]
 
 
 def _add_transfers(b: GraphBase, placement: Placement) -> None:
@@ -168,17 +189,26 @@ def _add_transfers(b: GraphBase, placement: Placement) -> None:
         if not nbytes:
             continue
         data = DiskState((update.pack,), kinds, shard)
-        slot = written[-STAGED_PACKS] if len(written) >= STAGED_PACKS else None
+        slots = window_before(written, len(written), STAGED_PACKS)
         served = [b.tasks[i] for i in riders.get(update.pack, ())]
         first = min([update, *served], key=lambda t: t.seq)  # the read comes before it
-        if slot is not None and slot.seq >= first.seq:
+        for slot in slots:
+            if slot.seq >= first.seq:
+                raise AssertionError(
+                    f"{b.plan.policy}: the read for the update of pack {update.pack} must wait "
+                    f"for the write of pack {slot.pack}, which comes after it: its "
+                    "WEIGHTS_WITH_UPDATE is wrong for this plan"
+                )
+        staged = sum(t.nbytes for t in written[-STAGED_PACKS + 1 :]) + nbytes
+        if staged > placement.staging_bytes:
             raise AssertionError(
-                f"{b.plan.policy}: the read for the update of pack {update.pack} must wait for "
-                f"the write of pack {slot.pack}, which comes after it: its WEIGHTS_WITH_UPDATE "
-                "is wrong for this plan"
+                f"{b.plan.policy}: the read for the update of pack {update.pack} stages "
+                f"{format_bytes(staged)} beside the {STAGED_PACKS - 1} before it, more than the "
+                f"placement's {format_bytes(placement.staging_bytes)}: its updates do not run "
+                "pack after pack"
             )
         label = f"UPD {update.layers}" + (" and its backward weight loads" if served else "")
-        read = _disk(b, DISK_IN, first, -1, nbytes, [slot.id] if slot else [], data, label)
+        read = _disk(b, DISK_IN, first, -1, nbytes, [t.id for t in slots], data, label)
         for t in [update, *served]:
             t.deps = sorted(set(t.deps) | {read.id})
         written.append(_disk(b, DISK_OUT, update, +1, nbytes, [update.id], data))

@@ -14,8 +14,9 @@ state; :func:`~.state.host_state`) the run keeps in host memory a *reserve*:
   while they are summed; they never go to disk. All of them, for the whole
   step, where that fits; else, where the policy's gradients arrive pack after
   pack (its ``GRADIENT_WINDOW``), :data:`~harmony.costs.placement.GRADIENT_SLOTS`
-  slots of the largest pack's: the G_OUTs of a pack wait for the update of
-  the pack that many before it (:func:`hold_gradients_in_slots`), and a
+  packs' at once: the G_OUTs of a pack wait for the update of the pack that
+  many before it (:func:`hold_gradients_in_slots`), so the most that many
+  neighbouring packs' gradients take (:func:`windowed_gradients`), and a
   parameter tied across packs keeps its gradient for the step (its parts come
   from several packs' backward);
 * with ``gpu_optimizer``, the whole state of a plan that swaps it to the
@@ -48,7 +49,9 @@ from ..costs.placement import (
     HostMemoryError,
     PackBytes,
     Placement,
+    most_in_window,
     place_state,
+    staged_at_once,
 )
 from ..costs.spec import ModelSpec, Tie, dtype_bytes
 from ..graph import ACT_IN, ACT_OUT, DISK_IN, DISK_OUT, OPT_IN, STASH_OUT
@@ -111,7 +114,7 @@ def place(
         else f"gradients {format_bytes(gradients)}"
     )
     if hw.has_disk and any(p.total for p in movable):
-        least = stash + gradients + STAGED_PACKS * max(p.total for p in movable)
+        least = stash + gradients + staged_at_once([p.total for p in movable])
         raise HostMemoryError(
             f"host memory: {plan.policy} on {hw.name!r} needs at least "
             f"{format_bytes(least)} of host memory even with its optimizer state, "
@@ -192,16 +195,25 @@ def tied_across_packs(spec: ModelSpec, plan: Plan) -> list[Tie]:
     ]
 
 
-def windowed_gradients(spec: ModelSpec, plan: Plan) -> int:
-    """Host bytes of gradients held in :data:`GRADIENT_SLOTS` slots: that many of
-    the largest pack's (less the ties across packs), and the ties' for the step."""
+def gradients_per_pack(spec: ModelSpec, plan: Plan) -> list[int]:
+    """Host bytes of each backward pack's gradients held in its slot: less those
+    of the ties across packs (held for the step)."""
     master = dtype_bytes(spec.master_dtype or spec.param_dtype)
     tied = {tie.layers[0]: tie.numel * master for tie in tied_across_packs(spec, plan)}
-    per_pack = [
+    return [
         host_state(spec, range(a, b)).gradients - sum(n for i, n in tied.items() if a <= i < b)
         for a, b in plan.bwd_packs
     ]
-    return GRADIENT_SLOTS * max(per_pack, default=0) + sum(tied.values())
+
+
+def windowed_gradients(spec: ModelSpec, plan: Plan) -> int:
+    """Host bytes of gradients held in :data:`GRADIENT_SLOTS` slots: the most that
+    many neighbouring packs' take (the packs' gradients arrive one pack after the
+    other, and each pack's wait for the update of the pack that many before it),
+    and the ties' across packs for the step."""
+    master = dtype_bytes(spec.master_dtype or spec.param_dtype)
+    tied = sum(tie.numel * master for tie in tied_across_packs(spec, plan))
+    return most_in_window(gradients_per_pack(spec, plan), GRADIENT_SLOTS) + tied
 
 
 def weight_packs(spec: ModelSpec, plan: Plan, layers: Pack) -> list[int]:

@@ -144,8 +144,8 @@ class PackExplorer(PlanExplorer):
     optimizer state and a quarter gradients, which never go to disk. Harmony's
     policies then hold only two packs' gradients (slots), the ablations every
     pack's: on GPT-2 XL at minibatch 32, the planner's harmony-pp plan (with an
-    NVMe disk) sends the optimizer state of 6 of its 20 packs to disk at 90%,
-    12 at 75%, 18 at 60%, all and 10 packs' master weights at 45%, and its
+    NVMe disk) sends the optimizer state of 5 of its 20 packs to disk at 90%,
+    11 at 75%, 18 at 60%, all and 8 packs' master weights at 45%, and its
     stashes too at 30%; harmony-no-grouping's gradients, stashes and staging
     fit at 50% only with its stashes on disk, and not at all at 30%. How low a
     plan goes depends on its stashes and packs: below, the planner says so.
