@@ -139,6 +139,10 @@ def test_runner_runs_copies_skips_unchanged_and_reruns_when_forced_or_changed(
     assert _run(experiments, out, full=True).outcomes[0].status == "ok"
     summary = json.loads((out / "summary.json").read_text())
     assert [(s["name"], s["status"], s["mode"]) for s in summary] == [("a_tiny", "ok", "full")]
+    monkeypatch.chdir(tmp_path)  # a summary names its runs from where it was made
+    _run(experiments, out, force=True)
+    (entry,) = json.loads((out / "summary.json").read_text())
+    assert entry["run_dir"] == str(Path("experiments") / "runs" / "a_tiny")
 
 
 def test_a_failing_notebook_is_reported_and_the_others_still_run(tmp_path):

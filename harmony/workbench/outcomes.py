@@ -172,6 +172,15 @@ def fill_gap(gap: str, results: dict) -> str:
         return f"{gap} (gap template: {e})"
 
 
+def _portable(path: str) -> str:
+    """``path`` relative to the working directory where it lies under it: a summary
+    committed with the figures names no folder of the machine that made it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
+
+
 def _write_summary(out: Path, outcomes: list[Outcome]) -> None:
     """Merge this run's outcomes into ``out/summary.json`` and rewrite ``summary.md``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -185,6 +194,7 @@ def _write_summary(out: Path, outcomes: list[Outcome]) -> None:
     for o in outcomes:
         merged[o.name] = {
             **{k: v for k, v in asdict(o).items() if k != "files"},
+            "run_dir": _portable(o.run_dir),
             "verdict": o.verdict,
         }
     rows = [merged[k] for k in sorted(merged)]
