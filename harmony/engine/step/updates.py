@@ -135,7 +135,7 @@ class Updates:
         self.host_updates = [t for t in graph.tasks if t.kind == UPD and t.device == "cpu"]
         # The point of no return (commit): every task but the updates has ended and
         # every update left is checked; the updates from there on are not journaled.
-        self.committed = False
+        self.committed = self.refused = False  # refused: this step cannot commit
         self.turns = threading.Condition()  # guards committed, claimed, running
         self.claimed: set[int] = set()  # host updates begun (each runs once)
         self.running = 0
@@ -221,20 +221,26 @@ class Updates:
         ready to step state it has (nothing but the interpreter can make it fail).
         Not across servers (an update waits on the others), with a disk tier, nor
         under a loss scale below 1 (unscaling could overflow a finite gradient)."""
-        if self.ctx.sync is not None or self.ctx.disk is not None or self.ctx.loss_scale < 1:
+        if self.refused:  # what refused it holds for the rest of the step
             return False
         left = [update] + [t for t in self.host_updates if t.id not in self.claimed]
         opts = [(t, self.ctx.optimizers[(t.pack, t.data.shard[0])]) for t in left]
-        if not all(opt is None or type(opt) is FlatAdamW for _, opt in opts):
+        self.refused = (
+            self.ctx.sync is not None
+            or self.ctx.disk is not None
+            or self.ctx.loss_scale < 1
+            or not all(opt is None or type(opt) is FlatAdamW for _, opt in opts)
+            or not all(opt.ready_to_step() for _, opt in opts if opt is not None)
+        )
+        if self.refused:  # each update checks its own gradients, as before
             return False
-        ready = all(opt.ready_to_step() for _, opt in opts if opt is not None)
         for t, opt in opts:  # a non-finite gradient fails the step here, still undoable
             if opt is not None:
                 check_finite_gradients(opt, t.layers)
-        self.committed = ready
-        if ready and threading.current_thread() is threading.main_thread():
+        self.committed = True
+        if threading.current_thread() is threading.main_thread():
             self._defer_interrupts()  # this thread runs updates that are not journaled
-        return ready
+        return True
 
     def _defer_interrupts(self) -> None:
         """Ctrl-C past the point of no return, on the thread that runs the updates
