@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # the suite runs in a worker per core (make test): one torch thread each, or the
     # workers' thread pools fight over the cores
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_is_left_as_found():
+    """Every test leaves Python's Ctrl-C handler as it found it: one left changed (by
+    the engine's point of no return, say, or a library a test drives) would swallow
+    or redirect every later Ctrl-C in this process. The test that changed it fails,
+    named, and the handler is put back for the tests after it."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)
+        pytest.fail(f"the test left the SIGINT handler changed: {before!r} -> {after!r}")
 
 
 # ---- models -----------------------------------------------------------------------

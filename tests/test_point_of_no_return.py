@@ -114,14 +114,17 @@ def journaled(monkeypatch):
 
 def test_updates_past_the_point_of_no_return_are_not_journaled(journaled, monkeypatch):
     # updates slower than the backward, as on a GPU with a host update: they queue up
-    # behind it, and most of them start once every other task has ended
-    step = FlatAdamW.step
+    # behind it and start once every other task has ended. Each update here waits for
+    # that (a sleep instead would race the backward, which a busy machine slows)
+    host_update = updates_module.Updates.host_update
 
-    def slow(self, closure=None):
-        time.sleep(0.02)
-        return step(self, closure)
+    def queued(self, task, key, opt):
+        give_up = time.monotonic() + 60  # not a hang should that never come
+        while self.memory.others_left and time.monotonic() < give_up:
+            time.sleep(0.001)
+        return host_update(self, task, key, opt)
 
-    monkeypatch.setattr(FlatAdamW, "step", slow)
+    monkeypatch.setattr(updates_module.Updates, "host_update", queued)
     e, plain = engine("emulated"), engine("emulated", safe_updates=False)
     for x, y in batches(2):
         journaled.append([])
