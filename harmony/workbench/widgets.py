@@ -71,7 +71,7 @@ from .controls import (  # w: ipywidgets, or how to install it
 from .display import live_bundle, load_altair
 from .exploration import Exploration
 from .live_spec import chart_texts, exploration_spec
-from .play import COLUMNS, cached_spec, own_plan, played, row, server
+from .play import COLUMNS, cached_spec, own_plan, own_summary, played, row, server
 from .run_for_real import RealRun, RunForReal
 from .tiers import (
     AS_PRESET,
@@ -335,13 +335,19 @@ class PackExplorer(PlanExplorer):
                 plan, problem = self.plan_for(policy, n, len(spec)), None
             else:
                 plan, problem = own_plan(policy, model, source, hardware, n, minibatch, host, disk)
-            trace, problem = played(model, source, hw, plan) if plan else (None, problem)
+            if plan is None:
+                summary = None
+            elif label == choice or on_the_controls:  # traces kept: a policy switch draws them
+                trace, problem = played(model, source, hw, plan)
+                summary = trace.summary if trace is not None else None
+            else:  # a baseline's pick: its chooser simulated it
+                summary, problem = own_summary(model, source, hw, plan)
             problem = in_controls_words(problem)
             if label == choice:
-                mine = (plan, trace, problem)
+                mine = (plan, trace if plan else None, problem)
             planned_by = "the controls" if on_the_controls else "its own rule"
             rows.append(
-                row(label, plan, trace, problem, chosen=label == choice, planned_by=planned_by)
+                row(label, plan, summary, problem, chosen=label == choice, planned_by=planned_by)
             )
         comparison = versus(pd.DataFrame(rows), baseline)
         said = setting(comparison, choice, model, source, hardware, minibatch, n)
