@@ -270,7 +270,7 @@ def _each(values, words) -> list:
     timeline repeats its lanes, packs and task names thousands of times)."""
     done: dict = {}
     out = []
-    for v in values:
+    for v in values.tolist():  # Python objects: iterating a Series boxes each cell
         try:
             out.append(done[v] if v in done else done.setdefault(v, words(v)))
         except TypeError:  # unhashable: put in words every time
