@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import pandas as pd
 
 from ..errors import HarmonyError
@@ -401,6 +402,21 @@ def _device_color(alt, devices: list[str]):
     return alt.Color("device:N", title="device", sort=devices, legend=alt.Legend(orient="right"))
 
 
+def _bin_levels(times, levels, t0: float, width: float, bins: int):
+    """The lowest and highest of ``levels`` (at ``times``, in time order) in each of
+    ``bins`` bins of ``width`` from ``t0``, the level entering a bin included."""
+    k = np.minimum(((times - t0) / width).astype(int), bins - 1)
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])  # times in order: bins are runs
+    lowest, highest, last = np.full((3, bins), np.nan)
+    lowest[k[starts]] = np.minimum.reduceat(levels, starts)
+    highest[k[starts]] = np.maximum.reduceat(levels, starts)
+    last[k[starts]] = levels[np.r_[starts[1:], len(levels)] - 1]
+    # the level entering each bin: the last one before it (the first level, before any)
+    seen = np.maximum.accumulate(np.where(np.isnan(last), -1, np.arange(bins)))
+    entering = np.r_[levels[0], np.where(seen >= 0, last[np.maximum(seen, 0)], levels[0])[:-1]]
+    return np.fmin(lowest, entering), np.fmax(highest, entering)
+
+
 def memory_bands(trace: Trace, bins: int) -> pd.DataFrame:
     """Per device and time bin: the lowest and highest level in the bin (the level
     entering it counts) in GB, and the device's capacity."""
@@ -412,20 +428,15 @@ def memory_bands(trace: Trace, bins: int) -> pd.DataFrame:
     rows = []
     for device, d in steps.groupby("device", sort=False):
         d = d.sort_values("time_s")
-        k = ((d.time_s - t0) / width).astype(int).clip(upper=bins - 1)
-        per = d.groupby(k)["bytes"].agg(["min", "max", "last"])
-        per = per.reindex(range(bins))
-        entering = per["last"].ffill().shift().fillna(float(d["bytes"].iloc[0]))
-        low = pd.concat([per["min"], entering], axis=1).min(axis=1)
-        high = pd.concat([per["max"], entering], axis=1).max(axis=1)
+        low, high = _bin_levels(d.time_s.to_numpy(), d["bytes"].to_numpy(float), t0, width, bins)
         capacity = trace.summary.memory_capacity.get(device, float("nan"))
         rows.append(
             pd.DataFrame(
                 {
                     "device": device,
-                    "time_s": t0 + per.index * width,
-                    "low_gb": low.values / 1e9,
-                    "high_gb": high.values / 1e9,
+                    "time_s": t0 + np.arange(bins) * width,
+                    "low_gb": low / 1e9,
+                    "high_gb": high / 1e9,
                     "capacity_gb": capacity / 1e9,
                 }
             )
