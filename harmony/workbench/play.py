@@ -99,14 +99,7 @@ def play(spec: ModelSpec, hardware: Hardware, plan: Plan) -> tuple[Trace | None,
     The trace is None when the plan could not be simulated (its state does not
     fit host memory included); the problem is None when the plan runs and fits
     in memory."""
-    try:
-        refused = refusal(spec, plan)
-        if refused:
-            return None, refused
-        trace = simulate(spec, hardware, plan)
-    except HarmonyError as err:
-        return None, str(err)
-    return trace, out_of_memory(trace.summary)
+    return _run(spec, plan, lambda: simulate(spec, hardware, plan), lambda trace: trace.summary)
 
 
 def own_summary(
@@ -116,14 +109,21 @@ def own_summary(
     without the trace: the summary its chooser saw when it picked it
     (:func:`~harmony.planner.systems.chooser_summary`), not simulated again."""
     spec = cached_spec(model, source)
+    return _run(spec, plan, lambda: chooser_summary(spec, hardware, plan), lambda summary: summary)
+
+
+def _run(spec: ModelSpec, plan: Plan, simulated, summary_of) -> tuple:
+    """``(simulated(), problem)`` unless :func:`refusal` refuses ``plan`` or it raises
+    a HarmonyError (then ``(None, why)``); ``summary_of`` finds the summary in what
+    ``simulated`` returns, to say whether it runs out of memory."""
     try:
         refused = refusal(spec, plan)
         if refused:
             return None, refused
-        summary = chooser_summary(spec, hardware, plan)
+        result = simulated()
     except HarmonyError as err:
         return None, str(err)
-    return summary, out_of_memory(summary)
+    return result, out_of_memory(summary_of(result))
 
 
 @functools.lru_cache(maxsize=32)
