@@ -5,7 +5,8 @@ composition deep-copies its parts, every encoding is validated), most of the
 time of a redraw. The live view needs only the spec: :func:`exploration_spec`
 writes the same spec that ``PackExplorer.chart(result).to_dict()`` gives (the
 same marks, encodings, scales, titles and data rows; only the generated names
-of views, parameters and datasets differ, a test checks it), in milliseconds.
+of views, parameters and datasets differ, a test checks it), in a tenth of
+altair's time or less (``bench/explorer_chart.py``).
 The altair chart stays what :meth:`PackExplorer.chart` returns, to save or
 compose. Each part's data comes from the functions the altair charts use
 (:func:`~.timelines.timeline_bars`, :func:`~.timelines.memory_bands`,

@@ -335,16 +335,15 @@ class PackExplorer(PlanExplorer):
                 plan, problem = self.plan_for(policy, n, len(spec)), None
             else:
                 plan, problem = own_plan(policy, model, source, hardware, n, minibatch, host, disk)
-            if plan is None:
-                summary = None
-            elif label == choice or on_the_controls:  # traces kept: a policy switch draws them
+            trace = summary = None
+            if plan and (label == choice or on_the_controls):  # kept: a policy switch draws it
                 trace, problem = played(model, source, hw, plan)
                 summary = trace.summary if trace is not None else None
-            else:  # a baseline's pick: its chooser simulated it
+            elif plan:  # a baseline's pick: its chooser simulated it
                 summary, problem = own_summary(model, source, hw, plan)
             problem = in_controls_words(problem)
             if label == choice:
-                mine = (plan, trace if plan else None, problem)
+                mine = (plan, trace, problem)
             planned_by = "the controls" if on_the_controls else "its own rule"
             rows.append(
                 row(label, plan, summary, problem, chosen=label == choice, planned_by=planned_by)
