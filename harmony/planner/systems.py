@@ -35,8 +35,9 @@ from .search import SEARCHABLE, search
 
 # Whoever shows a chooser's pick needs its numbers again (the explorer's rows and its
 # claim, after each change of a control): the summaries simulated lately are kept, a
-# few hundred bytes each, so the pick is not simulated a second time.
-@functools.lru_cache(maxsize=1024)
+# few hundred bytes each, so the pick is not simulated a second time. 256: a dozen of
+# the explorer's settings (each runs about 20 candidates through its choosers).
+@functools.lru_cache(maxsize=256)
 def chooser_summary(spec: ModelSpec, hw: Hardware, plan: Plan) -> Summary:
     """The simulated summary of ``plan``'s graph as a chooser sees it (built by its
     policy from ``spec`` as given), kept per (spec, hardware, plan)."""
