@@ -27,13 +27,20 @@ from ..plan import DEFAULT_OPTIONS, Plan, uniform_packs
 from ..policies import POLICIES, get_policy, resident
 from ..policies.zero_offload import lockstep_counts
 from ..simulate import gc_paused, simulate_graph
+from ..trace import Summary
 from .karma import model_packs
 from .packing import BUDGETS, balanced_packs, greedy_packs, microbatch_sizes
 from .search import SEARCHABLE, search
 
 
-def _summary(spec: ModelSpec, hw: Hardware, plan: Plan):
-    """The simulated summary of ``plan``'s graph."""
+# Whoever shows a chooser's pick needs its numbers again (the explorer's rows and its
+# claim, after each change of a control): the summaries simulated lately are kept, a
+# few hundred bytes each, so the pick is not simulated a second time. 256: a dozen of
+# the explorer's settings (each runs about 20 candidates through its choosers).
+@functools.lru_cache(maxsize=256)
+def chooser_summary(spec: ModelSpec, hw: Hardware, plan: Plan) -> Summary:
+    """The simulated summary of ``plan``'s graph as a chooser sees it (built by its
+    policy from ``spec`` as given), kept per (spec, hardware, plan)."""
     with gc_paused():
         return simulate_graph(get_policy(plan.policy).build(spec, hw, plan)).summary
 
@@ -58,7 +65,7 @@ def fastest_fitting(spec: ModelSpec, hw: Hardware, plans: Iterable[Plan], policy
     chooser proposes, the simulator's memory ledger decides."""
     best, best_s, leanest, tried = None, math.inf, math.inf, 0
     for plan in dict.fromkeys(plans):
-        s = _summary(spec, hw, plan)
+        s = chooser_summary(spec, hw, plan)
         tried += 1
         leanest = min(leanest, max(s.peak_memory.values()))
         if s.fits and s.iteration_s < best_s:
@@ -86,7 +93,7 @@ def first_fitting(
     for plans in sweep:
         lowest = math.inf
         for plan in plans:
-            s = _summary(spec, hw, plan)
+            s = chooser_summary(spec, hw, plan)
             tried += 1
             if s.fits:
                 return plan
@@ -393,7 +400,7 @@ def microbatch_sweep(
     rows = []
     for u in microbatch_candidates(spec, plans.share, None):
         plan = plans.plan_at(u)
-        s = _summary(spec, hw, plan)
+        s = chooser_summary(spec, hw, plan)
         rows.append(
             {
                 "microbatch": u,

@@ -65,10 +65,15 @@ def plan_notation(plan) -> str:
     )
 
 
+def problem_text(problem: str, width: int = 900) -> str:
+    """The problem's words in lines about ``width`` px wide."""
+    return "\n".join(textwrap.wrap("Problem: " + problem, width // 7))
+
+
 def problem_chart(problem: str, width: int = 900):
     """The problem as red text, wrapped to the chart's width."""
     alt = load_altair()
-    text = "\n".join(textwrap.wrap("Problem: " + problem, width // 7))
+    text = problem_text(problem, width)
     return (
         alt.Chart(pd.DataFrame({"text": [text]}))
         .mark_text(align="left", baseline="top", lineBreak="\n", color="#c0392b", fontSize=13)
@@ -178,6 +183,38 @@ def _category_axis(alt, values):
     return alt.Axis(labelAngle=0)
 
 
+def policy_bar_frame(
+    df: pd.DataFrame, value: str, chosen: str | None, fmt: str = ".3g"
+) -> tuple[pd.DataFrame, dict, float]:
+    """What :func:`policy_bars` draws: one row per policy (``value``, its status,
+    its label, its shade, whether it is ``chosen``, where its label starts), the
+    shades' colours (``{"domain", "range"}``) and the largest value."""
+    d = df[["policy", value, "status"]].copy()
+    d["fits"] = d.status == "fits"
+    d["label"] = [
+        f"{v:{fmt}}" if ok else (f"{v:{fmt}} (does not fit)" if pd.notna(v) else s)
+        for v, s, ok in zip(d[value], d.status, d.fits)
+    ]
+    d["shade"] = [p if ok else "does not fit" for p, ok in zip(d.policy, d.fits)]
+    d["chosen"] = d.policy == chosen
+    d["at"] = d[value].fillna(0.0)  # where the label starts: the bar's end, or the axis
+    colors = palette.series_scale(d.policy)
+    shades = {
+        "domain": colors["domain"] + ["does not fit"],
+        "range": colors["range"] + [palette.NO_FIT],
+    }
+    top = float(d[value].max()) if d[value].notna().any() else 1.0
+    return d, shades, top
+
+
+def bold_label(chosen: str | None) -> dict:
+    """An axis's label weight: bold for the ``chosen`` category."""
+    return {
+        "condition": {"test": f"datum.value == {json.dumps(chosen)}", "value": "bold"},
+        "value": "normal",
+    }
+
+
 def policy_bars(
     df: pd.DataFrame,
     value: str,
@@ -192,30 +229,13 @@ def policy_bars(
     policy's colour, grey when the plan does not fit; each labelled with its
     number or its status; the ``chosen`` policy outlined and in bold."""
     alt = load_altair()
-    d = df[["policy", value, "status"]].copy()
-    d["fits"] = d.status == "fits"
-    d["label"] = [
-        f"{v:{fmt}}" if ok else (f"{v:{fmt}} (does not fit)" if pd.notna(v) else s)
-        for v, s, ok in zip(d[value], d.status, d.fits)
-    ]
-    d["shade"] = [p if ok else "does not fit" for p, ok in zip(d.policy, d.fits)]
-    d["chosen"] = d.policy == chosen
-    d["at"] = d[value].fillna(0.0)  # where the label starts: the bar's end, or the axis
-    colors = palette.series_scale(d.policy)
-    scale = alt.Scale(
-        domain=colors["domain"] + ["does not fit"], range=colors["range"] + [palette.NO_FIT]
-    )
-    top = float(d[value].max()) if d[value].notna().any() else 1.0
+    d, colors, top = policy_bar_frame(df, value, chosen, fmt)
+    scale = alt.Scale(**colors)
     y = alt.Y(
         "policy:N",
         sort=list(d.policy),
         title="policy",
-        axis=alt.Axis(
-            labelFontWeight={
-                "condition": {"test": f"datum.value == {json.dumps(chosen)}", "value": "bold"},
-                "value": "normal",
-            }
-        ),
+        axis=alt.Axis(labelFontWeight=bold_label(chosen)),
     )
     base = alt.Chart(d).encode(
         y=y,

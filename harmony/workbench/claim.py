@@ -16,7 +16,7 @@ import pandas as pd
 from ..costs.hardware import format_bytes, preset
 from ..policies import model_parallel
 from .comparison import times
-from .play import cached_spec, own_plan, played
+from .play import cached_spec, own_plan, own_summary
 
 #: the policy that keeps the whole model resident (on one GPU: plain training)
 RESIDENT = model_parallel.NAME
@@ -49,10 +49,10 @@ def setting(
         f"activations of microbatch {resident.bwd_microbatch}, in {format_bytes(hw.gpu_memory)}), "
         "so nothing needs swapping"
     )
-    trace, _ = played(model, source, hw, resident)
+    summary, _ = own_summary(model, source, hw, resident)
     me = comparison.set_index("policy").loc[chosen]
     # only on one GPU is the resident run the one to compare with (on more, data parallel is)
-    if n_gpus == 1 and chosen != RESIDENT and trace is not None and me.fits:
-        faster = times(me.iteration_s / trace.iteration_s, "faster", "slower")
+    if n_gpus == 1 and chosen != RESIDENT and summary is not None and me.fits:
+        faster = times(me.iteration_s / summary.iteration_s, "faster", "slower")
         text += f": {RESIDENT}, which keeps it all on the GPU, is {faster} than {chosen}"
     return text

@@ -111,14 +111,15 @@ class Displayable:
 
 
 def live_bundle(chart) -> dict[str, str]:
-    """What a widget's output shows of ``chart`` on every redraw: interactive HTML
-    without the picture and without vega's script, which the widget's
-    :func:`loader_bundle` brings once (nearly a megabyte less per redraw). The
-    spec is not validated again: the chart's parts were when they were made."""
+    """What a widget's output shows of ``chart`` (an altair chart, or its
+    Vega-Lite spec as a dict) on every redraw: interactive HTML without the
+    picture and without vega's script, which the widget's :func:`loader_bundle`
+    brings once (nearly a megabyte less per redraw). The spec is not validated
+    again: the chart's parts were when they were made."""
     mode = _State.mode or use_renderer()
-    spec = chart.to_dict(validate=False)
+    spec = chart if isinstance(chart, dict) else chart.to_dict(validate=False)
     if mode == "altair":
-        bundle = chart._repr_mimebundle_(None, None)
+        bundle = load_altair().renderers.get()(spec)
         return bundle[0] if isinstance(bundle, tuple) else bundle
     if mode == "static":
         return mimebundle(spec, mode)

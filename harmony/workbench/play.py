@@ -6,6 +6,8 @@ run, but saying in words what is wrong, and one comparison row per policy.
   the host's memory (and its disk tier, where it has one) is a problem like
   any other, in the planner's words (:class:`~harmony.costs.placement.HostMemoryError`);
 * :func:`played` is :func:`play` kept per model, server and plan;
+  :func:`own_summary` its numbers alone for a plan a baseline's chooser
+  picked (simulated when it was picked, not again);
 * :func:`server` is a preset with its host memory and disk tier set;
 * :func:`own_plan` is the plan a faithful baseline picks by its stated rule
   (:data:`~harmony.planner.systems.PLAN_MAKERS`), as that system would run;
@@ -25,8 +27,8 @@ from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
 from ..plan import Plan
 from ..planner import simulate
-from ..planner.systems import CHOOSERS
-from ..trace import Trace
+from ..planner.systems import CHOOSERS, chooser_summary
+from ..trace import Summary, Trace
 
 #: the largest task graph simulated interactively (about a second per policy)
 MAX_TASKS = 20_000
@@ -56,16 +58,16 @@ def estimated_tasks(plan: Plan) -> int:
     return TASKS_PER_OP * (fwd + len(plan.bwd_microbatches()) * len(plan.bwd_packs))
 
 
-def over_capacity(trace: Trace) -> list[str]:
+def over_capacity(summary: Summary) -> list[str]:
     """The devices whose peak exceeds their capacity, the furthest over first."""
-    peak, cap = trace.summary.peak_memory, trace.summary.memory_capacity
+    peak, cap = summary.peak_memory, summary.memory_capacity
     return sorted((d for d in cap if peak.get(d, 0.0) > cap[d]), key=lambda d: cap[d] - peak[d])
 
 
-def out_of_memory(trace: Trace) -> str | None:
-    """Which GPU runs out of memory and by how much, or None when the trace fits."""
-    peak, cap = trace.summary.peak_memory, trace.summary.memory_capacity
-    over = over_capacity(trace)
+def out_of_memory(summary: Summary) -> str | None:
+    """Which GPU runs out of memory and by how much, or None when the plan fits."""
+    peak, cap = summary.peak_memory, summary.memory_capacity
+    over = over_capacity(summary)
     if not over:
         return None
     d = over[0]
@@ -77,25 +79,51 @@ def out_of_memory(trace: Trace) -> str | None:
     )
 
 
+def refusal(spec: ModelSpec, plan: Plan) -> str | None:
+    """Why ``plan`` is not simulated here (too large to be interactive), or None;
+    an invalid plan raises its HarmonyError."""
+    plan.validate(len(spec))
+    tasks = estimated_tasks(plan)
+    if tasks <= MAX_TASKS:
+        return None
+    return (
+        f"about {tasks:,} tasks ({len(plan.bwd_microbatches())} backward microbatches "
+        f"x {len(plan.bwd_packs)} packs, plus forward): more than the {MAX_TASKS:,} "
+        "simulated interactively. Use larger microbatches or packs, or "
+        "harmony.simulate() in a script."
+    )
+
+
 def play(spec: ModelSpec, hardware: Hardware, plan: Plan) -> tuple[Trace | None, str | None]:
     """Simulate ``plan`` if it is valid and small enough: ``(trace, problem)``.
     The trace is None when the plan could not be simulated (its state does not
     fit host memory included); the problem is None when the plan runs and fits
     in memory."""
+    return _run(spec, plan, lambda: simulate(spec, hardware, plan), lambda trace: trace.summary)
+
+
+def own_summary(
+    model: str, source: str, hardware: Hardware, plan: Plan
+) -> tuple[Summary | None, str | None]:
+    """:func:`played` of a plan :func:`own_plan` picked, as ``(summary, problem)``
+    without the trace: the summary its chooser saw when it picked it
+    (:func:`~harmony.planner.systems.chooser_summary`), not simulated again."""
+    spec = cached_spec(model, source)
+    return _run(spec, plan, lambda: chooser_summary(spec, hardware, plan), lambda summary: summary)
+
+
+def _run(spec: ModelSpec, plan: Plan, simulated, summary_of) -> tuple:
+    """``(simulated(), problem)`` unless :func:`refusal` refuses ``plan`` or it raises
+    a HarmonyError (then ``(None, why)``); ``summary_of`` finds the summary in what
+    ``simulated`` returns, to say whether it runs out of memory."""
     try:
-        plan.validate(len(spec))
-        tasks = estimated_tasks(plan)
-        if tasks > MAX_TASKS:
-            return None, (
-                f"about {tasks:,} tasks ({len(plan.bwd_microbatches())} backward microbatches "
-                f"x {len(plan.bwd_packs)} packs, plus forward): more than the {MAX_TASKS:,} "
-                "simulated interactively. Use larger microbatches or packs, or "
-                "harmony.simulate() in a script."
-            )
-        trace = simulate(spec, hardware, plan)
+        refused = refusal(spec, plan)
+        if refused:
+            return None, refused
+        result = simulated()
     except HarmonyError as err:
         return None, str(err)
-    return trace, out_of_memory(trace)
+    return result, out_of_memory(summary_of(result))
 
 
 @functools.lru_cache(maxsize=32)
@@ -152,25 +180,26 @@ def own_plan(
         return None, str(err)
 
 
-def status(trace: Trace | None, problem: str | None) -> str:
+def status(summary: Summary | None, problem: str | None) -> str:
     """A row's status in a few words: "fits", "does not fit: <device> needs <GB> more"
     or "not run: <the problem's first sentence>"."""
-    if trace is None:
+    if summary is None:
         first = (problem or "").split(". ")[0]
         return "not run: " + (first if len(first) <= 60 else first[:59] + "…")
-    over = over_capacity(trace)
+    over = over_capacity(summary)
     if not over:
         return "fits"
     d = over[0]
-    need = (trace.summary.peak_memory[d] - trace.summary.memory_capacity[d]) / 1e9
+    need = (summary.peak_memory[d] - summary.memory_capacity[d]) / 1e9
     return f"does not fit: {d} needs {need:.2f} GB more"
 
 
 def row(
-    policy: str, plan: Plan | None, trace: Trace | None, problem: str | None, **columns
+    policy: str, plan: Plan | None, summary: Summary | None, problem: str | None, **columns
 ) -> dict:
     """A comparison row of ``policy``'s ``plan`` (None: it has none) as
-    played, with ``columns`` (``chosen``, ``planned_by``) as given."""
+    played (``summary``: None when it was not), with ``columns`` (``chosen``,
+    ``planned_by``) as given."""
     values = {
         "policy": policy,
         **columns,
@@ -182,11 +211,11 @@ def row(
         "disk_gb": math.nan,
         "peak_gb": math.nan,
         "fits": False,
-        "status": status(trace, problem),
+        "status": status(summary, problem),
         "note": problem,
     }
-    if trace is not None:
-        s = trace.summary
+    if summary is not None:
+        s = summary
         values.update(
             iteration_s=s.iteration_s,
             samples_per_s=s.samples_per_s,

@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import pandas as pd
 
 from ..errors import HarmonyError
@@ -146,6 +147,26 @@ def pick_lanes(timeline: pd.DataFrame, lanes: Iterable[str] | None) -> pd.DataFr
     return timeline[keep]
 
 
+def timeline_bars(
+    trace: Trace,
+    width: int = 900,
+    max_rows: int = MAX_ROWS,
+    color: str = "kind",
+    lanes: Iterable[str] | None = None,
+    names: Sequence[str] | dict | None = None,
+) -> tuple[pd.DataFrame, list[str], str]:
+    """What :func:`timeline_chart` draws: its bars (:func:`coalesce`, then
+    :func:`_bars`), the lanes in their order, and :data:`DISK_LANES` when the
+    trace has the disk's lanes (else "")."""
+    timeline = pick_lanes(trace.timeline, lanes)
+    if color != "kind":  # bars merge and take their colour by this column instead
+        timeline = timeline.assign(kind=[_named(color, v, names) for v in timeline[color]])
+    df = _bars(coalesce(timeline, max_rows), width)
+    order = sorted(df.lane.unique(), key=_lane_order)
+    disk = DISK_LANES if any(lane.startswith("host.disk") for lane in order) else ""
+    return df, order, disk
+
+
 def timeline_chart(
     trace: Trace,
     title: str = "",
@@ -166,12 +187,7 @@ def timeline_chart(
     under the chart picks them too. With ``zoom``, drag or scroll to pan and
     zoom in time (charts sharing its time axis follow)."""
     alt = load_altair()
-    timeline = pick_lanes(trace.timeline, lanes)
-    if color != "kind":  # bars merge and take their colour by this column instead
-        timeline = timeline.assign(kind=[_named(color, v, names) for v in timeline[color]])
-    df = _bars(coalesce(timeline, max_rows), width)
-    order = sorted(df.lane.unique(), key=_lane_order)
-    disk = DISK_LANES if any(lane.startswith("host.disk") for lane in order) else ""
+    df, order, disk = timeline_bars(trace, width, max_rows, color, lanes, names)
 
     y = alt.Y(
         "lane:N",
@@ -187,7 +203,7 @@ def timeline_chart(
             x2="drawn_end_s:Q",
             y=y,
             color=_timeline_color(alt, df, color),
-            tooltip=_timeline_tooltips(alt),
+            tooltip=tooltips(alt, TIMELINE_TOOLTIPS),
         )
     )
     bands = (  # every other GPU's lanes shaded, so one GPU's lanes read as a group
@@ -230,9 +246,9 @@ def _bars(df: pd.DataFrame, width: int) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "lane": df.lane,
-            "group": [lane_group(x) for x in df.lane],
-            "band": [groups.index(lane_group(x)) % 2 for x in df.lane],
-            "link": [lane_link(x) for x in df.lane],
+            "group": _each(df.lane, lane_group),
+            "band": _each(df.lane, lambda x: groups.index(lane_group(x)) % 2),
+            "link": _each(df.lane, lane_link),
             "kind": df.kind,
             "means": df.kind.map(palette.KIND_WORDS).fillna(""),
             "start_s": df.start_s,
@@ -243,11 +259,24 @@ def _bars(df: pd.DataFrame, width: int) -> pd.DataFrame:
             "duration_ms": (df.end_s - df.start_s) * 1e3,
             "bytes": df["bytes"],
             "tasks": df["tasks"],
-            "layers": [labels.layer_range(x) for x in df["layers"]],
+            "layers": _each(df["layers"], labels.layer_range),
             "microbatch": df["microbatch"],
-            "what": [labels.spans(str(x)) for x in df["what"]],
+            "what": _each(df["what"], lambda x: labels.spans(str(x))),
         }
     )
+
+
+def _each(values, words) -> list:
+    """``[words(v) for v in values]``, each distinct value put in words once (a
+    timeline repeats its lanes, packs and task names thousands of times)."""
+    done: dict = {}
+    out = []
+    for v in values.tolist():  # Python objects: iterating a Series boxes each cell
+        try:
+            out.append(done[v] if v in done else done.setdefault(v, words(v)))
+        except TypeError:  # unhashable: put in words every time
+            out.append(words(v))
+    return out
 
 
 def _with_lane_menu(alt, chart, order: list[str]):
@@ -268,31 +297,52 @@ def _with_lane_menu(alt, chart, order: list[str]):
     )
 
 
-def _timeline_tooltips(alt) -> list:
+#: the timeline's tooltips: (field, type, title, format or None)
+TIMELINE_TOOLTIPS = (
+    ("lane", "N", "lane", None),
+    ("kind", "N", "task kind", None),
+    ("means", "N", "what it is", None),
+    ("what", "N", "task", None),
+    ("tasks", "Q", "tasks in this bar", "d"),
+    ("layers", "N", "layers", None),
+    ("microbatch", "Q", "microbatch (-1: all)", "d"),
+    ("start_s", "Q", "start (s)", ".4~f"),
+    ("duration_ms", "Q", "duration (ms)", ".3~g"),
+    ("bytes", "Q", "bytes", ".3~s"),
+)
+#: the memory chart's tooltips, as :data:`TIMELINE_TOOLTIPS`
+MEMORY_TOOLTIPS = (
+    ("device", "N", "device", None),
+    ("time_s", "Q", "time (s)", ".3~f"),
+    ("high_gb", "Q", "highest in use (GB)", ".3~g"),
+    ("low_gb", "Q", "lowest in use (GB)", ".3~g"),
+    ("capacity_gb", "Q", "capacity (GB)", ".3~g"),
+)
+
+
+def tooltips(alt, fields) -> list:
+    """Altair tooltips of ``fields`` ((field, type, title, format or None) each)."""
     return [
-        alt.Tooltip("lane:N", title="lane"),
-        alt.Tooltip("kind:N", title="task kind"),
-        alt.Tooltip("means:N", title="what it is"),
-        alt.Tooltip("what:N", title="task"),
-        alt.Tooltip("tasks:Q", title="tasks in this bar", format="d"),
-        alt.Tooltip("layers:N", title="layers"),
-        alt.Tooltip("microbatch:Q", title="microbatch (-1: all)", format="d"),
-        alt.Tooltip("start_s:Q", format=".4~f", title="start (s)"),
-        alt.Tooltip("duration_ms:Q", format=".3~g", title="duration (ms)"),
-        alt.Tooltip("bytes:Q", format=".3~s", title="bytes"),
+        alt.Tooltip(f"{f}:{t}", title=title, **({"format": fmt} if fmt else {}))
+        for f, t, title, fmt in fields
     ]
+
+
+def kind_label_expr() -> str:
+    """The kind legend's label expression: each kind in words ("W_IN: weights host → GPU")."""
+    words = json.dumps({k: f"{k}: {w}" for k, w in palette.KIND_WORDS.items()}, ensure_ascii=False)
+    return f"({words})[datum.label] || datum.label"
 
 
 def _kind_legend(alt, title: str = "task kind"):
     """A legend that says what each kind is ("W_IN: weights host → GPU")."""
-    words = json.dumps({k: f"{k}: {w}" for k, w in palette.KIND_WORDS.items()}, ensure_ascii=False)
     return alt.Legend(
         title=title,
         orient="bottom",
         columns=3,
         labelLimit=320,
         symbolType="square",
-        labelExpr=f"({words})[datum.label] || datum.label",
+        labelExpr=kind_label_expr(),
     )
 
 
@@ -322,19 +372,13 @@ def memory_chart(
     lowest and highest level in each of :data:`MEMORY_BINS` time bins (a step of
     every microbatch would draw a comb), its top as a line, the capacity dashed."""
     alt = load_altair()
-    df = _memory_bands(trace, MEMORY_BINS)
+    df = memory_bands(trace, MEMORY_BINS)
     devices = list(dict.fromkeys(df.device))
     base = alt.Chart().encode(
         x=alt.X("time_s:Q", title="time in the iteration (s)", scale=alt.Scale(nice=False))
     )
     y = alt.Y("high_gb:Q", title="in use (GB)", axis=alt.Axis(tickCount=3))
-    tips = [
-        alt.Tooltip("device:N", title="device"),
-        alt.Tooltip("time_s:Q", format=".3~f", title="time (s)"),
-        alt.Tooltip("high_gb:Q", format=".3~g", title="highest in use (GB)"),
-        alt.Tooltip("low_gb:Q", format=".3~g", title="lowest in use (GB)"),
-        alt.Tooltip("capacity_gb:Q", format=".3~g", title="capacity (GB)"),
-    ]
+    tips = tooltips(alt, MEMORY_TOOLTIPS)
     band = base.mark_area(interpolate="step-after", opacity=0.35).encode(
         y=y, y2="low_gb:Q", color=_device_color(alt, devices)
     )
@@ -358,7 +402,22 @@ def _device_color(alt, devices: list[str]):
     return alt.Color("device:N", title="device", sort=devices, legend=alt.Legend(orient="right"))
 
 
-def _memory_bands(trace: Trace, bins: int) -> pd.DataFrame:
+def _bin_levels(times, levels, t0: float, width: float, bins: int):
+    """The lowest and highest of ``levels`` (at ``times``, in time order) in each of
+    ``bins`` bins of ``width`` from ``t0``, the level entering a bin included."""
+    k = np.minimum(((times - t0) / width).astype(int), bins - 1)
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])  # times in order: bins are runs
+    lowest, highest, last = np.full((3, bins), np.nan)
+    lowest[k[starts]] = np.minimum.reduceat(levels, starts)
+    highest[k[starts]] = np.maximum.reduceat(levels, starts)
+    last[k[starts]] = levels[np.r_[starts[1:], len(levels)] - 1]
+    # the level entering each bin: the last one before it (the first level, before any)
+    seen = np.maximum.accumulate(np.where(np.isnan(last), -1, np.arange(bins)))
+    entering = np.r_[levels[0], np.where(seen >= 0, last[np.maximum(seen, 0)], levels[0])[:-1]]
+    return np.fmin(lowest, entering), np.fmax(highest, entering)
+
+
+def memory_bands(trace: Trace, bins: int) -> pd.DataFrame:
     """Per device and time bin: the lowest and highest level in the bin (the level
     entering it counts) in GB, and the device's capacity."""
     steps = trace.memory_timeline()
@@ -369,20 +428,15 @@ def _memory_bands(trace: Trace, bins: int) -> pd.DataFrame:
     rows = []
     for device, d in steps.groupby("device", sort=False):
         d = d.sort_values("time_s")
-        k = ((d.time_s - t0) / width).astype(int).clip(upper=bins - 1)
-        per = d.groupby(k)["bytes"].agg(["min", "max", "last"])
-        per = per.reindex(range(bins))
-        entering = per["last"].ffill().shift().fillna(float(d["bytes"].iloc[0]))
-        low = pd.concat([per["min"], entering], axis=1).min(axis=1)
-        high = pd.concat([per["max"], entering], axis=1).max(axis=1)
+        low, high = _bin_levels(d.time_s.to_numpy(), d["bytes"].to_numpy(float), t0, width, bins)
         capacity = trace.summary.memory_capacity.get(device, float("nan"))
         rows.append(
             pd.DataFrame(
                 {
                     "device": device,
-                    "time_s": t0 + per.index * width,
-                    "low_gb": low.values / 1e9,
-                    "high_gb": high.values / 1e9,
+                    "time_s": t0 + np.arange(bins) * width,
+                    "low_gb": low / 1e9,
+                    "high_gb": high / 1e9,
                     "capacity_gb": capacity / 1e9,
                 }
             )

@@ -37,19 +37,16 @@ Needs the ``notebooks`` extra (ipywidgets, altair, vl-convert).
 from __future__ import annotations
 
 import contextlib
-import textwrap
 
 import pandas as pd
 
 from ..costs.catalog import SOURCES, known_models
 from ..costs.hardware import PRESETS, format_bytes, preset
 from ..errors import HarmonyError
-from ..planner.systems import PLAN_MAKERS
 from ..policies import names
 from .advice import in_controls_words
 from .charts import (
     memory_chart,
-    plan_notation,
     policy_bars,
     problem_chart,
     thin_memory,
@@ -71,9 +68,10 @@ from .controls import (  # w: ipywidgets, or how to install it
     slider,
     w,
 )
-from .display import load_altair
+from .display import live_bundle, load_altair
 from .exploration import Exploration
-from .play import COLUMNS, cached_spec, own_plan, played, row, server
+from .live_spec import chart_texts, exploration_spec
+from .play import COLUMNS, cached_spec, own_plan, own_summary, played, row, server
 from .run_for_real import RealRun, RunForReal
 from .tiers import (
     AS_PRESET,
@@ -337,13 +335,18 @@ class PackExplorer(PlanExplorer):
                 plan, problem = self.plan_for(policy, n, len(spec)), None
             else:
                 plan, problem = own_plan(policy, model, source, hardware, n, minibatch, host, disk)
-            trace, problem = played(model, source, hw, plan) if plan else (None, problem)
+            trace = summary = None
+            if plan and (label == choice or on_the_controls):  # kept: a policy switch draws it
+                trace, problem = played(model, source, hw, plan)
+                summary = trace.summary if trace is not None else None
+            elif plan:  # a baseline's pick: its chooser simulated it
+                summary, problem = own_summary(model, source, hw, plan)
             problem = in_controls_words(problem)
             if label == choice:
                 mine = (plan, trace, problem)
             planned_by = "the controls" if on_the_controls else "its own rule"
             rows.append(
-                row(label, plan, trace, problem, chosen=label == choice, planned_by=planned_by)
+                row(label, plan, summary, problem, chosen=label == choice, planned_by=planned_by)
             )
         comparison = versus(pd.DataFrame(rows), baseline)
         said = setting(comparison, choice, model, source, hardware, minibatch, n)
@@ -391,7 +394,8 @@ class PackExplorer(PlanExplorer):
         if result.trace is None:
             table = [result.table().to_html()] if len(result.comparison) else []
             return [html_bundle(result.message()), *map(html_bundle, table)]
-        return super().view(result)
+        # the spec built directly: the chart's, without altair's seconds
+        return [live_bundle(exploration_spec(result)), html_bundle(result.table().to_html())]
 
     def chart(self, result: Exploration | None = None):
         """Headline, problem (if any), swap timeline (with the disk's lanes when
@@ -399,35 +403,26 @@ class PackExplorer(PlanExplorer):
         volume (host<->GPU bytes) of every policy."""
         alt = load_altair()
         r = result or self.result or self.compute()
+        texts = chart_texts(r)
         parts = [problem_chart(r.problem)] if r.problem else []
         if r.trace is not None:
-            title = f"{r.plan.describe()}: {r.trace.iteration_s:.3g} s per iteration"
             # one time axis: zooming the timeline zooms the memory too
             parts.append(
                 alt.vconcat(
-                    timeline_chart(r.trace, title=title, subtitle=plan_notation(r.plan)),
+                    timeline_chart(r.trace, title=texts["timeline"], subtitle=texts["notation"]),
                     memory_chart(thin_memory(r.trace)),
                 ).resolve_scale(x="shared", color="independent")
             )
         if r.comparison["iteration_s"].notna().any():  # no empty bars
-            chosen = r.chosen or None
-            time = "time per iteration (shorter is faster)"
-            swap = "bytes over host↔GPU links per iteration"
-            if (r.comparison["disk_gb"] > 0).any():  # counted apart, in the table
-                swap = alt.Title(swap, subtitle="not the disk's: disk GB in the table")
+            chosen, swap = r.chosen or None, texts["swap"]
+            swap = alt.Title(**swap) if isinstance(swap, dict) else swap
             parts.append(
                 alt.hconcat(
                     policy_bars(
-                        r.comparison, "iteration_s", time, "seconds per iteration", chosen
+                        r.comparison, "iteration_s", texts["time"], "seconds per iteration", chosen
                     ),
                     policy_bars(r.comparison, "swap_gb", swap, "GB per iteration", chosen),
                 )
             )
-        own = ", ".join(PLAN_MAKERS)
-        subtitle = (
-            f"ratios against {r.baseline}; {own} on their own plans, the others on these controls"
-        )
-        # vega does not wrap titles: lines about as wide as the charts
-        lines = [part for line in r.headlines for part in textwrap.wrap(line, 110)]
-        title = alt.Title(lines, subtitle=subtitle, anchor="start", fontSize=16)
+        title = alt.Title(**texts["title"], anchor="start", fontSize=16)
         return alt.vconcat(*parts).resolve_scale(color="independent").properties(title=title)

@@ -1,0 +1,142 @@
+"""What one change of the pack explorer costs: its live chart is altair's chart
+built as a dict (the same spec), and a change simulates only what it changed,
+each plan once (counted calls, not seconds)."""
+
+import json
+import math
+import re
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("altair")
+
+from harmony.planner import systems  # noqa: E402
+from harmony.workbench import play  # noqa: E402
+from harmony.workbench.live_spec import exploration_spec, records  # noqa: E402
+from harmony.workbench.widgets import CLAIM_DOES_NOT_APPLY, PackExplorer  # noqa: E402
+
+#: BERT-Large on one GPU (fast): lanes enough for the lane menu or not, a plan that runs
+#: out of memory (a trace and a problem), state on disk (the disk's lanes)
+SETTINGS = {
+    "one GPU": {},
+    "out of memory": {"pack_size": 12},
+    "no lane menu": {"pack_size": 26, "fwd_microbatch": 8, "bwd_microbatch": 8},
+    "state on disk": {"disk": "nvme", "host_memory": "45%"},
+}
+
+
+def _inlined(spec, datasets):
+    """``spec`` with each named dataset put where it is used."""
+    if isinstance(spec, dict):
+        if set(spec) == {"name"} and spec["name"] in datasets:
+            return {"values": datasets[spec["name"]]}
+        return {k: _inlined(v, datasets) for k, v in spec.items() if k != "datasets"}
+    if isinstance(spec, list):
+        return [_inlined(v, datasets) for v in spec]
+    return spec
+
+
+def _named_in_order(spec) -> dict:
+    """``spec`` with its data inlined and the names of its views and parameters
+    (altair's are hashes) numbered in the order they appear."""
+    text = json.dumps(_inlined(spec, spec.get("datasets", {})), sort_keys=True)
+    seen: dict[str, str] = {}
+    # altair's names (param_<hash>, view_<hash>_<i>) and the live spec's
+    generated = r'"(param_[0-9a-f]+|view_[0-9a-f]+_\d+|lanes_shown|zoom|timeline_view)"'
+    text = re.sub(generated, lambda m: f'"name {seen.setdefault(m[1], str(len(seen)))}"', text)
+    # the same names inside expressions (the lane menu's filter)
+    for name, number in seen.items():
+        text = re.sub(rf"\b{name}\b", f"name {number}", text)
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_the_live_chart_is_the_altair_charts_spec(setting):
+    ex = PackExplorer(**{**CLAIM_DOES_NOT_APPLY, **SETTINGS[setting]})
+    r = ex.compute()
+    assert r.trace is not None
+    live = exploration_spec(r)
+    assert _named_in_order(live) == _named_in_order(ex.chart(r).to_dict())  # validated
+    if setting == "no lane menu":  # the case is what it says
+        assert [p["name"] for p in live["params"]] == ["zoom"]
+    if setting == "out of memory":
+        assert "runs out of memory" in r.problem
+
+
+def test_rows_are_written_as_altair_writes_them():
+    import pandas as pd
+    from altair.utils.data import to_values
+
+    df = pd.DataFrame(
+        {
+            "x": [1.5, float("nan"), float("inf")],
+            "n": [1, 2, 3],
+            "ok": [True, False, True],
+            "note": ["a", None, float("nan")],
+        }
+    )
+    assert records(df) == to_values(df)["values"]
+    assert records(df)[1] == {"x": None, "n": 2, "ok": False, "note": None}
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Fresh caches, and the plans each simulation path played, counted."""
+    for cache in (play.played, play.own_plan, systems.chooser_summary):
+        cache.cache_clear()
+    calls = {"traces": [], "chooser": []}
+
+    def simulate(spec, hw, plan, _simulate=play.simulate):
+        calls["traces"].append(plan)
+        return _simulate(spec, hw, plan)
+
+    def simulate_graph(graph, _simulate=systems.simulate_graph):
+        calls["chooser"].append(graph.info.get("policy"))
+        return _simulate(graph)
+
+    monkeypatch.setattr(play, "simulate", simulate)
+    monkeypatch.setattr(systems, "simulate_graph", simulate_graph)
+    return calls
+
+
+def _own_plans(r):
+    rows = r.comparison[r.comparison.planned_by == "its own rule"]
+    return [p for p in rows.policy if not rows.set_index("policy").loc[p, "chosen"]]
+
+
+def test_a_baselines_pick_is_simulated_once_by_its_chooser(counted):
+    ex = PackExplorer(**CLAIM_DOES_NOT_APPLY)
+    r = ex.compute()
+    own = _own_plans(r)
+    assert own  # the baselines on their own plans have rows
+    # their rows take the chooser's numbers: none of their picks is played again
+    assert not [p for p in counted["traces"] if p.policy in own]
+    # every other plan is played once
+    assert len(counted["traces"]) == len(set(counted["traces"]))
+    # a pick's numbers were kept when its chooser simulated it
+    rows = r.comparison.set_index("policy")
+    picked = [p for p in own if not math.isnan(rows.loc[p, "bwd_microbatch"])]
+    assert picked and systems.chooser_summary.cache_info().hits >= len(picked)
+
+
+def test_a_change_simulates_only_what_depends_on_it(counted):
+    ex = PackExplorer(**CLAIM_DOES_NOT_APPLY)
+    ex.compute()
+    rows = ex.result.comparison
+    on_the_controls = set(rows.policy[rows.planned_by == "the controls"])
+    counted["traces"].clear()
+    counted["chooser"].clear()
+    ex.pack_size.value = 3
+    ex.compute()
+    # the packs change the plans on the controls only: each played once, no chooser runs
+    assert {p.policy for p in counted["traces"]} <= on_the_controls
+    assert len(counted["traces"]) == len(set(counted["traces"])) > 0
+    assert counted["chooser"] == []
+    # another policy chosen, or the same setting again: every plan was played already
+    counted["traces"].clear()
+    ex.policy.value = "harmony-dp"
+    ex.compute()
+    ex.pack_size.value = 2
+    ex.compute()
+    assert counted["traces"] == [] and counted["chooser"] == []
