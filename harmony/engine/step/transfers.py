@@ -4,8 +4,9 @@
 copies a pack's weights to its GPU (W_IN), the minibatch (DATA_IN), stashed
 inputs and offloaded activations out and back (STASH_*, ACT_*), activations
 between GPUs (P2P), and gradients to the host (G_OUT), where they are summed
-into each parameter's ``.grad``; with the plan's ``gpu_gradients`` the sums
-stay on the GPUs (G_IN, REDUCE: see :mod:`.accumulators`).
+into each parameter's ``.grad`` (on a device that computes on host memory, the
+first is the tensor autograd made, not a copy of it); with the plan's
+``gpu_gradients`` the sums stay on the GPUs (G_IN, REDUCE: see :mod:`.accumulators`).
 """
 
 from __future__ import annotations
