@@ -178,6 +178,25 @@ def test_pooled_buffers_are_reused_only_when_no_graph_buffer_holds_them():
             assert torch.equal(a, b), case
 
 
+def test_on_the_cpu_backend_the_gradient_autograd_made_is_the_host_grad():
+    """Where the device computes on host memory, a pack's gradient becomes the host
+    parameter's ``.grad`` as autograd made it: no host gradient buffer is made and
+    nothing is copied into one, and the steps stay bitwise the plain loop's."""
+    plan = CASES["harmony-pp"][0]
+    data = batches(3)
+    reference_model = make_model()
+    opt = ADAMW(list(reference_model.parameters()))
+    expected = [
+        reference_step(list(reference_model), LOSS, opt, (x,), y, plan.fwd_microbatch, s)
+        for s, (x, y) in enumerate(data)
+    ]
+    engine = Engine(make_model(), ADAMW, LOSS, device="cpu", minibatch_size=B, plan=plan)
+    assert [engine.step(x, y) for x, y in data] == expected
+    for a, b in zip(engine.model.parameters(), reference_model.parameters()):
+        assert torch.equal(a, b)
+    assert not any(engine.host.layout.has_grad_buffer(p) for p in engine.model.parameters())
+
+
 def test_host_weights_are_flat_per_dtype_in_layer_order_and_keep_their_values():
     model = make_model()
     model[1].register_buffer("steps", torch.zeros((), dtype=torch.int64))

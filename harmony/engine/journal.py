@@ -97,8 +97,7 @@ class UpdateJournal:
                     torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors
                 ]
                 self._buffers[key] = buffers
-            for b, t in zip(buffers, tensors):
-                b.copy_(t)
+            torch._foreach_copy_(buffers, tensors)  # one call: a pack has dozens of tensors
             # partial records keep their tensors: at undo time, the state on disk is gone
             saved = ("copies", (None if params and state else tensors, buffers), scalars)
         with self._lock:

@@ -136,19 +136,20 @@ class StepMemory:
             self.store[buf] = value
 
     def finish(self, task: Task) -> None:
+        """``task`` ended: the buffers it was the last to use are dropped (one turn of
+        the lock for the task's whole bookkeeping: this runs once per task)."""
+        freed = []
         with self.lock:
             self.tasks_left -= 1
             self.others_left -= task.kind != UPD
-        for b in task.releases:
-            with self.lock:
+            for b in task.releases:
                 self.refs[b] -= 1
-                last = self.refs[b] == 0
-                if last:
+                if self.refs[b] == 0:
                     self.store.pop(b, None)
-                    n, excess = self.charged.pop(b, (0, 0.0))
-            if last:
-                self._give_back(b, n, excess)
-                self.buffer_freed(b)
+                    freed.append((b, *self.charged.pop(b, (0, 0.0))))
+        for b, n, excess in freed:
+            self._give_back(b, n, excess)
+            self.buffer_freed(b)
 
     def drop_all(self) -> list:
         """A failed step: every buffer's charge given back, its value dropped; the values."""

@@ -4,8 +4,9 @@
 copies a pack's weights to its GPU (W_IN), the minibatch (DATA_IN), stashed
 inputs and offloaded activations out and back (STASH_*, ACT_*), activations
 between GPUs (P2P), and gradients to the host (G_OUT), where they are summed
-into each parameter's ``.grad``; with the plan's ``gpu_gradients`` the sums
-stay on the GPUs (G_IN, REDUCE: see :mod:`.accumulators`).
+into each parameter's ``.grad`` (on a device that computes on host memory, the
+first is the tensor autograd made, not a copy of it); with the plan's
+``gpu_gradients`` the sums stay on the GPUs (G_IN, REDUCE: see :mod:`.accumulators`).
 """
 
 from __future__ import annotations
@@ -234,6 +235,7 @@ class Transfers:
         started = time.perf_counter()
         replicas = [self.store[b] for b in task.io["src"]]
         sums = []  # (host parameter, gradient on the device)
+        adopt = []  # (leaf, host parameter): see _adoptable
         for i in layer_shard((s, e), r, k):
             for name in replicas[0][i]:
                 grads = [rep[i][name].grad for rep in replicas if rep[i][name].grad is not None]
@@ -242,14 +244,22 @@ class Transfers:
                 g = grads[0]
                 for other in grads[1:]:  # the replicas' sum, formed in GPU order
                     g = g + other.to(g.device, non_blocking=True)
-                sums.append((self.ctx.host.params[i][name], g))
+                host = self.ctx.host.params[i][name]
+                if len(replicas) == 1 and self._adoptable(task, host, g):
+                    adopt.append((replicas[0][i][name], host))
+                sums.append((host, g))
         # Several GPUs may send gradients of the same parameters at once (each its
         # microbatches' share): whether a gradient is the step's first or is added,
         # and the write itself, happen under one lock, copies complete.
         replace = self.accumulators is not None
         with self.grads_lock:
+            for leaf, host in adopt:
+                if host.grad is None:
+                    host.grad, leaf.grad = leaf.grad, None  # the leaf goes with the buffer
             first, more = [], []
             for host, g in sums:
+                if host.grad is g:
+                    continue
                 if host.grad is None or replace:
                     if host.grad is None:  # memory kept from step to step (float32 under
                         host.grad = self.gradient_buffer(host)  # mixed precision)
@@ -262,6 +272,23 @@ class Transfers:
                     src = self.to_host(self.backends[task.device], [src], non_blocking=False)[0]
                 dst.add_(src)
         self._moved(task, sum(g.numel() * g.element_size() for _, g in sums), started)
+
+    def _adoptable(self, task: Task, host: torch.Tensor, g: torch.Tensor) -> bool:
+        """Whether the gradient ``g`` of host parameter ``host`` can become its ``.grad``
+        as it is, where it would otherwise be copied into a host buffer: on a device
+        that computes on host memory (autograd made ``g`` there, for this step alone),
+        in the parameter's dtype and shape, summed on the host (no running sum on a
+        GPU) and not into a gradient slot (whose buffers the step shares out). The
+        copy would cost a pass over the pack's gradients every step."""
+        slots = self.ctx.gradient_slots
+        return (
+            not self.backends[task.device].copies
+            and self.accumulators is None
+            and g.device == host.device
+            and g.dtype == host.dtype
+            and g.shape == host.shape
+            and (slots is None or not slots.holds(host))
+        )
 
     def tied_out(self, task: Task) -> None:
         """One microbatch's gradient of the parameters a pack shares with other
