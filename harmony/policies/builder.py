@@ -47,6 +47,7 @@ builder records each backward group and the policy finishes it off.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..costs.hardware import Hardware
@@ -379,24 +380,32 @@ class GraphBuilder(ActivationFlow):
         duration, work = self._compute_cost(kind, s, e, b - a)
         if self.hw.overhead_per == "task" or opens_group:
             duration += self.hw.task_overhead_s
-        t = self._add(
-            Task(
-                len(self.tasks),
-                kind,
-                f"{dev}.compute",
-                dev,
-                seq,
-                sorted(set(deps)),
-                duration=duration,
-                model=self.model,
-                pack=op.pack,
-                layers=op.layers,
-                microbatch=op.microbatch,
-                samples=op.samples,
-                io=io,
-                what=f"{kind} layers {s}..{e - 1} samples {a}..{b - 1}",
-            )
+        tasks = self.tasks
+        # every field given in order (see base.GraphBase.transfer)
+        t = Task(
+            len(tasks),
+            kind,
+            self._compute_lane[op.gpu],
+            dev,
+            seq,
+            sorted(set(deps)),
+            duration,
+            0.0,
+            (),
+            math.inf,
+            self.model,
+            op.pack,
+            op.layers,
+            op.microbatch,
+            op.samples,
+            f"{kind} layers {s}..{e - 1} samples {a}..{b - 1}",
+            None,
+            io,
+            [],
+            [],
+            (),
         )
+        tasks.append(t)
         if work is not None:
             t.allocs.append(self.buffer(dev, work, f"working memory {kind} {op.layers}"))
             io["work"] = t.allocs[-1]
