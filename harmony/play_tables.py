@@ -38,7 +38,7 @@ class Tables:
         for tid, ds in enumerate(deps):
             for d in ds:
                 dependents[d].append(tid)
-        self.allocs = allocs = [t.allocs for t in tasks]
+        self.allocs = [t.allocs for t in tasks]
         self.releases = [t.releases for t in tasks]
         devices = list(graph.memory_capacity)
         devices += sorted({b.device for b in buffers} - set(devices))
@@ -48,50 +48,43 @@ class Tables:
         self.buffer_bytes = [b.nbytes for b in buffers]
         self.refs = [b.refs for b in buffers]
         self._ends(graph, kinds)
-        self._room(graph, kinds, allocs)
 
     def _ends(self, graph: TaskGraph, kinds: list[str]) -> None:
-        """How each task ends, its duration or bytes, and the route a transfer with
-        bytes takes (links, rate cap, costs: what its fair rate depends on)."""
-        n = len(kinds)
+        """How each task ends and its duration or bytes; for a transfer with bytes,
+        its route (links, rate cap, costs: what its fair rate depends on); for a copy
+        that allocates on a device with a capacity, what it needs there: (device,
+        bytes, capacity) per such device, in the order of its buffers."""
+        tasks, n = graph.tasks, len(kinds)
         self.mode = mode = [AT_ONCE] * n
         self.amount = amount = [0.0] * n
         self.route = route = [-1] * n
+        self.room: list[list[tuple[int, float, float]] | None] = [None] * n
         self.routes: list[tuple] = []
         route_no: dict[tuple, int] = {}
-        tasks = graph.tasks
+        # the devices with a capacity come first in self.devices
+        limits = [c * (1 + 1e-12) for c in graph.memory_capacity.values()]
+        buffer_device, buffer_bytes = self.buffer_device, self.buffer_bytes
         for tid, kind in enumerate(kinds):
-            if kind in TRANSFER_KINDS:
-                t = tasks[tid]
-                if t.nbytes > 0:
-                    mode[tid], amount[tid] = MOVES, t.nbytes
-                    links, max_rate, costs = t.links, t.max_rate, t.costs
-                    # Task.link_costs: a cost of 1 on each link when it names none
-                    key = (links, max_rate, costs or (1.0,) * len(links))
-                    no = route_no.get(key)
-                    if no is None:
-                        no = route_no[key] = len(self.routes)
-                        self.routes.append(key)
-                    route[tid] = no
-            elif tasks[tid].duration > 0:
-                mode[tid], amount[tid] = COMPUTES, tasks[tid].duration
-
-    def _room(self, graph: TaskGraph, kinds: list[str], allocs: list[list[int]]) -> None:
-        """For a copy that allocates on a device with a capacity, what it needs
-        there: (device, bytes, capacity) per such device, in the order of its
-        buffers."""
-        capacity, buffers = graph.memory_capacity, graph.buffers
-        dev_no = {d: i for i, d in enumerate(self.devices)}
-        self.room: list[list[tuple[int, float, float]] | None] = [None] * len(kinds)
-        for tid, kind in enumerate(kinds):
-            if not allocs[tid] or kind not in TRANSFER_KINDS:
+            t = tasks[tid]
+            if kind not in TRANSFER_KINDS:
+                if t.duration > 0:
+                    mode[tid], amount[tid] = COMPUTES, t.duration
                 continue
-            need: dict[str, float] = {}
-            for b in allocs[tid]:
-                buf = buffers[b]
-                if buf.device in capacity and buf.nbytes > 0:
-                    need[buf.device] = need.get(buf.device, 0.0) + buf.nbytes
-            if need:
-                self.room[tid] = [
-                    (dev_no[d], nbytes, capacity[d] * (1 + 1e-12)) for d, nbytes in need.items()
-                ]
+            if t.nbytes > 0:
+                mode[tid], amount[tid] = MOVES, t.nbytes
+                links, costs = t.links, t.costs
+                # Task.link_costs: a cost of 1 on each link when it names none
+                key = (links, t.max_rate, costs or (1.0,) * len(links))
+                no = route_no.get(key)
+                if no is None:
+                    no = route_no[key] = len(self.routes)
+                    self.routes.append(key)
+                route[tid] = no
+            if t.allocs:
+                need: dict[int, float] = {}
+                for b in t.allocs:
+                    device = buffer_device[b]
+                    if device < len(limits) and buffer_bytes[b] > 0:
+                        need[device] = need.get(device, 0.0) + buffer_bytes[b]
+                if need:
+                    self.room[tid] = [(d, nbytes, limits[d]) for d, nbytes in need.items()]

@@ -78,8 +78,9 @@ class GraphBase:
     def release_all(self, task: Task, buffers: list[int]) -> None:
         """:meth:`release` of each of ``buffers``, in order."""
         task.releases += buffers
+        all_buffers = self.buffers
         for b in buffers:
-            self.buffers[b].refs += 1
+            all_buffers[b].refs += 1
 
     def _add(self, task: Task) -> Task:
         self.tasks.append(task)
