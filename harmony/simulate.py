@@ -136,6 +136,7 @@ class _Player:
         self.start = [math.nan] * n
         self.end = [math.nan] * n
         self.waiting = waiting = tab.waiting
+        self.allocs, self.mode, self.amount = tab.allocs, tab.mode, tab.amount
         self.refs = tab.refs
         n_lanes = len(tab.lane_names)
         # in-order lanes: their tasks by seq and the next one; the others: heaps of
@@ -210,15 +211,15 @@ class _Player:
     def begin(self, lane: int, tid: int) -> None:
         self.busy[lane] = True
         self.start[tid] = now = self.now
-        tab = self.tab
-        if tab.allocs[tid]:
-            self.charge(tab.allocs[tid], True)
-        mode = tab.mode[tid]
+        allocs = self.allocs[tid]
+        if allocs:
+            self.charge(allocs, True)
+        mode = self.mode[tid]
         if mode == MOVES:
-            self.moving[tid] = tab.amount[tid]
+            self.moving[tid] = self.amount[tid]
             self.rates_stale = True
         elif mode == COMPUTES:
-            heapq.heappush(self.computing, (now + tab.amount[tid], tid))
+            heapq.heappush(self.computing, (now + self.amount[tid], tid))
         else:
             self.finish([tid])
 
@@ -252,8 +253,13 @@ class _Player:
             lane = lane_of[tid]
             busy[lane] = False
             heap = ready[lane]
-            if heap if heap is not None else self.head_ready(lane):
-                to_check.add(lane)
+            if heap is not None:
+                if heap:
+                    to_check.add(lane)
+            else:  # an in-order lane: whether its next task may start
+                at = head[lane]
+                if at < len(queue[lane]) and not waiting[queue[lane][at]]:
+                    to_check.add(lane)
             for d in dependents[tid]:
                 waiting[d] -= 1
                 if waiting[d] == 0:
@@ -267,11 +273,6 @@ class _Player:
                             to_check.add(dl)
                     elif not busy[dl] and queue[dl][head[dl]] == d:
                         to_check.add(dl)
-
-    def head_ready(self, lane: int) -> bool:
-        """Whether the next task of in-order ``lane`` may start (its dependencies ended)."""
-        ids, at = self.queue[lane], self.head[lane]
-        return at < len(ids) and not self.waiting[ids[at]]
 
     def start_what_can(self) -> None:
         """Start what can start now, the most urgent lane first."""
