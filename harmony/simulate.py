@@ -23,14 +23,13 @@ wait is played exactly as without the rule.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 from .errors import DeadlockError
+from .gc_pause import gc_paused
 from .graph import TaskGraph
 from .play_tables import COMPUTES, MOVES, Tables
 from .trace import Trace
@@ -100,23 +99,6 @@ def play(graph: TaskGraph) -> Played:
     """Play ``graph``: when each task starts and ends and what memory it takes."""
     with gc_paused():
         return _Player(graph).run()
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Within it, Python's cyclic garbage collector does not run. Building and
-    playing a graph make tens of thousands of lists and tuples, and each round of
-    the collector then walks every object the process holds (torch's included):
-    in a search that was a good part of the time. What they make has no cycles,
-    so reference counting frees it all the same."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 _NEVER = (math.inf,)  # the urgency of a lane with nothing to start
