@@ -26,7 +26,7 @@ class Op:
     """One compute task the policy wants: ``kind`` of pack ``pack`` on ``samples``.
     Not frozen, though nothing changes one once made: a plan has hundreds of ops, made
     for its graph and for its compute bound, and a frozen dataclass sets each field
-    through ``object.__setattr__``, which made an op some ten times slower to make."""
+    through ``object.__setattr__``, which made an op many times slower to make."""
 
     kind: str  # FWD, BWD or FWDBWD
     gpu: int
