@@ -1,4 +1,4 @@
-"""Building one plan's task graph, and simulating it (build, play, summary), with
+"""Building one plan's task graph, playing it, and simulating it (build, play, summary), with
 this code and with an older one, side by side in one process: GPT-2 XL on the
 paper's 4-GPU server, the search's best plan at minibatch 64 (harmony-dp x4
 uF=4 uB=2 packs F4/B17). ``--before``: a folder holding the older ``harmony``
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import harmony
 from harmony.policies import build_graph
-from harmony.simulate import simulate_graph
+from harmony.simulate import play, simulate_graph
 
 
 def load_before(folder: str):
@@ -48,26 +48,32 @@ def main() -> None:
             old.Plan.from_dict(plan.to_dict()),
             importlib.import_module("harmony_before.policies").build_graph,
             importlib.import_module("harmony_before.simulate").simulate_graph,
+            importlib.import_module("harmony_before.simulate").play,
         ),
-        "after": (spec, hw, plan, build_graph, simulate_graph),
+        "after": (spec, hw, plan, build_graph, simulate_graph, play),
     }
     if args.no_gc:
         gc.disable()
-    cpu = {(v, step): [] for v in variants for step in ("build", "build+play+summary")}
+    steps = ("build", "play", "build+play+summary")
+    cpu = {(v, step): [] for v in variants for step in steps}
     for _ in range(args.rounds):
-        for v, (s, h, p, build, simulate) in variants.items():
+        for v, (s, h, p, build, simulate, play_) in variants.items():
             c0 = time.process_time()
-            build(s, h, p)
+            graph = build(s, h, p)
             c1 = time.process_time()
-            simulate(build(s, h, p)).summary
+            play_(graph)
             c2 = time.process_time()
+            simulate(build(s, h, p)).summary
+            c3 = time.process_time()
             cpu[v, "build"].append(c1 - c0)
-            cpu[v, "build+play+summary"].append(c2 - c1)
+            cpu[v, "play"].append(c2 - c1)
+            cpu[v, "build+play+summary"].append(c3 - c2)
+            del graph
     print(
         f"{plan.describe()}, CPU ms, median of {args.rounds} interleaved rounds, "
         f"GC {'paused' if args.no_gc else 'on'}"
     )
-    for step in ("build", "build+play+summary"):
+    for step in steps:
         before, after = (1e3 * statistics.median(cpu[v, step]) for v in ("before", "after"))
         print(f"{step}: before {before:.1f}, after {after:.1f}, after/before {after / before:.2f}")
 

@@ -1,11 +1,13 @@
 """How long the planner takes: GPT-2 XL on the paper's 4-GPU server at
 minibatch 64 (the explorer needs it in at most 5 s with 2 workers). Prints the
-wall time, the number of candidate plans simulated, and the time per plan,
+wall time, the CPU time (of this process, and of the worker processes), the
+number of candidate plans simulated, and the time per plan,
 with the worker processes the machine offers and with one, simulating every
 candidate and pruning those that cannot reach the top (``search(prune=True)``;
 the top plans and their times are the same); then the time to simulate the best
 plan alone (build its graph, play it: what a control of the explorer costs), wall
-and CPU time, median of ``--repeats``.
+and CPU time, median of ``--repeats``. (``bench/search_versions.py`` and
+``bench/build_speed.py`` compare these with an older version of the code.)
 
     python bench/search_speed.py [--repeats 3] [--workers auto,1] [--prune off,on]
 """
@@ -15,20 +17,22 @@ import os
 import statistics
 import time
 
+from search_versions import cpu_seconds
+
 import harmony
 from harmony.policies import build_graph
 from harmony.simulate import play, simulate_graph
 
 
 def timed(spec, hw, workers, repeats, prune):
-    """Median wall and CPU seconds of the search (the CPU time of this process only:
-    with workers, theirs is not in it), and its DataFrame."""
+    """Median wall and CPU seconds of the search (the CPU time of this process and
+    of its worker processes together), and its DataFrame."""
     times, cpu, df = [], [], None
     for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         df = harmony.search(spec, hw, 64, workers=workers, prune=prune)
         times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+        cpu.append(cpu_seconds() - c0)
     return statistics.median(times), statistics.median(cpu), df
 
 
@@ -74,7 +78,7 @@ def main() -> None:
             n = df.attrs["simulated"]
             print(
                 f"workers={workers or 'auto'} prune={'on' if prune else 'off'}: search {t:.2f} s "
-                f"(median of {args.repeats}; CPU of this process {cpu:.2f} s), {n} plans "
+                f"(median of {args.repeats}; CPU {cpu:.2f} s, the workers' too), {n} plans "
                 f"simulated ({df.attrs.get('pruned', 0)} pruned), {1e3 * t / n:.1f} ms per plan, "
                 f"{len(df)} fit; best: "
                 f"{df.iloc[0].plan.describe()} {df.iloc[0].iteration_s:.2f} s/iter"

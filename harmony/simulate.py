@@ -23,15 +23,15 @@ wait is played exactly as without the rule.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 from .errors import DeadlockError
-from .graph import TRANSFER_KINDS, TaskGraph
+from .gc_pause import gc_paused
+from .graph import TaskGraph
+from .play_tables import COMPUTES, MOVES, Tables
 from .trace import Trace
 
 _EPS = 1e-12
@@ -101,124 +101,42 @@ def play(graph: TaskGraph) -> Played:
         return _Player(graph).run()
 
 
-@contextlib.contextmanager
-def gc_paused():
-    """Within it, Python's cyclic garbage collector does not run. Building and
-    playing a graph make tens of thousands of lists and tuples, and each round of
-    the collector then walks every object the process holds (torch's included):
-    in a search that was a good part of the time. What they make has no cycles,
-    so reference counting frees it all the same."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-#: how a task ends once started: after its duration (compute), when its bytes have
-#: moved (a transfer with bytes), or at once
-_COMPUTES, _MOVES, _AT_ONCE = 0, 1, 2
 _NEVER = (math.inf,)  # the urgency of a lane with nothing to start
-
-
-class _Tables:
-    """The graph as flat lists the player indexes by task, lane, buffer and device:
-    read once per play, so that the event loop touches no Task or Buffer."""
-
-    def __init__(self, graph: TaskGraph) -> None:
-        tasks, buffers = graph.tasks, graph.buffers
-        n = len(tasks)
-        lane_names = sorted({t.lane for t in tasks})  # lanes tie by name
-        lane_no = {name: i for i, name in enumerate(lane_names)}
-        self.lane_names = lane_names
-        self.lane_of = [lane_no[t.lane] for t in tasks]
-        self.seq = [t.seq for t in tasks]
-        self.waiting = [len(t.deps) for t in tasks]
-        self.dependents: list[list[int]] = [[] for _ in range(n)]
-        dependents = self.dependents
-        for t in tasks:
-            for d in t.deps:
-                dependents[d].append(t.id)
-        self.allocs = [t.allocs for t in tasks]
-        self.releases = [t.releases for t in tasks]
-        devices = list(graph.memory_capacity)
-        devices += sorted({b.device for b in buffers} - set(devices))
-        self.devices = devices
-        dev_no = {d: i for i, d in enumerate(devices)}
-        self.buffer_device = [dev_no[b.device] for b in buffers]
-        self.buffer_bytes = [b.nbytes for b in buffers]
-        self.refs = [b.refs for b in buffers]
-        self._transfers(graph, dev_no)
-
-    def _transfers(self, graph: TaskGraph, dev_no: dict[str, int]) -> None:
-        """How each task ends, its duration or bytes, the kind of route it takes
-        (links, rate cap, costs: what its fair rate depends on), and, for a copy
-        that allocates on a device with a capacity, the room it needs there."""
-        capacity, buffers = graph.memory_capacity, graph.buffers
-        n = len(graph.tasks)
-        self.mode = [_AT_ONCE] * n
-        self.amount = [0.0] * n
-        self.route = [-1] * n
-        self.room: list[list[tuple[int, float, float]] | None] = [None] * n
-        self.routes: list[tuple] = []
-        route_no: dict[tuple, int] = {}
-        for t in graph.tasks:
-            tid = t.id
-            if t.kind in TRANSFER_KINDS:
-                if t.nbytes > 0:
-                    self.mode[tid], self.amount[tid] = _MOVES, t.nbytes
-                    key = (t.links, t.max_rate, t.link_costs())
-                    if key not in route_no:
-                        route_no[key] = len(self.routes)
-                        self.routes.append(key)
-                    self.route[tid] = route_no[key]
-                need: dict[str, float] = {}
-                for b in t.allocs:
-                    buf = buffers[b]
-                    if buf.device in capacity and buf.nbytes > 0:
-                        need[buf.device] = need.get(buf.device, 0.0) + buf.nbytes
-                if need:
-                    self.room[tid] = [
-                        (dev_no[d], nbytes, capacity[d] * (1 + 1e-12))
-                        for d, nbytes in need.items()
-                    ]
-            elif t.duration > 0:
-                self.mode[tid], self.amount[tid] = _COMPUTES, t.duration
 
 
 class _Player:
     """The state of one :func:`play`: the lanes' queues, the memory ledger, what
     computes and what moves, and the clock. Lanes, devices and routes are numbers
-    (:class:`_Tables`); a lane's urgency (the seq of the task it would start next,
-    then its number: lanes tie by name) is kept up to date as its queue changes."""
+    (:class:`~harmony.play_tables.Tables`); a lane's urgency (the seq of the task it
+    would start next, then its number: lanes tie by name) is kept up to date as its
+    queue changes."""
 
     def __init__(self, graph: TaskGraph) -> None:
         self.graph = graph
-        tab = self.tab = _Tables(graph)
+        tab = self.tab = Tables(graph)
         n = self.n = len(graph.tasks)
         self.start = [math.nan] * n
         self.end = [math.nan] * n
-        self.waiting = tab.waiting
+        self.waiting = waiting = tab.waiting
+        self.allocs, self.mode, self.amount = tab.allocs, tab.mode, tab.amount
         self.refs = tab.refs
         n_lanes = len(tab.lane_names)
-        in_order = graph.in_order_lanes()
         # in-order lanes: their tasks by seq and the next one; the others: heaps of
-        # (seq, task) of their ready tasks
+        # (seq, task) of their ready tasks. Each lane's tasks by seq, ties by id (a
+        # stable sort of a list in id order)
         self.queue: list[list[int]] = [[] for _ in range(n_lanes)]
-        for tid in sorted(range(n), key=tab.seq.__getitem__):
-            self.queue[tab.lane_of[tid]].append(tid)
+        for tid, lane in enumerate(tab.lane_of):
+            self.queue[lane].append(tid)
+        seq = tab.seq
         self.head = [0] * n_lanes
         self.ready: list[list | None] = [None] * n_lanes
         self.urgency: list[tuple] = [(_NEVER, lane) for lane in range(n_lanes)]
-        for lane, name in enumerate(tab.lane_names):
-            ids = self.queue[lane]
-            if name in in_order:
-                self.urgency[lane] = (tab.seq[ids[0]], lane)
+        for lane, ids in enumerate(self.queue):
+            ids.sort(key=seq.__getitem__)
+            if lane in tab.in_order:
+                self.urgency[lane] = (seq[ids[0]], lane)
             else:
-                heap = self.ready[lane] = [(tab.seq[i], i) for i in ids if not self.waiting[i]]
+                heap = self.ready[lane] = [(seq[i], i) for i in ids if not waiting[i]]
                 heapq.heapify(heap)
                 if heap:
                     self.urgency[lane] = (heap[0][0], lane)
@@ -251,81 +169,92 @@ class _Player:
                 self.advance()
         return Played(self.start, self.end, self.peak, self.memory, self.order)
 
-    def charge(self, device: int, delta: float) -> None:
-        in_use = self.in_use
-        used = in_use[device] = in_use[device] + delta
-        steps = self.steps[device]
-        if steps is None:
-            name = self.tab.devices[device]
-            steps = self.steps[device] = self.memory[name] = []
-            self.order[name] = self.orders[device]
-        steps.append((self.now, used))
-        if used > self.peak_of[device]:
-            self.peak_of[device] = self.peak[self.tab.devices[device]] = used
+    def charge(self, buffers: list[int], allocated: bool) -> None:
+        """Charge (``allocated``) or credit each of ``buffers`` to its device, in order."""
+        tab, now = self.tab, self.now
+        in_use, steps_of, orders, peak_of = self.in_use, self.steps, self.orders, self.peak_of
+        buffer_device, buffer_bytes = tab.buffer_device, tab.buffer_bytes
+        for b in buffers:
+            device = buffer_device[b]
+            if allocated:
+                used = in_use[device] = in_use[device] + buffer_bytes[b]
+            else:
+                used = in_use[device] = in_use[device] + -buffer_bytes[b]
+            steps = steps_of[device]
+            if steps is None:
+                name = tab.devices[device]
+                steps = steps_of[device] = self.memory[name] = []
+                self.order[name] = orders[device]
+            steps.append((now, used))
+            orders[device].append((b, allocated))
+            if used > peak_of[device]:
+                peak_of[device] = self.peak[tab.devices[device]] = used
 
     def begin(self, lane: int, tid: int) -> None:
         self.busy[lane] = True
         self.start[tid] = now = self.now
-        allocs = self.tab.allocs[tid]
+        allocs = self.allocs[tid]
         if allocs:
-            tab, charge, orders = self.tab, self.charge, self.orders
-            buffer_device, buffer_bytes = tab.buffer_device, tab.buffer_bytes
-            for b in allocs:
-                device = buffer_device[b]
-                charge(device, buffer_bytes[b])
-                orders[device].append((b, True))
-        mode = self.tab.mode[tid]
-        if mode == _MOVES:
-            self.moving[tid] = self.tab.amount[tid]
+            self.charge(allocs, True)
+        mode = self.mode[tid]
+        if mode == MOVES:
+            self.moving[tid] = self.amount[tid]
             self.rates_stale = True
-        elif mode == _COMPUTES:
-            heapq.heappush(self.computing, (now + self.tab.amount[tid], tid))
+        elif mode == COMPUTES:
+            heapq.heappush(self.computing, (now + self.amount[tid], tid))
         else:
-            self.finish(tid)
+            self.finish([tid])
 
-    def finish(self, tid: int) -> None:
-        self.end[tid] = self.now
-        self.done += 1
-        tab, to_check = self.tab, self.to_check
-        releases = tab.releases[tid]
-        if releases:
-            refs, charge, orders = self.refs, self.charge, self.orders
-            buffer_device, buffer_bytes = tab.buffer_device, tab.buffer_bytes
-            for b in releases:
-                refs[b] -= 1
-                if refs[b] == 0:
-                    device = buffer_device[b]
-                    charge(device, -buffer_bytes[b])
-                    orders[device].append((b, False))
-                    if device in self.waits_on:
-                        to_check.update(self.waits_on.pop(device))
-        # Only lanes that may start something are checked (the others would be passed
-        # over): a free lane whose next task is ready, or one with a copy waiting for room.
+    def finish(self, ended: list[int]) -> None:
+        """End the tasks ``ended``, in order: free what they release, and mark the lanes
+        that may start something now."""
+        tab, to_check, end, now = self.tab, self.to_check, self.end, self.now
+        refs, waits_on, all_releases = self.refs, self.waits_on, tab.releases
         lane_of, busy, waiting, ready = tab.lane_of, self.busy, self.waiting, self.ready
-        lane = lane_of[tid]
-        busy[lane] = False
-        heap = ready[lane]
-        if heap if heap is not None else self.head_ready(lane):
-            to_check.add(lane)
         seq, urgency, queue, head = tab.seq, self.urgency, self.queue, self.head
-        for d in tab.dependents[tid]:
-            waiting[d] -= 1
-            if waiting[d] == 0:
-                dl = lane_of[d]
-                heap = ready[dl]
-                if heap is not None:
-                    heapq.heappush(heap, (seq[d], d))
-                    if heap[0][1] == d:
-                        urgency[dl] = (seq[d], dl)
-                    if not busy[dl]:
+        dependents, buffer_device = tab.dependents, tab.buffer_device
+        for tid in ended:
+            end[tid] = now
+            self.done += 1
+            releases = all_releases[tid]
+            if releases:
+                freed = []
+                for b in releases:
+                    refs[b] -= 1
+                    if refs[b] == 0:
+                        freed.append(b)
+                if freed:
+                    self.charge(freed, False)
+                    if waits_on:
+                        for b in freed:
+                            if buffer_device[b] in waits_on:
+                                to_check.update(waits_on.pop(buffer_device[b]))
+            # Only lanes that may start something are checked (the others would be passed
+            # over): a free lane whose next task is ready, or one with a copy waiting for
+            # room.
+            lane = lane_of[tid]
+            busy[lane] = False
+            heap = ready[lane]
+            if heap is not None:
+                if heap:
+                    to_check.add(lane)
+            else:  # an in-order lane: whether its next task may start
+                at = head[lane]
+                if at < len(queue[lane]) and not waiting[queue[lane][at]]:
+                    to_check.add(lane)
+            for d in dependents[tid]:
+                waiting[d] -= 1
+                if waiting[d] == 0:
+                    dl = lane_of[d]
+                    heap = ready[dl]
+                    if heap is not None:
+                        heapq.heappush(heap, (seq[d], d))
+                        if heap[0][1] == d:
+                            urgency[dl] = (seq[d], dl)
+                        if not busy[dl]:
+                            to_check.add(dl)
+                    elif not busy[dl] and queue[dl][head[dl]] == d:
                         to_check.add(dl)
-                elif not busy[dl] and queue[dl][head[dl]] == d:
-                    to_check.add(dl)
-
-    def head_ready(self, lane: int) -> bool:
-        """Whether the next task of in-order ``lane`` may start (its dependencies ended)."""
-        ids, at = self.queue[lane], self.head[lane]
-        return at < len(ids) and not self.waiting[ids[at]]
 
     def start_what_can(self) -> None:
         """Start what can start now, the most urgent lane first."""
@@ -426,8 +355,7 @@ class _Player:
         by = now + _EPS
         while computing and computing[0][0] <= by:
             ended.append(heapq.heappop(computing)[1])
-        for tid in ended:
-            self.finish(tid)
+        self.finish(ended)
 
 
 def _deadlock(graph: TaskGraph, start: list[float], end: list[float]) -> DeadlockError:

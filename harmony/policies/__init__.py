@@ -16,6 +16,7 @@ from ..costs.hardware import Hardware
 from ..costs.placement import Placement
 from ..costs.spec import ModelSpec
 from ..errors import HarmonyError
+from ..gc_pause import gc_paused
 from ..graph import TaskGraph
 from ..plan import Plan
 from . import (
@@ -91,7 +92,8 @@ def build_graph(spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0) -> Ta
     policy = get_policy(plan.policy)
     plan.validate(len(spec))
     check_options(plan)
-    return policy.build(spec_for(spec, plan), hw, plan, model)
+    with gc_paused():  # as a play is (harmony.gc_pause): the graph's objects make no cycles
+        return policy.build(spec_for(spec, plan), hw, plan, model)
 
 
 def compute_lower_bound(spec: ModelSpec, hw: Hardware, plan: Plan) -> float | None:

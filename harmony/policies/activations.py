@@ -144,13 +144,15 @@ class ActivationFlow(GraphBase):
         values = self._overlapping(key, samples)
         covered = 0
         devices = set()
+        deps = []
         for v in values:
             va, vb = v.samples
             covered += (vb if vb < b else b) - (va if va > a else a)
             devices.add(v.device)
+            if v.task is not None:
+                deps.append(v.task)
         if covered != b - a:
             raise AssertionError(f"{key} for samples {samples} not produced before {op}")
-        deps = [v.task for v in values if v.task is not None]
         if not values or devices == {dev}:
             return deps, [v.buffer for v in values]
         if devices == {HOST}:

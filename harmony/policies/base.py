@@ -21,9 +21,12 @@ HOST = "host"
 SEQ_ROOM = 4
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Op:
-    """One compute task the policy wants: ``kind`` of pack ``pack`` on ``samples``."""
+    """One compute task the policy wants: ``kind`` of pack ``pack`` on ``samples``.
+    Not frozen, though nothing changes one once made: a plan has hundreds of ops, made
+    for its graph and for its compute bound, and a frozen dataclass sets each field
+    through ``object.__setattr__``, which made an op many times slower to make."""
 
     kind: str  # FWD, BWD or FWDBWD
     gpu: int
@@ -60,6 +63,7 @@ class GraphBase:
         # per GPU, the names and routes every transfer of it uses: made once, not per task
         gpus = range(hw.n_gpus)
         self._dev = [f"gpu{g}" for g in gpus]
+        self._compute_lane = [f"gpu{g}.compute" for g in gpus]
         self._h2d = [(f"gpu{g}.h2d", f"switch{hw.switch_of(g)}.down") for g in gpus]
         self._d2h = [(f"gpu{g}.d2h", f"switch{hw.switch_of(g)}.up") for g in gpus]
 
@@ -77,8 +81,9 @@ class GraphBase:
     def release_all(self, task: Task, buffers: list[int]) -> None:
         """:meth:`release` of each of ``buffers``, in order."""
         task.releases += buffers
+        all_buffers = self.buffers
         for b in buffers:
-            self.buffers[b].refs += 1
+            all_buffers[b].refs += 1
 
     def _add(self, task: Task) -> Task:
         self.tasks.append(task)
@@ -111,36 +116,52 @@ class GraphBase:
         seq: tuple[int, int, int] | None = None,
         data: Payload = None,
         src: list[int] | None = None,
-        **meta,
+        pack: int = -1,
+        layers: tuple[int, int] = (0, 0),
+        microbatch: int = -1,
+        samples: tuple[int, int] = (0, 0),
+        costs: tuple[float, ...] = (),
     ) -> Task:
         """A transfer of ``data``; it reads buffers ``src`` (and releases them) and,
         with ``alloc_on``, writes a new buffer there (``io["dst"]``). ``seq``: its
-        priority, where it is not :meth:`_next_seq`'s."""
+        priority, where it is not :meth:`_next_seq`'s. The other keywords are the
+        :class:`Task`'s fields."""
         deps = sorted(set(deps)) if len(deps) > 1 else list(deps)
-        t = self._add(
-            Task(
-                len(self.tasks),
-                kind,
-                lane,
-                device,
-                self._next_seq(deps, for_op) if seq is None else seq,
-                deps,
-                nbytes=float(nbytes),
-                links=route,
-                max_rate=max_rate,
-                model=self.model,
-                what=what,
-                data=data,
-                **meta,
-            )
+        tasks = self.tasks
+        # every field given in order: a graph has thousands of tasks
+        t = Task(
+            len(tasks),
+            kind,
+            lane,
+            device,
+            self._next_seq(deps, for_op) if seq is None else seq,
+            deps,
+            0.0,
+            float(nbytes),
+            route,
+            max_rate,
+            self.model,
+            pack,
+            layers,
+            microbatch,
+            samples,
+            what,
+            data,
+            {},
+            [],
+            [],
+            costs,
         )
+        tasks.append(t)
         if src:
             t.io["src"] = list(src)
             self.release_all(t, src)
         if alloc_on is not None:
             samples = data.samples if isinstance(data, (Batch, Activation)) else (0, 0)
-            dst = t.io["dst"] = self.buffer(alloc_on, nbytes, what, samples)
-            t.allocs.append(dst)
+            n = len(self.buffers)
+            self.buffers.append(Buffer(n, alloc_on, float(nbytes), what, 0, samples))
+            t.io["dst"] = n
+            t.allocs.append(n)
         return t
 
     # ---- routes ----------------------------------------------------------------

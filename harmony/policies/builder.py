@@ -47,6 +47,7 @@ builder records each backward group and the policy finishes it off.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..costs.hardware import Hardware
@@ -199,7 +200,8 @@ class GraphBuilder(ActivationFlow):
         io: dict = {"weights": self.tasks[group.w_task].io["weights"]}
         if group.bwd is not None:
             io["grads"] = group.bwd.grad_buffer
-        self._inputs(op, k, deps, local, io)
+        if op.kind == FWD or op.kind == FWDBWD:
+            self._inputs(op, k, deps, local, io)
         input_buffers = list(local)
         if op.kind == FWDBWD:
             y = self._batch_in(
@@ -259,8 +261,6 @@ class GraphBuilder(ActivationFlow):
     def _inputs(self, op: Op, k: int, deps: list[int], local: list[int], io: dict) -> None:
         """A forward op's input: the minibatch's from host memory, or the activations
         that reach its first layer."""
-        if op.kind != FWD and op.kind != FWDBWD:
-            return
         s, n = op.layers[0], op.samples[1] - op.samples[0]
         if s == 0:
             x = self._batch_in(op, k, "inputs", self.spec.input_bytes(0, n))
@@ -376,39 +376,44 @@ class GraphBuilder(ActivationFlow):
         s, e = op.layers
         a, b = op.samples
         dev = self._dev[op.gpu]
-        duration, work = self._compute_cost(kind, s, e, b - a)
+        # microbatches repeat: each cost is worked out once (compute_time.compute_cost)
+        key = (kind, s, e, b - a)
+        cost = self._costs.get(key)
+        if cost is None:
+            cost = self._costs[key] = compute_cost(self.spec, self.hw.gpu_flops, kind, s, e, b - a)
+        duration, work = cost
         if self.hw.overhead_per == "task" or opens_group:
             duration += self.hw.task_overhead_s
-        t = self._add(
-            Task(
-                len(self.tasks),
-                kind,
-                f"{dev}.compute",
-                dev,
-                seq,
-                sorted(set(deps)),
-                duration=duration,
-                model=self.model,
-                pack=op.pack,
-                layers=op.layers,
-                microbatch=op.microbatch,
-                samples=op.samples,
-                io=io,
-                what=f"{kind} layers {s}..{e - 1} samples {a}..{b - 1}",
-            )
+        tasks = self.tasks
+        # every field given in order (see base.GraphBase.transfer)
+        t = Task(
+            len(tasks),
+            kind,
+            self._compute_lane[op.gpu],
+            dev,
+            seq,
+            sorted(set(deps)),
+            duration,
+            0.0,
+            (),
+            math.inf,
+            self.model,
+            op.pack,
+            op.layers,
+            op.microbatch,
+            op.samples,
+            f"{kind} layers {s}..{e - 1} samples {a}..{b - 1}",
+            None,
+            io,
+            [],
+            [],
+            (),
         )
+        tasks.append(t)
         if work is not None:
             t.allocs.append(self.buffer(dev, work, f"working memory {kind} {op.layers}"))
             io["work"] = t.allocs[-1]
         return t
-
-    def _compute_cost(self, kind: str, s: int, e: int, n: int) -> tuple[float, float | None]:
-        """:func:`.compute_time.compute_cost`; microbatches repeat, so cache."""
-        key = (kind, s, e, n)
-        cost = self._costs.get(key)
-        if cost is None:
-            cost = self._costs[key] = compute_cost(self.spec, self.hw.gpu_flops, kind, s, e, n)
-        return cost
 
     def _close_group(self, g: int) -> None:
         """The last op of the current group on ``g`` frees its weights."""

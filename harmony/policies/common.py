@@ -63,18 +63,10 @@ def grouped_ops(plan: Plan, share: tuple[int, int], gpu_of_step, offload) -> lis
             if kind == FWD
             else (plan.bwd_packs, plan.bwd_microbatch)
         )
+        gpu, group, off = gpu_of_step(i), ("F" if kind == FWD else "B", p), offload(i)
         steps.append(
             [
-                Op(
-                    kind,
-                    gpu_of_step(i),
-                    p,
-                    packs[p],
-                    mb,
-                    m,
-                    ("F" if kind == FWD else "B", p),
-                    offload(i),
-                )
+                Op(kind, gpu, p, packs[p], mb, m, group, off)
                 for m, mb in enumerate(microbatches(share, size))
             ]
         )

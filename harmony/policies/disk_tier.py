@@ -64,6 +64,7 @@ from ..graph import (
     G_OUT,
     STASH_IN,
     STASH_OUT,
+    TRANSFER_KINDS,
     UPD,
     W_IN,
     Activation,
@@ -99,7 +100,7 @@ def add_disk_tasks(b: GraphBase, window: bool = False, ride: bool = False) -> di
     all fits host memory as it always did (the graph is left as it was)."""
     moved: dict[str, float] = defaultdict(float)
     for t in b.tasks:
-        if t.is_transfer:
+        if t.kind in TRANSFER_KINDS:
             moved[t.kind] += t.nbytes
     placement = place(b.spec, b.plan, b.hw, moved, window, ride)
     if not placement.uses_disk and not placement.gradient_slots:
