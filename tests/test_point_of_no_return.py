@@ -6,11 +6,13 @@ there on (Ctrl-C) completes the step instead of undoing it."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import runpy
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -155,8 +157,10 @@ def test_a_non_finite_gradient_found_at_the_point_of_no_return_undoes_the_step(d
     assert e.step_count == 1
 
 
-@pytest.mark.parametrize("device", sorted(DEVICES))
-def test_ctrl_c_past_the_point_of_no_return_completes_the_step(device, monkeypatch):
+def ctrl_c_case(device: str) -> None:
+    """Ctrl-C as the last update runs, past the point of no return: the step completes
+    (it counts, its result the same as an uninterrupted one's), then the interrupt is
+    raised, and Ctrl-C acts as before."""
     clean = engine(device)
     data = batches(3)
     for x, y in data[:2]:
@@ -171,15 +175,42 @@ def test_ctrl_c_past_the_point_of_no_return_completes_the_step(device, monkeypat
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the update runs
         return step(self, closure)
 
-    monkeypatch.setattr(FlatAdamW, "step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        e.step(*data[1])
-    monkeypatch.setattr(FlatAdamW, "step", step)
+    FlatAdamW.step = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            e.step(*data[1])
+    finally:
+        FlatAdamW.step = step
     assert e.step_count == 2
     assert equal(snapshot(e), snapshot(clean))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     e.step(*data[2]), clean.step(*data[2])  # the run goes on, the same
     assert equal(snapshot(e), snapshot(clean))
+
+
+def _report(case, device, outcome) -> None:
+    try:
+        case(device)
+        outcome.put(None)
+    except BaseException:
+        outcome.put(traceback.format_exc())
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
+def test_ctrl_c_past_the_point_of_no_return_completes_the_step(device):
+    # In a fresh process, as a user's training script is: in the suite's long-lived
+    # worker, after other tests had run, the SIGINT sometimes raised nothing at all
+    # (the Python handler unchanged, every test leaves it as found: conftest), so what
+    # is checked here would depend on what ran before it.
+    spawn = mp.get_context("spawn")
+    outcome = spawn.Queue()
+    child = spawn.Process(target=_report, args=(ctrl_c_case, device, outcome))
+    child.start()
+    try:
+        failure = outcome.get(timeout=600)
+    finally:
+        child.join(timeout=60)
+    assert failure is None, failure
 
 
 def test_the_host_update_bench_prints_its_ratios(monkeypatch, capsys):
