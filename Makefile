@@ -39,16 +39,19 @@ $(STAMP): pyproject.toml Makefile
 	@# notebooks run and saved in place are committed without their outputs (.gitattributes);
 	@# git keeps filter settings per clone, so each clone registers it here
 	@if git rev-parse --git-dir >/dev/null 2>&1; then $(PYTHON) scripts/strip_notebook.py --install; fi
+	@# torch goes in without bytecode (pip --no-compile): its first import compiles it, and
+	@# the test workers and notebook kernels starting at once would each do that; once here
+	@$(BIN)/python -c "import harmony.workbench.widgets, papermill, ipykernel.kernelapp, hypothesis"
 	@touch $@
 
 figures: $(STAMP)
 	$(BIN)/harmony reproduce --quick --out $(OUT)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
 
 heavy: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 -m heavy
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m heavy
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m ""
