@@ -220,3 +220,17 @@ def test_the_host_update_bench_prints_its_ratios(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "RATIO finite check 2-norm / sum" in out
     assert "RATIO journaled update / update past the point of no return" in out
+
+
+def test_the_cpu_backend_updates_after_the_backward_and_journals_none(journaled):
+    # nothing overlaps there: the updates wait for the backward, as a plain loop's
+    # optimizer step does, and are past the point of no return from the first one on
+    e, plain = engine("cpu"), engine("cpu", safe_updates=False)
+    for x, y in batches(3):
+        journaled.append([])
+        e.step(x, y)
+        plain.step(x, y)
+    first, *later = journaled
+    assert any(j for j, _ in first)  # the first step makes the optimizer state
+    assert later and all(calls and not any(j for j, _ in calls) for calls in later), later
+    assert equal(snapshot(e), snapshot(plain))

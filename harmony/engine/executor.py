@@ -17,7 +17,8 @@ for its turn to take device memory: a lane runs the first ready task that is
 
 With ``one_thread``, the calling thread plays every task itself, in ``seq``
 order (every dependency has a smaller ``seq``, so the order is one the lanes
-could have played): for devices where no lane's work would overlap another's,
+could have played) or in the ``order`` given (the caller's: one that respects
+every dependency): for devices where no lane's work would overlap another's,
 lane threads would only hand each task over through a condition variable and
 take the GIL from the compute thread mid-step.
 """
@@ -40,11 +41,13 @@ class Executor:
         run_task: Callable[[Task], None],
         admission: MemoryOrder | None = None,
         one_thread: bool = False,
+        order: list[Task] | None = None,
     ):
         if one_thread and admission is not None:
             raise ValueError("one_thread plays in seq order: it cannot wait for a memory order")
         self.graph = graph
         self.one_thread = one_thread
+        self.order = order
         self.run_task = run_task
         self.admission = admission
         n = len(graph.tasks)
@@ -145,10 +148,10 @@ class Executor:
                 self._finished(pick)
 
     def _play_in_order(self, t0: float) -> None:
-        """Every task on this thread, in ``seq`` order; the first error is raised."""
-        tasks, run_task, clock = self.graph.tasks, self.run_task, time.perf_counter
+        """Every task on this thread, in ``order`` or ``seq`` order; the first error is raised."""
+        run_task, clock = self.run_task, time.perf_counter
         start, end = self.start, self.end
-        for task in sorted(tasks, key=lambda t: t.seq):
+        for task in self.order or sorted(self.graph.tasks, key=lambda t: t.seq):
             start[task.id] = clock() - t0
             run_task(task)
             end[task.id] = clock() - t0

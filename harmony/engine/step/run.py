@@ -208,14 +208,35 @@ class StepRun:
                 self.memory_order,
                 {name: b.ledger for name, b in self.backends.items()},
             )
+        one_thread = self._nothing_overlaps(admission)
         self.executor = Executor(
-            self.graph, self.run_task, admission, one_thread=self._nothing_overlaps(admission)
+            self.graph,
+            self.run_task,
+            admission,
+            one_thread=one_thread,
+            order=self._updates_last() if one_thread else None,
         )
         try:
             self.wall_s = self.executor.run(self.t0)
         finally:
             self.close()
             self.updates.raise_deferred()
+
+    def _updates_last(self) -> list[Task] | None:
+        """The order a step whose lanes only take turns is played in: ``seq`` order with
+        the updates no task waits for moved to its end, as a plain loop steps its optimizer
+        after the backward. Nothing could overlap them anyway, and the step then reaches its
+        point of no return before its first update, so no update is journaled (the journal
+        copies each pack's weights and state first: a pass over them as long as the update's
+        own). Not where the packs' gradients share slots, which each update frees for the
+        next pack's."""
+        if self.ctx.gradient_slots is not None:
+            return None
+        tasks = sorted(self.graph.tasks, key=lambda t: t.seq)
+        waited_on = {d for t in tasks for d in t.deps}
+        last = [t for t in tasks if t.kind == UPD and t.id not in waited_on]
+        late = {t.id for t in last}
+        return [t for t in tasks if t.id not in late] + last
 
     def _nothing_overlaps(self, admission: MemoryOrder | None) -> bool:
         """Whether this step's lanes would only take turns, so that the calling
