@@ -10,6 +10,8 @@ module imports it) therefore switches altair to one of these renderers
   on swap timelines, zoom and pan. The same HTML holds an SVG picture of the
   chart, shown until the script runs: a notebook opened untrusted (JupyterLab
   then runs no scripts), or a viewer without JavaScript, still shows the chart.
+  Charts with many data rows are drawn on a canvas, the others as SVG
+  (:func:`embed_options`).
 * ``static``: only the SVG picture, no JavaScript (smaller notebooks).
 * ``altair``: altair's renderer as it was before (e.g. online, or with a
   JupyterLab extension that draws vega-lite 6).
