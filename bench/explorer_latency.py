@@ -194,7 +194,7 @@ def _measure(page, root, label: str, act) -> tuple[float, float, int]:
         log = page.evaluate("l => window.__changes[l]", label)
         # drawn: the chart, or a message without one; not a progress line
         drawn = not root.locator(".harmony-progress").count() and (
-            root.locator(".vega-embed svg.marks").count()
+            root.locator(".vega-embed.harmony-drawn").count()
             or not root.locator(".harmony-chart").count()
         )
         if log["times"] and drawn:
@@ -263,7 +263,7 @@ def browser(screenshots: Path | None = None) -> None:
                     timeout=120_000
                 )
                 _run_all(page)
-                page.locator(".widget-output .vega-embed svg.marks").first.wait_for(
+                page.locator(".widget-output .vega-embed.harmony-drawn").first.wait_for(
                     timeout=120_000
                 )
                 _report(page, screenshots)

@@ -108,12 +108,47 @@ def _repr_in_data(vega_lite: dict) -> list[str]:
     return out
 
 
+#: for the browser (a statement for the body of an async function of the chart's element):
+#: ``svgOf(root)`` gives ``[svg, done]``, the drawn chart as SVG. A chart drawn as SVG gives
+#: its own; a chart drawn on a canvas (many data rows) gives the same Vega view drawn to SVG
+#: (``view.toSVG()``, the scenegraph the canvas shows), put in the page unseen so that its
+#: texts have sizes, and taken out by ``done()``. ``[null, ...]``: not drawn yet.
+SVG_OF = r"""
+  const svgOf = async root => {
+    const own = root.querySelector(".vega-embed svg.marks");
+    if (own) return [own, () => {}];
+    const embed = [...root.querySelectorAll(".vega-embed")].find(e => e.harmonyView);
+    if (!embed) return [null, () => {}];
+    const box = document.body.appendChild(document.createElement("div"));
+    box.style.cssText = "position: absolute; left: 0; top: 0; visibility: hidden";
+    box.innerHTML = await embed.harmonyView.toSVG();
+    return [box.querySelector("svg"), () => box.remove()];
+  };
+"""
+#: the texts of the chart drawn in the element: its title and all its texts, one string each
+DRAWN_TEXT = (
+    "async root => {"
+    + SVG_OF
+    + r"""
+  const [svg, done] = await svgOf(root);
+  if (!svg) return {title: "", text: ""};
+  const title = svg.querySelector(".role-title-text");
+  const texts = [...svg.querySelectorAll("text")].map(t => t.textContent.trim()).filter(t => t);
+  done();
+  return {title: title ? title.textContent.trim() : "", text: texts.join("\n")};
+}"""
+)
 #: for the browser: in a drawn chart's SVG, tick labels that overlap one another, axis and
 #: legend titles missing, text that looks like Python repr, a title cut at the chart's edges
-RENDERED = r"""root => {
-  const out = [];
-  const svg = root.querySelector("svg.marks");
+RENDERED = (
+    "async root => {"
+    + SVG_OF
+    + r"""
+  const [svg, done] = await svgOf(root);
   if (!svg) return ["no drawn chart"];
+  try { return problemsOf(svg); } finally { done(); }
+  function problemsOf(svg) {
+  const out = [];
   const text = el => (el.textContent || "").trim();
   const repr = /\[['"\d]|\((\d+|'[^']*'), |\{'|object at 0x/;
   for (const t of svg.querySelectorAll("text")) {
@@ -160,4 +195,6 @@ RENDERED = r"""root => {
       out.push("a title wider than its chart: " + text(t));
   }
   return [...new Set(out)];
+  }
 }"""
+)

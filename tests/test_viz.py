@@ -1,6 +1,7 @@
 """Charts are built from traces without a browser, stay under Altair's row limit, take
 their colours from one palette, and display without internet."""
 
+import json
 import re
 
 import pandas as pd
@@ -146,6 +147,28 @@ def test_interactive_html_needs_no_network_and_carries_a_picture():
     assert "data:image/svg+xml" not in live
     # importing the charts switches the renderer, and they keep its API importable
     assert charts.mimebundle is display.mimebundle and charts.use_renderer is display.use_renderer
+
+
+def test_charts_with_many_data_rows_are_drawn_on_a_canvas_with_the_export_menu():
+    import altair as alt
+
+    many = display.CANVAS_FROM_ROWS
+    frame = pd.DataFrame({"x": range(many), "y": range(many)})
+    big = alt.layer(alt.Chart(frame).mark_bar().encode(x="x", y="y"), _small_chart())
+    assert display.data_rows(big.to_dict()) == many + 2
+    options = {
+        name: json.loads(re.search(r"vegaEmbed\(live, .*, (\{.*\})\)\s*$", html, re.M)[1])
+        for name, html in (
+            ("small", display.live_bundle(_small_chart())["text/html"]),
+            ("big", display.live_bundle(big)["text/html"]),
+        )
+    }
+    assert options["small"]["renderer"] == "svg" and options["big"]["renderer"] == "canvas"
+    assert options["small"]["actions"] == options["big"]["actions"]
+    assert options["big"]["actions"]["export"] is True  # PNG and SVG, drawn from the view
+    # inline values of concatenated parts count too
+    inline = {"vconcat": [{"data": {"values": [{"a": 1}] * 3}}, {"layer": [{}]}]}
+    assert display.data_rows(inline) == 3
 
 
 def test_the_renderer_switch(monkeypatch):

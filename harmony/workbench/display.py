@@ -10,6 +10,8 @@ module imports it) therefore switches altair to one of these renderers
   on swap timelines, zoom and pan. The same HTML holds an SVG picture of the
   chart, shown until the script runs: a notebook opened untrusted (JupyterLab
   then runs no scripts), or a viewer without JavaScript, still shows the chart.
+  Charts with many data rows are drawn on a canvas, the others as SVG
+  (:func:`embed_options`).
 * ``static``: only the SVG picture, no JavaScript (smaller notebooks).
 * ``altair``: altair's renderer as it was before (e.g. online, or with a
   JupyterLab extension that draws vega-lite 6).
@@ -41,6 +43,33 @@ EMBED_OPTIONS = {
     "renderer": "svg",
     "actions": {"export": True, "source": False, "compiled": False, "editor": False},
 }
+#: charts with this many data rows or more are drawn on a canvas: Chromium takes a second or
+#: more to lay out thousands of SVG elements (the explorer's timeline), a canvas a fraction
+#: of that (bench/RESULTS.md); smaller charts stay SVG, sharper and searchable. The export
+#: menu draws SVG either way.
+CANVAS_FROM_ROWS = 1000
+
+
+def embed_options(spec: dict) -> dict:
+    """:data:`EMBED_OPTIONS` for the vega-lite ``spec``, with the canvas renderer
+    when it has :data:`CANVAS_FROM_ROWS` data rows or more."""
+    if data_rows(spec) < CANVAS_FROM_ROWS:
+        return EMBED_OPTIONS
+    return {**EMBED_OPTIONS, "renderer": "canvas"}
+
+
+def data_rows(spec) -> int:
+    """How many data rows ``spec`` carries: its named datasets and the inline
+    ``values`` of its (layered, concatenated) parts."""
+    if isinstance(spec, list):
+        return sum(data_rows(part) for part in spec)
+    if not isinstance(spec, dict):
+        return 0
+    rows = sum(len(v) for v in (spec.get("datasets") or {}).values() if isinstance(v, list))
+    values = (spec.get("data") or {}).get("values") if isinstance(spec.get("data"), dict) else None
+    rows += len(values) if isinstance(values, list) else 0
+    parts = ("layer", "vconcat", "hconcat", "concat", "spec")
+    return rows + sum(data_rows(spec[k]) for k in parts if k in spec)
 
 
 def load_altair():
@@ -215,8 +244,11 @@ def _interactive_html(spec: dict, picture: bool = True, script: bool = True) -> 
     return;
   }}
   var live = root.appendChild(document.createElement("div"));
-  window.vegaEmbed(live, {spec_js}, {json.dumps(EMBED_OPTIONS)})
-    .then(function () {{
+  window.vegaEmbed(live, {spec_js}, {json.dumps(embed_options(spec))})
+    .then(function (result) {{
+      // drawn: marked, and the view kept for checks that read what a canvas shows (toSVG)
+      live.harmonyView = result.view;
+      live.classList.add("harmony-drawn");
       var picture = root.querySelector(".harmony-chart-static");
       if (picture) picture.remove();
     }})
