@@ -114,6 +114,17 @@ def journaled(monkeypatch):
     return calls
 
 
+def beside_unjournaled(device: str, steps: int, journaled) -> tuple[Engine, Engine]:
+    """An engine and one without the journal (safe_updates off), ``steps`` steps each
+    on the same batches, what each update journaled noted per step (``journaled``)."""
+    e, plain = engine(device), engine(device, safe_updates=False)
+    for x, y in batches(steps):
+        journaled.append([])
+        e.step(x, y)
+        plain.step(x, y)
+    return e, plain
+
+
 def test_updates_past_the_point_of_no_return_are_not_journaled(journaled, monkeypatch):
     # updates slower than the backward, as on a GPU with a host update: they queue up
     # behind it and start once every other task has ended. Each update here waits for
@@ -127,11 +138,7 @@ def test_updates_past_the_point_of_no_return_are_not_journaled(journaled, monkey
         return host_update(self, task, key, opt)
 
     monkeypatch.setattr(updates_module.Updates, "host_update", queued)
-    e, plain = engine("emulated"), engine("emulated", safe_updates=False)
-    for x, y in batches(2):
-        journaled.append([])
-        e.step(x, y)
-        plain.step(x, y)
+    e, plain = beside_unjournaled("emulated", 2, journaled)
     first, *later = journaled
     # the first step creates the optimizer state: every update but the last is journaled
     assert all(j for j, pending in first if pending)
@@ -225,11 +232,7 @@ def test_the_host_update_bench_prints_its_ratios(monkeypatch, capsys):
 def test_the_cpu_backend_updates_after_the_backward_and_journals_none(journaled):
     # nothing overlaps there: the updates wait for the backward, as a plain loop's
     # optimizer step does, and are past the point of no return from the first one on
-    e, plain = engine("cpu"), engine("cpu", safe_updates=False)
-    for x, y in batches(3):
-        journaled.append([])
-        e.step(x, y)
-        plain.step(x, y)
+    e, plain = beside_unjournaled("cpu", 3, journaled)
     first, *later = journaled
     assert any(j for j, _ in first)  # the first step makes the optimizer state
     assert later and all(calls and not any(j for j, _ in calls) for calls in later), later
