@@ -190,6 +190,7 @@ def _overrides(pairs: list[str]) -> dict:
 
 def _cmd_train(args) -> int:
     from .engine.checkpoint import CheckpointDir
+    from .engine.distributed import leave_process_group
     from .plan import Plan
     from .workbench.training import HostOptions, device_from_args
 
@@ -203,6 +204,7 @@ def _cmd_train(args) -> int:
         return _train_and_report(args, device, plan, checkpoints, host)
     finally:
         host.close()
+        leave_process_group()
 
 
 def _train_and_report(args, device, plan, checkpoints, host) -> int:

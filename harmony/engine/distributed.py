@@ -48,6 +48,14 @@ def init_from_env(timeout_s: float = 60.0) -> bool:
     return True
 
 
+def leave_process_group() -> None:
+    """Leave the process group :func:`init_from_env` joined, if any. Left for the
+    interpreter's exit to tear down instead, gloo's group sometimes aborted a run that
+    had trained well ("terminate called without an active exception", SIGABRT)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class GradientSync:
     """Averages each update's gradients across servers, in one order on every server."""
 
