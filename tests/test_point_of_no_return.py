@@ -168,6 +168,10 @@ def ctrl_c_case(device: str) -> None:
     """Ctrl-C as the last update runs, past the point of no return: the step completes
     (it counts, its result the same as an uninterrupted one's), then the interrupt is
     raised, and Ctrl-C acts as before."""
+    # Ctrl-C on, as in a script run from a terminal: this process is started by the
+    # suite's worker, whose SIGINT may be ignored or blocked by then (a child inherits both)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     clean = engine(device)
     data = batches(3)
     for x, y in data[:2]:
@@ -196,19 +200,21 @@ def ctrl_c_case(device: str) -> None:
 
 
 def _report(case, device, outcome) -> None:
+    found = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
     try:
         case(device)
         outcome.put(None)
     except BaseException:
-        outcome.put(traceback.format_exc())
+        began = f"SIGINT's handler and the blocked signals as this process began: {found}"
+        outcome.put(f"{traceback.format_exc()}\n({began})")
 
 
 @pytest.mark.parametrize("device", sorted(DEVICES))
 def test_ctrl_c_past_the_point_of_no_return_completes_the_step(device):
-    # In a fresh process, as a user's training script is: in the suite's long-lived
-    # worker, after other tests had run, the SIGINT sometimes raised nothing at all
-    # (the Python handler unchanged, every test leaves it as found: conftest), so what
-    # is checked here would depend on what ran before it.
+    # In a fresh process with Ctrl-C on, as a user's training script is: in the suite's
+    # long-lived worker, after other tests had run, the SIGINT sometimes raised nothing
+    # at all (the Python-level handler unchanged: every test leaves it as found, see
+    # conftest), so what is checked here would depend on what ran before it.
     spawn = mp.get_context("spawn")
     outcome = spawn.Queue()
     child = spawn.Process(target=_report, args=(ctrl_c_case, device, outcome))
