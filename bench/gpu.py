@@ -31,7 +31,8 @@ FSDP2) with tiny models, in seconds: ``tests/test_gpu_bench.py`` runs it.
 engine run's measured and simulated task timelines there (``a_measured.csv.gz``,
 ...), for reading where the time went after the GPU is given back.
 
-    python bench/gpu.py [--out gpu.md] [--timelines DIR]
+    python bench/gpu.py [--out gpu.md] [--timelines DIR] [--sections abcd]
+        [--systems harmony,torch,fsdp2,deepspeed]
     python bench/gpu.py --device cpu --tiny
 """
 
@@ -59,7 +60,12 @@ import harmony  # noqa: E402
 from harmony import EmulatedDevice, Engine, FlatAdamW, Plan, reference_step  # noqa: E402
 from harmony.costs.hardware import format_bytes  # noqa: E402
 from harmony.engine import auto_plan as auto_plan_module  # noqa: E402
+from harmony.engine import calibrate as calibrate_module  # noqa: E402
+from harmony.engine import engine as engine_module  # noqa: E402
+from harmony.engine import profiler, rates  # noqa: E402
+from harmony.engine.buffers import BufferPool  # noqa: E402
 from harmony.engine.calibrate import calibrate  # noqa: E402
+from harmony.engine.host_model import HostModel  # noqa: E402
 from harmony.engine.rates import (  # noqa: E402
     ADAMW_BYTES_PER_ELEMENT,
     cpu_update_bandwidth,
@@ -80,19 +86,26 @@ SIZES = {
     "gpu": dict(fits=(1024, 12, 1024, 50257, 8), big=(2048, 24, 1024, 50257, 8), cap=16 * GB),
     "tiny": dict(fits=(32, 2, 16, 64, 4), big=(32, 4, 16, 64, 4), cap=None),
 }
+#: the systems section (b) measures, by their --systems names
+SYSTEMS = ("harmony", "torch", "fsdp2", "deepspeed")
 #: seconds each section may take (a, b, c reads what a and b measured, d)
-LIMITS = {"a": 150, "b": 300, "d": 60}
+LIMITS = {"a": 150, "b": 360, "d": 60}
 
 
 @dataclass
 class Table:
-    """Rows of (section, what, value, note), printed as they come."""
+    """Rows of (section, what, value, note), printed as they come, and the table so
+    far written as markdown to ``out`` (if given) at each: a run cut short keeps them."""
 
     rows: list[tuple[str, str, str, str]] = field(default_factory=list)
+    out: str | None = None
 
     def add(self, section: str, what: str, value: str, note: str = "") -> None:
         self.rows.append((section, what, value, note))
         print(f"  [{section}] {what}: {value}" + (f"  ({note})" if note else ""), flush=True)
+        if self.out:
+            with open(self.out, "w") as f:
+                f.write(self.markdown() + "\n")
 
     def text(self) -> str:
         widths = [max(len(r[i]) for r in self.rows + [HEADER]) for i in range(4)]
@@ -157,6 +170,7 @@ class Machine:
     dtype: torch.dtype = torch.bfloat16
     measured: dict = field(default_factory=dict)  # what section c reads (note)
     timelines: str | None = None  # where note writes each run's timelines
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))  # which (b) measures
 
     @property
     def cuda(self) -> bool:
@@ -261,6 +275,8 @@ def plain_loop(m: Machine, model, x, y) -> float:
 
 #: seconds the last plan="auto" spent in each part of its first step (timed)
 SPENT: dict[str, float] = {}
+#: the seconds of each of the last plan="auto"'s steps after its first
+STEPS: list[float] = []
 
 
 def timed_part(module, name: str) -> None:
@@ -277,8 +293,28 @@ def timed_part(module, name: str) -> None:
     setattr(module, name, timed)
 
 
-for _part in ("profile", "search", "_first_that_runs"):
-    timed_part(auto_plan_module, _part)
+#: (module, function, label): the parts of plan="auto"'s first step timed, outer
+#: before inner; an indented label is a part of the one above it
+PARTS = [
+    (engine_module, "describe_chain", "describe the chain"),
+    (HostModel, "__init__", "host weights laid out (page-locked for a GPU)"),
+    (calibrate_module, "_cpu_flops", "calibrate: CPU FLOP rate"),
+    (calibrate_module, "task_overhead", "calibrate: cost per task"),
+    (calibrate_module, "_cpu_update_bandwidth", "calibrate: host update rate"),
+    (profiler, "measure_link", "calibrate: GPU links"),
+    (calibrate_module, "_gpu_flops", "calibrate: GPU matmul rate"),
+    (rates, "update_bandwidth", "calibrate: GPU update rate"),
+    (auto_plan_module, "profile", "profile"),
+    (profiler, "_time_layer", "  forward and backward timed"),
+    (profiler, "layer_inputs", "  the next layer's inputs"),
+    (profiler, "_update_time", "  each layer's update timed"),
+    (auto_plan_module, "search", "search"),
+    (auto_plan_module, "_first_that_runs", "fit check"),
+    (engine_module.Engine, "_place", "place the plan's state"),
+    (BufferPool, "take", "buffers taken from pools (made, the first time)"),
+]
+for _owner, _name, _ in PARTS:
+    timed_part(_owner, _name)
 
 
 def auto_engine(m: Machine, model, x, y, minibatch: int, hardware=None, device=None):
@@ -299,8 +335,12 @@ def auto_engine(m: Machine, model, x, y, minibatch: int, hardware=None, device=N
     engine.step(x, y)
     m.sync()
     first = time.perf_counter() - t0
+    spent = dict(SPENT)  # the first step's parts, not the later steps'
     m.reset_peak()
     times = m.timed(lambda: engine.step(x, y), 1 if m.tiny else 3)
+    SPENT.clear()
+    SPENT.update(spent)
+    STEPS[:] = times
     return engine, first, statistics.median(times)
 
 
@@ -329,10 +369,13 @@ def fits(m: Machine, table: Table) -> None:
 
 
 def first_step_parts(first: float) -> str:
-    parts = {"profile": "profile", "search": "search", "_first_that_runs": "fit check"}
-    spent = {label: SPENT.get(key, 0.0) for key, label in parts.items()}
-    rest = first - sum(spent.values())
-    return ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()) + f", the rest {rest:.1f} s"
+    """The first step's seconds by part (outer parts; the rest is the step itself)."""
+    outer = [(name, label) for _, name, label in PARTS if not label.startswith(" ")]
+    spent = [(label, SPENT.get(name, 0.0)) for name, label in outer]
+    # buffers are taken within the other parts and the step: not subtracted
+    rest = first - sum(v for label, v in spent if not label.startswith("buffers"))
+    shown = ", ".join(f"{label} {v:.1f} s" for label, v in spent if v >= 0.05)
+    return f"{shown}; the rest (the step itself, its buffers included) {rest:.1f} s"
 
 
 def ranked(engine: Engine, best: int = 3) -> str:
@@ -406,6 +449,7 @@ def big(m: Machine, table: Table) -> None:
         try:
             seconds, note = measure(m, system, x, y, hw, model, minibatch)
         except Exception as e:  # one system failing is a result; the others still run
+            traceback.print_exc()
             table.add("b", name, "failed", f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
             continue
         finally:
@@ -422,12 +466,30 @@ def big(m: Machine, table: Table) -> None:
         )
 
 
+def switched_off(m: Machine, engine: Engine, x, y) -> str:
+    """The same engine's median s/step with what a GPU turns on switched off, in turn
+    and together (side by side with its steps as it runs)."""
+    out = []
+    for what, off in (
+        ("casts kept", [keep_casts]),
+        ("journal ahead", [journal_ahead]),
+        ("both", [keep_casts, journal_ahead]),
+    ):
+        for switch in off:
+            switch(engine, False)
+        times = m.timed(lambda: engine.step(x, y), 1 if m.tiny else 3)
+        for switch in off:
+            switch(engine, True)
+        out.append(f"{what} off {statistics.median(times):.3f}")
+    return "s/step with " + ", ".join(out)
+
+
 def offload_systems(m: Machine, model, minibatch: int, device) -> list:
     """(name, make(u) or None for harmony, microbatch sizes to try, needs a process group)."""
     sizes = [u for u in (4, 2, 1) if u <= minibatch and minibatch % u == 0]
     if m.tiny:
         sizes = [minibatch // 2]
-    return [
+    systems = [
         ("harmony plan='auto'", None, [minibatch], False),
         (
             "torch offload (TorchOffload)",
@@ -450,6 +512,7 @@ def offload_systems(m: Machine, model, minibatch: int, device) -> list:
             True,
         ),
     ]
+    return [s for s, key in zip(systems, SYSTEMS) if key in m.systems]
 
 
 def measure(m: Machine, system, x, y, hw, model, minibatch) -> tuple[float | None, str]:
@@ -458,10 +521,12 @@ def measure(m: Machine, system, x, y, hw, model, minibatch) -> tuple[float | Non
     if make is None:
         device = m.engine_device(hw.gpu_memory / 0.9)
         engine, first, step = auto_engine(m, model, x, y, minibatch, hw, device)
+        steps = ", ".join(f"{s:.3f}" for s in STEPS)
         m.note("b", engine, step)
         return (
             step,
-            f"{engine.plan.describe()}; first step {first:.1f} s: {first_step_parts(first)}",
+            f"{engine.plan.describe()}; steps {steps} s; {switched_off(m, engine, x, y)}; "
+            f"first step {first:.1f} s: {first_step_parts(first)}",
         )
     log: list[str] = []
     with single_process_group(m.torch_device) if group else contextlib.nullcontext():
@@ -531,11 +596,33 @@ def exactness(m: Machine, table: Table) -> None:
         staged = engine_weights(m, model, x, y, one, "bf16")
         on_gpu = engine_weights(m, model, x, y, plans["resident"], "bf16")
         table.add("d", "bf16: one-pack harmony-pp vs resident", same(staged, on_gpu), "2 steps")
+        # what a GPU turns on (emulated devices do not, unless asked): the same bits either way
+        two = plans["harmony-pp, 2 packs"]
+        for what, switch in (
+            ("bf16: weight casts kept for the backward's load", keep_casts),
+            ("bf16: the journal's copies made during the forward", journal_ahead),
+        ):
+            on, off = (
+                engine_weights(m, model, x, y, two, "bf16", lambda e, v=v: switch(e, v))
+                for v in (True, False)
+            )
+            table.add("d", what, same(on, off), "on vs off, 2 steps")
     finally:
         torch.use_deterministic_algorithms(False)
 
 
-def engine_weights(m: Machine, model, x, y, plan: Plan, precision: str) -> list[torch.Tensor]:
+def keep_casts(engine: Engine, on: bool) -> None:
+    engine.keep_casts = on
+
+
+def journal_ahead(engine: Engine, on: bool) -> None:
+    engine.journal.ahead = on
+
+
+def engine_weights(
+    m: Machine, model, x, y, plan: Plan, precision: str, setup=None
+) -> list[torch.Tensor]:
+    """The weights after 2 steps (``setup``: called with the engine before them)."""
     engine = Engine(
         copy.deepcopy(model),
         lambda ps: torch.optim.AdamW(ps, lr=1e-3),
@@ -545,6 +632,8 @@ def engine_weights(m: Machine, model, x, y, plan: Plan, precision: str) -> list[
         plan=plan,
         precision=precision,
     )
+    if setup is not None:
+        setup(engine)
     for _ in range(2):
         engine.step(x, y)
     return [p.detach().cpu() for p in engine.model.parameters()]
@@ -571,34 +660,47 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny models (the CPU smoke run)")
     ap.add_argument("--out", help="also write the table as markdown to this file")
     ap.add_argument("--timelines", help="write each engine run's timelines to this folder")
+    ap.add_argument(
+        "--sections", default="abcd", help="which sections to run, e.g. 'b' (default: abcd)"
+    )
+    ap.add_argument(
+        "--systems",
+        default="harmony,torch,fsdp2,deepspeed",
+        help="which systems (b) measures, comma-separated (default: all four)",
+    )
     args = ap.parse_args()
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    if unknown or set(args.sections) - set("abcd"):
+        ap.error(f"--sections takes letters of abcd; --systems names of {', '.join(SYSTEMS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/gpu.py: torch sees no GPU (torch.cuda.is_available() is False); nothing run")
         return 0
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    m, table = Machine(device, args.tiny, timelines=args.timelines), Table()
+    m = Machine(device, args.tiny, timelines=args.timelines, systems=args.systems.split(","))
+    table = Table(out=args.out)
     name = torch.cuda.get_device_name(device) if m.cuda else "CPU (emulated GPU for the engine)"
     print(f"{name}, torch {torch.__version__}", flush=True)
     table.add("-", "device", name, f"torch {torch.__version__}")
     started = time.perf_counter()
-    with section(table, "a", LIMITS["a"]):
-        fits(m, table)
-    with section(table, "b", LIMITS["b"]):
-        try:
-            big(m, table)
-        finally:
-            uncapped(m)
-    with section(table, "c", 60):
-        simulated(m, table)
-    with section(table, "d", LIMITS["d"]):
-        exactness(m, table)
+    if "a" in args.sections:
+        with section(table, "a", LIMITS["a"]):
+            fits(m, table)
+    if "b" in args.sections:
+        with section(table, "b", LIMITS["b"]):
+            try:
+                big(m, table)
+            finally:
+                uncapped(m)
+    if "c" in args.sections:
+        with section(table, "c", 60):
+            simulated(m, table)
+    if "d" in args.sections:
+        with section(table, "d", LIMITS["d"]):
+            exactness(m, table)
     table.add("-", "total", f"{time.perf_counter() - started:.1f} s")
     print("\n" + table.text())
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table.markdown() + "\n")
     return 0
 
 

@@ -214,13 +214,20 @@ class DeepSpeedOffload:
         self.engine, *_ = deepspeed.initialize(
             model=chain, model_parameters=chain.parameters(), config=config
         )
-        self.loss_fn, self.microbatch_size = loss_fn, microbatch_size
+        self.loss_fn, self.microbatch_size, self.dtype = loss_fn, microbatch_size, dtype
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        # under autocast, as the other systems' forwards: DeepSpeed's bf16 mode casts the
+        # parameters, and a float32 value on the way (GPT-2's causal-mask buffer, added
+        # to the scores) would otherwise meet a bf16 one in a matmul and fail
+        autocast = torch.autocast(
+            "cuda", dtype=self.dtype or torch.float32, enabled=bool(self.dtype)
+        )
         for a, b in split_samples(y.shape[0], self.microbatch_size):
-            loss = self.loss_fn(
-                self.engine(x[a:b].cuda(non_blocking=True)), y[a:b].cuda(non_blocking=True)
-            )
+            with autocast:
+                loss = self.loss_fn(
+                    self.engine(x[a:b].cuda(non_blocking=True)), y[a:b].cuda(non_blocking=True)
+                )
             self.engine.backward(loss)
             # DeepSpeed steps the optimizer at the last microbatch of the minibatch
             self.engine.step()

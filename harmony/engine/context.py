@@ -52,3 +52,11 @@ class StepContext:
     disk: "StateOnDisk | None" = None
     #: host gradients held in pack-sized slots (None: one buffer for the whole model)
     gradient_slots: "GradientSlots | None" = None
+    #: a weight load's cast to the compute dtype is kept, in page-locked host memory,
+    #: for the pack's next load in the same step (its backward's): one cast per step, not
+    #: one per load, and none beside the backward's updates. The step's weights change
+    #: only by its own updates, after each pack's last load, so a kept cast is never
+    #: stale; none is kept from one step to the next, when anything may change them. It
+    #: holds up to one compute-dtype copy of the model's weights: on where there is no
+    #: host memory budget (host_memory=) nor disk tier.
+    keep_casts: bool = False

@@ -176,8 +176,7 @@ class Engine:
         self.unmade = UnmadeWeights.of(model, self.layers, init, seed)
         # the module whose state_dict holds every host weight and buffer
         self.host_module = model if isinstance(model, nn.Module) else nn.ModuleList(self.layers)
-        self.loss_fn = loss_fn
-        self.device = device
+        self.loss_fn, self.device = loss_fn, device
         self.backends: list[Backend] = make_backends(device)
         # host weights in flat buffers, page-locked for a GPU (see HostModel)
         gpu = any(b.kind == "cuda" for b in self.backends)
@@ -185,6 +184,7 @@ class Engine:
         # (laying out all of them first would hold them twice), and unmade ones once made
         flatten = host_memory is None and self.unmade is None
         self.host = HostModel(self.layers, self.host_module, pin=gpu, flatten=flatten)
+        self.keep_casts = gpu and host_memory is None  # see StepContext.keep_casts
         # BatchNorm's parameters and statistics keep their dtype under mixed precision
         self.norm_tensors = [norm_tensor_names(layer) for layer in self.layers]
         self.rng_lock = threading.Lock()
@@ -193,9 +193,8 @@ class Engine:
         self.run_state = RunState(
             seed, minibatch_size, precision, loss_scale=2.0**16 if precision == "fp16" else 1.0
         )
-        self.safe_updates = safe_updates
-        self.journal = UpdateJournal()  # what a step's updates changed, to undo a failed one
-        self.nonfinite = nonfinite
+        self.safe_updates, self.nonfinite = safe_updates, nonfinite
+        self.journal = UpdateJournal(ahead=gpu)  # what a step's updates change, to undo
         self.compute_dtype: torch.dtype | None = PRECISIONS[precision]
         self.trace: Trace | None = None
         self._optimizer_factory = optimizer
@@ -307,6 +306,7 @@ class Engine:
             sync=self.sync,
             disk=self.disk,
             gradient_slots=self.gradient_slots,
+            keep_casts=self.keep_casts and self.disk is None,
         )
 
     def kept_on_host(self) -> KeptOnHost:

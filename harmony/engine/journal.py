@@ -62,15 +62,55 @@ class UpdateJournal:
 
     Per optimizer: its parameters and the tensors of its state are copied;
     other state entries (numbers) are kept as they are. An optimizer without
-    state yet (its first step) is saved whole through ``state_dict`` instead."""
+    state yet (its first step) is saved whole through ``state_dict`` instead.
 
-    def __init__(self):
+    ``ahead``: the copies may be made ahead of the updates (:meth:`record_ahead`,
+    during the forward, where a GPU computes and the host has time), for
+    :meth:`record` to take as they are."""
+
+    def __init__(self, ahead: bool = False):
+        self.ahead = ahead
         self._buffers: dict = {}  # key -> tensors reused for that optimizer's copies
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)  # a copy ahead is done
+        self._copying: set = set()  # keys copied ahead right now
+        self._ahead: dict = {}  # key -> the copies made ahead of its update, this step
         self.entries: list = []  # (key, opt, saved) in the order recorded
 
     def start_step(self) -> None:
         self.entries = []
+        self._ahead = {}
+
+    def record_ahead(self, key, opt: torch.optim.Optimizer) -> None:
+        """Copy now all that ``opt``'s next step changes, for :meth:`record` to take
+        when it comes. Within a step nothing but a pack's own update changes its
+        weights and state, so the copy is what the update would have made."""
+        live = _live_tensors(opt)
+        if live is None or not live[0]:
+            return  # a first step keeps the whole state_dict, at the update
+        with self._ready:
+            if key in self._ahead or key in self._copying:
+                return
+            self._copying.add(key)
+        buffers = None
+        try:
+            buffers = self._buffers_for(key, live[0])
+            torch._foreach_copy_(buffers, live[0])
+        finally:
+            with self._ready:
+                self._copying.discard(key)
+                if buffers is not None:
+                    self._ahead[key] = buffers
+                self._ready.notify_all()
+
+    def _buffers_for(self, key, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        buffers = self._buffers.get(key)
+        if buffers is None or [(b.shape, b.dtype) for b in buffers] != [
+            (t.shape, t.dtype) for t in tensors
+        ]:
+            buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+            self._buffers[key] = buffers
+        return buffers
 
     def record(
         self, key, opt: torch.optim.Optimizer, params: bool = True, state: bool = True
@@ -78,7 +118,14 @@ class UpdateJournal:
         """Save what ``opt``'s next step changes: its parameters and its state, less
         what ``params`` / ``state`` False leave out (state that lives in a disk
         tier, whose committed copy is the undo)."""
+        with self._ready:  # a copy ahead of this update is finished first
+            self._ready.wait_for(lambda: key not in self._copying)
+            ahead = self._ahead.pop(key, None)
         live = _live_tensors(opt, params, state)
+        if ahead is not None and params and state and live and len(ahead) == len(live[0]):
+            with self._lock:
+                self.entries.append((key, opt, ("copies", (None, ahead), live[1])))
+            return
         if live is None:  # first step: state to be created by this update
             saved = (
                 "whole",
@@ -89,14 +136,7 @@ class UpdateJournal:
             tensors, scalars = live
             if not tensors and not scalars:
                 return
-            buffers = self._buffers.get(key)
-            if buffers is None or [(b.shape, b.dtype) for b in buffers] != [
-                (t.shape, t.dtype) for t in tensors
-            ]:
-                buffers = [
-                    torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors
-                ]
-                self._buffers[key] = buffers
+            buffers = self._buffers_for(key, tensors)
             torch._foreach_copy_(buffers, tensors)  # one call: a pack has dozens of tensors
             # partial records keep their tensors: at undo time, the state on disk is gone
             saved = ("copies", (None if params and state else tensors, buffers), scalars)

@@ -17,9 +17,14 @@ from overlapping anything. Here:
 
 On a device that computes on host memory nothing changes: the copies are the
 plain ``copy_`` they were, bit for bit.
+
+:class:`KeptCasts` keeps a step's staged casts for the next load of the same
+weights (see ``StepContext.keep_casts``).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -43,22 +48,65 @@ def land(runs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def stage(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], pool: BufferPool, non_blocking: bool
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    pool: BufferPool,
+    non_blocking: bool,
+    kept: KeptCasts | None = None,
 ) -> None:
     """Copy each ``(device destination, host source)`` of ``pairs``; a source of
     another dtype than its GPU destination is cast on the host into a page-locked
     buffer of ``pool`` first, copied from there without blocking, and the buffers
-    go back to ``pool`` once the copies are complete (one wait for all)."""
-    staged = []
+    go back to ``pool`` once the copies are complete (one wait for all). With
+    ``kept``, every cast (to any device) is copied from the cast ``kept`` holds
+    of that source, made first if it has none."""
+    staged, waits = [], set()
     for dst, src in pairs:
-        if dst.device.type != "cuda" or src.device.type != "cpu" or src.dtype == dst.dtype:
+        casts = src.device.type == "cpu" and src.dtype != dst.dtype
+        if kept is not None and casts:
+            dst.copy_(kept.cast(src, dst.dtype).view(src.shape), non_blocking=dst.is_cuda)
+            if dst.is_cuda:
+                waits.add(dst.device)
+            continue
+        if dst.device.type != "cuda" or not casts:
             dst.copy_(src, non_blocking=non_blocking)
             continue
         buffer = pool.take(src.numel(), dst.dtype)
         buffer.view(src.shape).copy_(src)
         dst.copy_(buffer.view(src.shape), non_blocking=True)
-        staged.append((buffer, dst.device))
-    for device in {d for _, d in staged}:
+        staged.append(buffer)
+        waits.add(dst.device)
+    for device in waits:
         torch.cuda.current_stream(device).synchronize()
-    for buffer, _ in staged:
+    for buffer in staged:
         pool.give(buffer)
+
+
+class KeptCasts:
+    """The casts of host tensors one step has staged, by source (its memory, shape,
+    strides) and dtype, each in a buffer of ``pool`` until :meth:`close`."""
+
+    def __init__(self, pool: BufferPool):
+        self.pool, self.lock = pool, threading.Lock()
+        self.casts: dict[tuple, torch.Tensor] = {}
+
+    def cast(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``src`` in ``dtype``, flat: the kept cast, or one made now and kept."""
+        key = (src.data_ptr(), tuple(src.shape), src.stride(), dtype)
+        with self.lock:
+            buffer = self.casts.get(key)
+        if buffer is not None:
+            return buffer
+        buffer = self.pool.take(src.numel(), dtype)
+        buffer.view(src.shape).copy_(src)
+        with self.lock:  # two loads of one pack at once (replicas): the first cast stays
+            kept = self.casts.setdefault(key, buffer)
+        if kept is not buffer:
+            self.pool.give(buffer)
+        return kept
+
+    def close(self) -> None:
+        """The step is over: every kept cast goes back to the pool."""
+        with self.lock:
+            casts, self.casts = self.casts, {}
+        for buffer in casts.values():
+            self.pool.give(buffer)

@@ -25,7 +25,7 @@ from ..context import StepContext
 from ..devices import Backend
 from ..meters import WorkMeter
 from ..tiers.pacing import LinkPacer
-from .casts import stage
+from .casts import KeptCasts, stage
 
 
 def nbytes(value) -> int:
@@ -105,6 +105,7 @@ class StepMemory:
         # size a step takes is fixed by the plan, whatever order the lanes ran in, and
         # no value can be overwritten while a view of it is still held anywhere.
         self.taken: list[tuple[torch.Tensor, BufferPool]] = []
+        self.kept = KeptCasts(ctx.host.pool) if ctx.keep_casts else None
         self.tasks_left = len(graph.tasks)
         #: tasks other than updates not yet ended (the step's point of no return: none)
         self.others_left = sum(t.kind != UPD for t in graph.tasks)
@@ -185,6 +186,8 @@ class StepMemory:
             taken, self.taken = self.taken, []
         for t, pool in taken:
             pool.give(t)
+        if self.kept is not None:
+            self.kept.close()
 
     def allocations(self) -> tuple[int, int]:
         """(tensors, bytes) the pools and the host gradient buffers have made so far."""
@@ -239,6 +242,7 @@ class StepMemory:
         fresh: bool = False,
         non_blocking: bool = True,
         pooled: bool = True,
+        keep: bool = False,
     ) -> list[torch.Tensor]:
         """``tensors`` on ``backend``'s device in ``dtypes`` (default: their wire
         dtype): views of one flat buffer per dtype, filled by as few copies as
@@ -246,7 +250,8 @@ class StepMemory:
         on host memory (what the device writes must not reach the host tensors);
         ``non_blocking`` False: the copies are complete on return; ``pooled`` False,
         or a backend without a pool: into new memory (``backend.buffer``), freed with
-        the graph's buffer."""
+        the graph's buffer. ``keep``: casts on the way are kept for the step's next load
+        of these tensors (see ``StepContext.keep_casts``), where the step keeps them."""
         dtypes = [self.wire_dtype(t) for t in tensors] if dtypes is None else dtypes
         same = all(d == t.dtype for d, t in zip(dtypes, tensors))
         if not backend.copies and same and not fresh:
@@ -268,7 +273,8 @@ class StepMemory:
                 pairs.append((piece, t.detach()))
                 offset += t.numel()
             # a cast on the way: staged in the host pool's page-locked memory (see .casts)
-            stage(copy_runs(pairs), self.ctx.host.pool, non_blocking)
+            kept = self.kept if keep else None
+            stage(copy_runs(pairs), self.ctx.host.pool, non_blocking, kept)
         return out
 
     def to_host(

@@ -35,13 +35,20 @@ from .updates import Updates
 
 
 def on_device(ctx: StepContext, device: torch.device) -> None:
-    """The model's parameters, buffers and optimizer state on ``device`` (once)."""
+    """The model's parameters, buffers and optimizer state on ``device`` (once): each
+    host storage moved whole, its tensors views of the copy where they were in it (the
+    host layout's flat buffers stay flat, so that a weight load casts one run of them)."""
     tensors = [t for layer in ctx.host.params + ctx.host.buffers for t in layer.values()]
     if all(t.device == device for t in tensors):
         return
+    moved: dict[tuple, torch.Tensor] = {}  # (host storage, dtype) -> all of it on the device
     with torch.no_grad():
         for t in {id(t): t for t in tensors}.values():
-            t.data = t.data.to(device)
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), t.dtype)
+            if key not in moved:
+                moved[key] = torch.empty(0, dtype=t.dtype).set_(storage).to(device)
+            t.data = moved[key].as_strided(t.shape, t.stride(), t.storage_offset())
     for key, opt in ctx.optimizers.items():
         if opt is None:
             continue
@@ -99,12 +106,13 @@ class ResidentSteps:
         host, memory = self.ctx.host, self.memory
         copies: dict[int, torch.Tensor] = {}  # a tensor several layers share: one copy
         weights, leaves = {i: {} for i in range(s, e)}, {i: {} for i in range(s, e)}
+        casts = RunCasts(self._to_cast(s, e))
         for i in range(s, e):
             for is_param, tensors in ((True, host.params[i]), (False, host.buffers[i])):
                 for name, t in tensors.items():
                     first = id(t) not in copies
                     if first:
-                        copies[id(t)] = self._as_computed(i, name, t)
+                        copies[id(t)] = casts.get(t)
                     weights[i][name] = copies[id(t)]
                     if first and is_param and t.requires_grad:
                         leaves[i][name] = copies[id(t)]
@@ -115,24 +123,23 @@ class ResidentSteps:
         memory.put(task.io["grads"], leaves)
         self._moved(task, 0, started)
 
-    def _as_computed(self, i: int, name: str, t: torch.Tensor) -> torch.Tensor:
-        """Layer ``i``'s tensor ``name`` as the forward computes with it: itself, or
-        under mixed precision a copy in the compute dtype, as a weight load casts it
+    def _to_cast(self, s: int, e: int) -> dict[int, tuple[torch.Tensor, torch.dtype]]:
+        """id -> (tensor, the compute dtype) of layers [s, e)'s tensors the forward
+        computes with in another dtype than their own, as a weight load casts them
         (BatchNorm's parameters and statistics keep theirs, updated in place)."""
-        keep = name in self.ctx.norm_tensors[i]
-        dtype = t.dtype if keep else self.memory.wire_dtype(t)
-        if dtype == t.dtype:
-            return t
-        return (
-            t.detach()
-            .to(dtype)
-            .requires_grad_(isinstance(t, torch.nn.Parameter) and t.requires_grad)
-        )
+        host, out = self.ctx.host, {}
+        for i in range(s, e):
+            for name, t in [*host.params[i].items(), *host.buffers[i].items()]:
+                dtype = t.dtype if name in self.ctx.norm_tensors[i] else self.memory.wire_dtype(t)
+                if dtype != t.dtype:
+                    out[id(t)] = (t, dtype)
+        return out
 
     def grads_out(self, task: Task) -> None:
         """The sums of the compute-dtype copies into the master gradients, on the GPU."""
         started = time.perf_counter()
         leaves = self.memory.store[task.io["src"][0]]
+        dsts, srcs = [], []
         with torch.no_grad():
             for i, named in leaves.items():
                 for name, leaf in named.items():
@@ -141,7 +148,10 @@ class ResidentSteps:
                         continue  # autograd summed into the master gradient itself
                     if p.grad is None:
                         p.grad = torch.empty_like(p)
-                    p.grad.copy_(leaf.grad)
+                    dsts.append(p.grad)
+                    srcs.append(leaf.grad)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)  # one call: a pack has hundreds of tensors
         self._moved(task, 0, started)
 
     def update(self, task: Task) -> None:
@@ -149,3 +159,43 @@ class ResidentSteps:
         opt = self.ctx.optimizers[key]
         if opt is not None:
             self.updates.host_update(task, key, opt)
+
+
+class RunCasts:
+    """The compute-dtype copies of ``to_cast`` (id -> (tensor, dtype)), made with one
+    cast per run of a storage they lie in (a flat buffer of the host layout holds
+    them all): per tensor, a pack of hundreds would launch a kernel for each."""
+
+    def __init__(self, to_cast: dict[int, tuple[torch.Tensor, torch.dtype]]):
+        self.to_cast = to_cast
+        spans: dict[tuple, list[int]] = {}  # (storage, dtypes) -> [first, end) element
+        for t, dtype in to_cast.values():
+            lo, hi = t.storage_offset(), t.storage_offset() + _extent(t)
+            span = spans.setdefault(self._key(t, dtype), [lo, hi])
+            span[0], span[1] = min(span[0], lo), max(span[1], hi)
+        self.runs: dict[tuple, tuple[int, torch.Tensor]] = {}
+        for (ptr, src, dtype), (lo, hi) in spans.items():
+            t = next(t for t, d in to_cast.values() if self._key(t, d) == (ptr, src, dtype))
+            whole = torch.empty(0, dtype=src, device=t.device).set_(t.untyped_storage())
+            self.runs[(ptr, src, dtype)] = (lo, whole[lo:hi].to(dtype))
+
+    @staticmethod
+    def _key(t: torch.Tensor, dtype: torch.dtype) -> tuple:
+        return (t.untyped_storage().data_ptr(), t.dtype, dtype)
+
+    def get(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the forward computes with it: itself, or its cast (a leaf that
+        requires grad as ``t`` does)."""
+        if id(t) not in self.to_cast:
+            return t
+        _, dtype = self.to_cast[id(t)]
+        lo, run = self.runs[self._key(t, dtype)]
+        view = run.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+        return view.detach().requires_grad_(isinstance(t, torch.nn.Parameter) and t.requires_grad)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements of its storage ``t`` spans from its offset on."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))

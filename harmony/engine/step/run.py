@@ -52,6 +52,7 @@ from ..executor import Executor
 from ..tiers.pacing import LinkPacer
 from .compute import BufferVersions, Compute, Outcome, Recomputed
 from .disk import DiskSteps
+from .journal_ahead import JournalAhead
 from .memory import BytesMoved, StepMemory
 from .resident import ResidentSteps
 from .transfers import Transfers
@@ -216,11 +217,27 @@ class StepRun:
             one_thread=one_thread,
             order=self._updates_last() if one_thread else None,
         )
+        ahead = self._journal_ahead(one_thread)
         try:
             self.wall_s = self.executor.run(self.t0)
+            if ahead is not None:
+                ahead.stop()
         finally:
+            if ahead is not None:
+                ahead.stop(raise_error=False)
             self.close()
             self.updates.raise_deferred()
+
+    def _journal_ahead(self, one_thread: bool) -> JournalAhead | None:
+        """The journal's copies made during the forward (:mod:`.journal_ahead`), where
+        the journal allows it (a GPU's) and the updates overlap other tasks: not on one
+        thread, nor with a disk tier (which journals only what is not on disk)."""
+        journal = self.ctx.journal
+        if journal is None or not journal.ahead or one_thread or self.ctx.disk is not None:
+            return None
+        ahead = JournalAhead(self.ctx, self.updates)
+        ahead.start()
+        return ahead
 
     def _updates_last(self) -> list[Task] | None:
         """The order a step whose lanes only take turns is played in: ``seq`` order with

@@ -119,6 +119,7 @@ class Transfers:
                 fresh=bool(loaded),
                 non_blocking=not from_disk,
                 pooled=not from_disk,
+                keep=not loaded,
             )
             if loaded:
                 self.weights_copied(task)
