@@ -211,23 +211,25 @@ class DeepSpeedOffload:
             "bf16": {"enabled": dtype == torch.bfloat16},
         }
         chain = nn.Sequential(*(Checkpointed(layer) for layer in model))
+        if dtype is not None:
+            # DeepSpeed's bf16 mode casts the parameters, not the buffers, and turns
+            # torch.autocast off inside its forward: GPT-2's float32 causal-mask buffer,
+            # added to the bf16 scores, made them float32 and the next matmul failed
+            # ("expected scalar type Float but found BFloat16", on an H100). Its values
+            # (0 and -inf) are exact in any float dtype.
+            for b in chain.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(dtype)
         self.engine, *_ = deepspeed.initialize(
             model=chain, model_parameters=chain.parameters(), config=config
         )
-        self.loss_fn, self.microbatch_size, self.dtype = loss_fn, microbatch_size, dtype
+        self.loss_fn, self.microbatch_size = loss_fn, microbatch_size
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        # under autocast, as the other systems' forwards: DeepSpeed's bf16 mode casts the
-        # parameters, and a float32 value on the way (GPT-2's causal-mask buffer, added
-        # to the scores) would otherwise meet a bf16 one in a matmul and fail
-        autocast = torch.autocast(
-            "cuda", dtype=self.dtype or torch.float32, enabled=bool(self.dtype)
-        )
         for a, b in split_samples(y.shape[0], self.microbatch_size):
-            with autocast:
-                loss = self.loss_fn(
-                    self.engine(x[a:b].cuda(non_blocking=True)), y[a:b].cuda(non_blocking=True)
-                )
+            loss = self.loss_fn(
+                self.engine(x[a:b].cuda(non_blocking=True)), y[a:b].cuda(non_blocking=True)
+            )
             self.engine.backward(loss)
             # DeepSpeed steps the optimizer at the last microbatch of the minibatch
             self.engine.step()

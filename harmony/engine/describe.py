@@ -11,6 +11,7 @@ simulated peak of a plan is the peak the engine reaches. The profiler
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -50,17 +51,43 @@ def layer_inputs(
     inputs: tuple,
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
+    run_on: torch.device | None = None,
 ) -> list[tuple]:
     """The input of every layer (and, last, the chain's output) for ``inputs``;
-    with ``dtype``, under ``torch.autocast`` on ``device`` (the layers' own)."""
+    with ``dtype``, under ``torch.autocast`` on ``device`` (the layers' own).
+    ``run_on``: a GPU each host layer runs on instead, a copy of it at a time, its
+    input and output in host memory (over a large model's minibatch a 16-core host
+    takes a minute: GPT-2 1.4 B, 8 x 1024 tokens); where a copy cannot run there,
+    the layer runs on the host."""
     out = [inputs]
     h = inputs
-    kind = (device or torch.device("cpu")).type
+    kind = (run_on or device or torch.device("cpu")).type
     with torch.no_grad(), torch.autocast(kind, dtype=dtype, enabled=dtype is not None):
         for layer in layers:
-            h = as_args(layer(*h))
+            h = as_args(layer(*h) if run_on is None else _run_copy(layer, h, run_on))
             out.append(h)
     return out
+
+
+def _run_copy(layer: nn.Module, args: tuple, device: torch.device):
+    """``layer(*args)`` computed by a copy of it on ``device``, in host memory (the
+    layer itself where the copy fails: a tensor it holds outside its parameters and
+    buffers stays behind, say)."""
+    try:
+        copied = copy.deepcopy(layer).to(device)
+        moved = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in args)
+        result = as_args(copied(*moved))
+    except Exception:
+        return layer(*args)
+    return tuple(t.to("cpu") if isinstance(t, torch.Tensor) else t for t in result)
+
+
+def _device_to_run_on(layers: Sequence[nn.Module], device: torch.device) -> torch.device | None:
+    """``device`` where it is a GPU and the layers' weights are made (not meta)."""
+    if device.type != "cuda":
+        return None
+    made = all(t.device.type == "cpu" for layer in layers for t in layer.state_dict().values())
+    return device if made else None
 
 
 class evaluating:
@@ -133,7 +160,8 @@ def describe(
     device = torch.device(device)
     B = target.shape[0]
     few = tuple(t[:4] for t in inputs)
-    acts, outs = _first_samples_through(layers, few, inputs, device, dtype)
+    run_on = _device_to_run_on(layers, device)
+    acts, outs = _first_samples_through(layers, few, inputs, device, dtype, run_on)
     if loss_fn is not None:
         check_loss(loss_fn, acts[-1], target)
     smallest = min_microbatch(layers, acts, device, dtype)
@@ -146,7 +174,8 @@ def describe(
         {u for u in [*(1 << k for k in range(B.bit_length())), B, *sizes] if smallest <= u <= B}
     )
     with evaluating(layers):
-        acts = layer_inputs(layers, inputs)  # the whole minibatch: every size is a slice of it
+        # the whole minibatch: every size is a slice of it
+        acts = layer_inputs(layers, inputs, run_on=run_on)
     costs = []
     made = [(-1, k) for k in range(len(acts[0]))]  # which layer made each input element, as which
     measured: dict[tuple, list[Held]] = {}  # layers of one structure are measured once
@@ -183,15 +212,21 @@ def _first_samples_through(
     inputs: tuple,
     device: torch.device,
     dtype: torch.dtype | None,
+    run_on: torch.device | None,
 ) -> tuple[list[tuple], list[tuple]]:
     """Each layer's input on the ``few`` first samples, and each layer's output as
     the engine holds it between layers (as autocast makes it under ``dtype``); the
-    model's own error on them said about the user's ``inputs``."""
+    model's own error on them said about the user's ``inputs``. ``run_on``: see
+    :func:`layer_inputs`."""
     try:
         with evaluating(layers):  # a forward for sizes must not touch BatchNorm statistics
-            acts = layer_inputs(layers, few)
+            acts = layer_inputs(layers, few, run_on=run_on)
             # what the engine holds between layers: their outputs as autocast makes them
-            outs = acts[1:] if dtype is None else layer_inputs(layers, few, device, dtype)[1:]
+            outs = (
+                acts[1:]
+                if dtype is None
+                else layer_inputs(layers, few, device, dtype, run_on=run_on)[1:]
+            )
     except Exception as e:  # the model's own error, about the user's inputs
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
         raise HarmonyError(
