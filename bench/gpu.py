@@ -62,15 +62,18 @@ from harmony.costs.hardware import format_bytes  # noqa: E402
 from harmony.engine import auto_plan as auto_plan_module  # noqa: E402
 from harmony.engine import calibrate as calibrate_module  # noqa: E402
 from harmony.engine import engine as engine_module  # noqa: E402
+from harmony.engine import journal as journal_module  # noqa: E402
 from harmony.engine import profiler, rates  # noqa: E402
 from harmony.engine.buffers import BufferPool  # noqa: E402
 from harmony.engine.calibrate import calibrate  # noqa: E402
 from harmony.engine.host_model import HostModel  # noqa: E402
+from harmony.engine.journal import UpdateJournal  # noqa: E402
 from harmony.engine.rates import (  # noqa: E402
     ADAMW_BYTES_PER_ELEMENT,
     cpu_update_bandwidth,
     matmul_flops,  # noqa: E402
 )
+from harmony.engine.step import updates as updates_module  # noqa: E402
 from harmony.policies import resident  # noqa: E402
 from harmony.workbench.baselines import TorchOffload, fastest_microbatch  # noqa: E402
 from harmony.workbench.experiments import gpt2_config  # noqa: E402
@@ -332,6 +335,9 @@ def auto_engine(m: Machine, model, x, y, minibatch: int, hardware=None, device=N
         precision="bf16",
         hardware=hardware,
     )
+    if not m.cuda:  # the smoke run: what a GPU turns on, on the emulated one too
+        for switch in SWITCHES["both"]:
+            switch(engine, True)
     engine.step(x, y)
     m.sync()
     first = time.perf_counter() - t0
@@ -466,22 +472,62 @@ def big(m: Machine, table: Table) -> None:
         )
 
 
+#: what a GPU turns on, switched off in turn and together by :func:`switched_off`
+SWITCHES = {
+    "none": [],
+    "casts kept": [lambda e, on: setattr(e, "keep_casts", on)],
+    "journal ahead": [lambda e, on: setattr(e.journal, "ahead", on)],
+}
+SWITCHES["both"] = SWITCHES["casts kept"] + SWITCHES["journal ahead"]
+
+
 def switched_off(m: Machine, engine: Engine, x, y) -> str:
-    """The same engine's median s/step with what a GPU turns on switched off, in turn
-    and together (side by side with its steps as it runs)."""
-    out = []
-    for what, off in (
-        ("casts kept", [keep_casts]),
-        ("journal ahead", [journal_ahead]),
-        ("both", [keep_casts, journal_ahead]),
-    ):
-        for switch in off:
-            switch(engine, False)
-        times = m.timed(lambda: engine.step(x, y), 1 if m.tiny else 3)
-        for switch in off:
-            switch(engine, True)
-        out.append(f"{what} off {statistics.median(times):.3f}")
-    return "s/step with " + ", ".join(out)
+    """The same engine's median s/step with nothing, then each of ``SWITCHES``, switched
+    off: rounds of one step of each, interleaved (a step's time spreads ±15% on a GPU
+    whose host also updates); and what its journal did in those steps."""
+    times: dict[str, list[float]] = {what: [] for what in SWITCHES}
+    with JournalCounts() as journal:
+        for _ in range(1 if m.tiny else 5):
+            for what, off in SWITCHES.items():
+                for switch in off:
+                    switch(engine, False)
+                times[what] += m.timed(lambda: engine.step(x, y), 1)
+                for switch in off:
+                    switch(engine, True)
+    medians = ", ".join(f"{what} {statistics.median(t):.3f}" for what, t in times.items())
+    return f"s/step with off: {medians}; {journal}"
+
+
+class JournalCounts:
+    """Counts, while in the block, the updates journaled (their copies made ahead, or at
+    the update) and those not (past the point of no return)."""
+
+    def __enter__(self):
+        self.counts = {"ahead": 0, "at the update": 0, "not journaled": 0}
+        record, self._record = UpdateJournal.record, UpdateJournal.record
+        apply, self._apply = journal_module.apply_update, journal_module.apply_update
+        counts = self.counts
+
+        def counted_record(journal, key, *args, **kwargs):
+            counts["ahead" if key in journal._ahead else "at the update"] += 1
+            return record(journal, key, *args, **kwargs)
+
+        def counted_apply(opt, layers, key, journal, *args, **kwargs):
+            counts["not journaled"] += journal is None
+            return apply(opt, layers, key, journal, *args, **kwargs)
+
+        UpdateJournal.record = counted_record
+        journal_module.apply_update = counted_apply
+        updates_module.apply_update = counted_apply
+        return self
+
+    def __exit__(self, *exc):
+        UpdateJournal.record = self._record
+        journal_module.apply_update = self._apply
+        updates_module.apply_update = self._apply
+
+    def __str__(self) -> str:
+        return "updates: " + ", ".join(f"{k} {v}" for k, v in self.counts.items())
 
 
 def offload_systems(m: Machine, model, minibatch: int, device) -> list:
@@ -599,8 +645,8 @@ def exactness(m: Machine, table: Table) -> None:
         # what a GPU turns on (emulated devices do not, unless asked): the same bits either way
         two = plans["harmony-pp, 2 packs"]
         for what, switch in (
-            ("bf16: weight casts kept for the backward's load", keep_casts),
-            ("bf16: the journal's copies made during the forward", journal_ahead),
+            ("bf16: weight casts kept for the backward's load", SWITCHES["casts kept"][0]),
+            ("bf16: the journal's copies made during the forward", SWITCHES["journal ahead"][0]),
         ):
             on, off = (
                 engine_weights(m, model, x, y, two, "bf16", lambda e, v=v: switch(e, v))
@@ -609,14 +655,6 @@ def exactness(m: Machine, table: Table) -> None:
             table.add("d", what, same(on, off), "on vs off, 2 steps")
     finally:
         torch.use_deterministic_algorithms(False)
-
-
-def keep_casts(engine: Engine, on: bool) -> None:
-    engine.keep_casts = on
-
-
-def journal_ahead(engine: Engine, on: bool) -> None:
-    engine.journal.ahead = on
 
 
 def engine_weights(
