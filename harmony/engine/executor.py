@@ -44,7 +44,10 @@ class Executor:
         order: list[Task] | None = None,
     ):
         if one_thread and admission is not None:
-            raise ValueError("one_thread plays in seq order: it cannot wait for a memory order")
+            raise ValueError(
+                "one_thread plays every task on the calling thread, in seq order or the order "
+                "given: it cannot wait for a memory order (admission); leave one of them out"
+            )
         self.graph = graph
         self.one_thread = one_thread
         self.order = order
