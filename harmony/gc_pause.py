@@ -1,4 +1,5 @@
-"""Pausing Python's cyclic garbage collector while a graph is built or played."""
+"""Pausing Python's cyclic garbage collector while a graph is built or played, and
+keeping it off what an interactive session made before its first control."""
 
 from __future__ import annotations
 
@@ -21,3 +22,21 @@ def gc_paused():
         yield
     finally:
         gc.enable()
+
+
+_settled = False
+
+
+def settle_long_lived() -> None:
+    """Once per process: collect, then leave everything the process holds now out of
+    the collector's sight (``gc.freeze``). An explorer's kernel holds half a million
+    objects by its first chart (torch, pandas, altair, the notebook's own), and a
+    full collection walks them all: 0.5 s, in the middle of a control's update, every
+    few updates. Frozen objects are still freed by reference counting; what is
+    garbage now is collected first, so none is kept."""
+    global _settled
+    if _settled or not gc.isenabled():
+        return
+    gc.collect()
+    gc.freeze()
+    _settled = True
