@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from poisoned import Poison, Scale
 from torch import nn
 
 from harmony import EmulatedDevice, Engine, FlatAdamW, NonFiniteError, Plan
@@ -16,29 +17,6 @@ from harmony.engine.step import journal_ahead as ahead_module
 from harmony.engine.step import updates as updates_module
 
 B = 12
-
-
-class Poison(torch.autograd.Function):
-    """Identity whose gradient is NaN while ``Poison.on``."""
-
-    on = False
-
-    @staticmethod
-    def forward(ctx, w):
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * float("nan") if Poison.on else g
-
-
-class Scale(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * Poison.apply(self.w)
 
 
 def engine(ahead: bool, optimizer=None, **kw) -> Engine:

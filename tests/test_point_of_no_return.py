@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from poisoned import Poison, Scale
 from torch import nn
 
 from harmony import EmulatedDevice, Engine, FlatAdamW, NonFiniteError, Plan
@@ -27,29 +28,6 @@ DEVICES = {
     "cpu": lambda: "cpu",
     "emulated": lambda: EmulatedDevice(memory=int(64e6), h2d="4GB/s", d2h="4GB/s"),
 }
-
-
-class Poison(torch.autograd.Function):
-    """Identity whose gradient is NaN while ``Poison.on``."""
-
-    on = False
-
-    @staticmethod
-    def forward(ctx, w):
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * float("nan") if Poison.on else g
-
-
-class Scale(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * Poison.apply(self.w)
 
 
 def model() -> nn.Sequential:
