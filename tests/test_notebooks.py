@@ -30,6 +30,21 @@ SMOKE: dict[str, dict] = {
 }
 #: notebooks that take long even with smoke parameters (run with -m slow)
 SLOW: set[str] = set()
+#: the paper's figures and the systems' comparisons whose smoke run takes 10 s or more
+#: on a quiet 2-core machine (25-60 s each under load): run by make heavy, which CI runs
+#: after make test, so that make test stays about 10 minutes
+HEAVY = {
+    "10_swap_volume",
+    "11_throughput",
+    "13_planner_table",
+    "14_scaling",
+    "15_exact_match",
+    "16_simulator_fidelity",
+    "17_systems",
+    "18_vs_torch",
+    "19_ablation_ladder",
+    "20_disk_tier",
+}
 
 
 def parameters_cell(nb) -> nbformat.NotebookNode | None:
@@ -110,7 +125,14 @@ def smoke_parameters(path: Path) -> dict:
 
 @pytest.mark.parametrize(
     "path",
-    [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in NOTEBOOKS],
+    [
+        pytest.param(p, marks=pytest.mark.slow)
+        if p.stem in SLOW
+        else pytest.param(p, marks=pytest.mark.heavy)
+        if p.stem in HEAVY
+        else p
+        for p in NOTEBOOKS
+    ],
     ids=_ids(NOTEBOOKS),
 )
 def test_runs_with_smoke_parameters(path, executed_notebook):
