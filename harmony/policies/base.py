@@ -38,6 +38,12 @@ class Op:
     offload_output: bool = False  # send the output through host memory
 
 
+def pair(t: tuple[int, int]) -> str:
+    """``str(t)`` for a pair of ints (samples, layers) in a label, at half the cost of
+    a tuple's repr: a graph labels thousands of tasks and buffers."""
+    return f"({t[0]}, {t[1]})"
+
+
 class GraphBase:
     """Tasks, buffers and links of one graph under construction, and the
     primitives that add them."""

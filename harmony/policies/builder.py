@@ -71,7 +71,7 @@ from ..graph import (
 )
 from ..plan import Plan, layer_shard
 from .activations import ActivationFlow
-from .base import HOST, Op
+from .base import HOST, Op, pair
 from .compute_time import compute_cost
 from .disk_tier import add_disk_tasks
 
@@ -316,7 +316,7 @@ class GraphBuilder(ActivationFlow):
             out = self.buffer(
                 dev,
                 self.spec.input_bytes(e, n),
-                f"activations into layer {e} {op.samples}",
+                f"activations into layer {e} {pair(op.samples)}",
                 op.samples,
             )
             t.allocs.append(out)
@@ -326,7 +326,7 @@ class GraphBuilder(ActivationFlow):
             out = self.buffer(
                 dev,
                 self.spec.input_grad_bytes(s, n),
-                f"gradient into layer {s} {op.samples}",
+                f"gradient into layer {s} {pair(op.samples)}",
                 op.samples,
             )
             t.allocs.append(out)
@@ -411,7 +411,7 @@ class GraphBuilder(ActivationFlow):
         )
         tasks.append(t)
         if work is not None:
-            t.allocs.append(self.buffer(dev, work, f"working memory {kind} {op.layers}"))
+            t.allocs.append(self.buffer(dev, work, f"working memory {kind} ({s}, {e})"))
             io["work"] = t.allocs[-1]
         return t
 
