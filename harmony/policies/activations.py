@@ -14,7 +14,7 @@ from ..costs.hardware import Hardware
 from ..costs.spec import ModelSpec
 from ..graph import ACT_OUT, DATA_IN, P2P, STASH_IN, STASH_OUT, Activation, Batch, Task
 from ..plan import Plan
-from .base import HOST, GraphBase, Op, pair
+from .base import HOST, GraphBase, Op
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class ActivationFlow(GraphBase):
                 self.d2h_route(op.gpu),
                 self.buffers[buf].nbytes,
                 [task.id],
-                f"offload {key} {pair(op.samples)}",
+                f"offload {key} {self.pair(op.samples)}",
                 data=Activation(*key, op.samples),
                 src=[buf],
                 microbatch=op.microbatch,
@@ -74,9 +74,8 @@ class ActivationFlow(GraphBase):
                     0
                 ]  # the op's own input: its buffer lives until the copy is done
             else:
-                buf = self.buffer(
-                    dev, nbytes, f"stash of layer {layer} input {pair(op.samples)}", op.samples
-                )
+                what = f"stash of layer {layer} input {self.pair(op.samples)}"
+                buf = self.buffer(dev, nbytes, what, op.samples)
                 task.allocs.append(buf)
                 task.io.setdefault("stash", {})[layer] = buf
             out = self.transfer(
@@ -86,7 +85,7 @@ class ActivationFlow(GraphBase):
                 self.d2h_route(op.gpu),
                 nbytes,
                 [task.id],
-                f"stash layer {layer} {pair(op.samples)}",
+                f"stash layer {layer} {self.pair(op.samples)}",
                 data=Activation("stash", layer, op.samples),
                 src=[buf],
                 microbatch=op.microbatch,
@@ -129,7 +128,7 @@ class ActivationFlow(GraphBase):
             self.h2d_route(op.gpu),
             nbytes,
             self._release_dep(op.gpu, 2),
-            f"{what} {pair(op.samples)}",
+            f"{what} {self.pair(op.samples)}",
             alloc_on=dev,
             for_op=k,
             data=Batch(what, op.samples),
@@ -173,7 +172,7 @@ class ActivationFlow(GraphBase):
                 self._h2d[g],
                 nbytes,
                 deps + self._release_dep(op.gpu, 2),
-                f"{key[0]} layer {key[1]} {pair(op.samples)}",
+                f"{key[0]} layer {key[1]} {self.pair(op.samples)}",
                 alloc_on=dev,
                 for_op=k,
                 data=Activation(*key, op.samples),
@@ -192,7 +191,7 @@ class ActivationFlow(GraphBase):
             route,
             nbytes,
             deps + self._release_dep(op.gpu, 2),
-            f"{key[0]} layer {key[1]} {pair(op.samples)} from gpu{src_gpu}",
+            f"{key[0]} layer {key[1]} {self.pair(op.samples)} from gpu{src_gpu}",
             alloc_on=dev,
             max_rate=rate,
             for_op=k,
