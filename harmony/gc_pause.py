@@ -16,8 +16,9 @@ def gc_paused():
 
     On the way out, what was made inside goes straight to the collector's oldest
     generation (:func:`_age_young_objects`), so that the first allocation after it
-    does not walk the fresh graph (some 18,000 objects for GPT-2 XL on 4 GPUs): that
-    walk was about a tenth of simulating one plan."""
+    does not walk the fresh graph (some 18,000 objects for GPT-2 XL on 4 GPUs): with
+    torch loaded, that took one plan's build, play and summary from about what it costs
+    with the collector off to 8% more (bench/RESULTS.md)."""
     if not gc.isenabled():
         yield
         return
