@@ -72,8 +72,9 @@ class GraphBase:
 
     def pair(self, t: tuple[int, int]) -> str:
         """``str(t)`` for a pair of ints (samples, layers) in a label. A graph labels
-        thousands of tasks and buffers with the same few pairs, and formatting ints was
-        about a tenth of building it, so each pair is formatted once per graph."""
+        thousands of tasks and buffers with the same few pairs, and its labels were about
+        an eighth of the instructions of building it, so each pair is formatted once per
+        graph."""
         text = self._pairs.get(t)
         if text is None:
             text = self._pairs[t] = f"({t[0]}, {t[1]})"
