@@ -408,6 +408,7 @@ def test_gc_paused_restores_the_collector_as_it_was():
 
 
 def test_gc_paused_leaves_the_young_objects_it_made_out_of_the_next_collection():
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # as a process has it
     collections = []
 
     def seen(phase, info):
