@@ -262,31 +262,37 @@ class _Player:
         queue, head, waiting, begin = self.queue, self.head, self.waiting, self.begin
         room = self.tab.room
         while to_check:
-            if len(to_check) == 1:
-                lane = to_check.pop()
-            else:
-                lane = min(to_check, key=urgency.__getitem__)
-                to_check.discard(lane)
-            if busy[lane]:
-                continue
-            heap = ready[lane]
-            if heap is not None:
-                if not heap:
+            # Urgencies change only when a task ends: until one does, one sort of the
+            # lanes to check gives the order a min per lane would
+            lanes = sorted(to_check, key=urgency.__getitem__) if len(to_check) > 1 else [*to_check]
+            to_check.clear()
+            done = self.done
+            for i, lane in enumerate(lanes):
+                if busy[lane]:
                     continue
-                tid = heap[0][1]
-                need = room[tid]
-                if need is not None and self.waits_for_room(lane, need):
-                    continue
-                heapq.heappop(heap)
-                urgency[lane] = (heap[0][0], lane) if heap else (_NEVER, lane)
-            else:
-                ids, at = queue[lane], head[lane]
-                if at >= len(ids) or waiting[ids[at]]:
-                    continue
-                tid = ids[at]
-                head[lane] = at = at + 1
-                urgency[lane] = (self.tab.seq[ids[at]], lane) if at < len(ids) else (_NEVER, lane)
-            begin(lane, tid)
+                heap = ready[lane]
+                if heap is not None:
+                    if not heap:
+                        continue
+                    tid = heap[0][1]
+                    need = room[tid]
+                    if need is not None and self.waits_for_room(lane, need):
+                        continue
+                    heapq.heappop(heap)
+                    urgency[lane] = (heap[0][0], lane) if heap else (_NEVER, lane)
+                else:
+                    ids, at = queue[lane], head[lane]
+                    if at >= len(ids) or waiting[ids[at]]:
+                        continue
+                    tid = ids[at]
+                    head[lane] = at = at + 1
+                    urgency[lane] = (
+                        (self.tab.seq[ids[at]], lane) if at < len(ids) else (_NEVER, lane)
+                    )
+                begin(lane, tid)
+                if self.done != done:  # it ended at once: lanes may have been added, reordered
+                    to_check.update(lanes[i + 1 :])
+                    break
 
     def waits_for_room(self, lane: int, need: list[tuple[int, float, float]]) -> bool:
         """Whether a device has no room yet for what the copy at the head of ``lane``

@@ -405,3 +405,46 @@ def test_gc_paused_restores_the_collector_as_it_was():
     with pytest.raises(RuntimeError), gc_paused():
         raise RuntimeError("a failed play")
     assert gc.isenabled()
+
+
+def test_gc_paused_leaves_the_young_objects_it_made_out_of_the_next_collection():
+    # as a process has it before anything froze objects (an explorer shown in this
+    # worker earlier freezes what it held: harmony.gc_pause.settle_long_lived)
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()
+    try:
+        _young_objects_are_not_walked()
+    finally:
+        if frozen:
+            gc.freeze()
+
+
+def _young_objects_are_not_walked():
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    collections = []
+
+    def seen(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(seen)
+    try:
+        with gc_paused():
+            made = [[i] for i in range(5000)]  # far more than a young collection's threshold
+        after = [[i] for i in range(50)]  # allocations that would start one
+    finally:
+        gc.callbacks.remove(seen)
+    assert collections == []  # nothing walked what the pause made
+    assert gc.get_freeze_count() == 0  # moved to the oldest generation, not left frozen
+    assert len(made) == 5000 and len(after) == 50
+
+
+def test_gc_paused_keeps_what_the_process_froze_itself():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_paused():
+            pass
+        assert gc.get_freeze_count() == frozen  # not unfrozen by the pause
+    finally:
+        gc.unfreeze()

@@ -34,7 +34,8 @@ class ActivationFlow(GraphBase):
 
     def __init__(self, spec: ModelSpec, hw: Hardware, plan: Plan, model: int = 0):
         super().__init__(spec, hw, plan, model)
-        self._values: dict[tuple, tuple[list[int], list[Value]]] = {}  # key -> sorted values
+        # key -> its values' first samples, its values (both sorted), its values by samples
+        self._values: dict[tuple, tuple[list[int], list[Value], dict[tuple, Value]]] = {}
         self._stash_layers = set(plan.stash_layers())
 
     def _produce(self, key: tuple, op: Op, task: Task, buf: int) -> None:
@@ -48,7 +49,7 @@ class ActivationFlow(GraphBase):
                 self.d2h_route(op.gpu),
                 self.buffers[buf].nbytes,
                 [task.id],
-                f"offload {key} {op.samples}",
+                f"offload {key} {self.pair(op.samples)}",
                 data=Activation(*key, op.samples),
                 src=[buf],
                 microbatch=op.microbatch,
@@ -73,9 +74,8 @@ class ActivationFlow(GraphBase):
                     0
                 ]  # the op's own input: its buffer lives until the copy is done
             else:
-                buf = self.buffer(
-                    dev, nbytes, f"stash of layer {layer} input {op.samples}", op.samples
-                )
+                what = f"stash of layer {layer} input {self.pair(op.samples)}"
+                buf = self.buffer(dev, nbytes, what, op.samples)
                 task.allocs.append(buf)
                 task.io.setdefault("stash", {})[layer] = buf
             out = self.transfer(
@@ -85,7 +85,7 @@ class ActivationFlow(GraphBase):
                 self.d2h_route(op.gpu),
                 nbytes,
                 [task.id],
-                f"stash layer {layer} {op.samples}",
+                f"stash layer {layer} {self.pair(op.samples)}",
                 data=Activation("stash", layer, op.samples),
                 src=[buf],
                 microbatch=op.microbatch,
@@ -95,15 +95,19 @@ class ActivationFlow(GraphBase):
             self._add_value(("stash", layer), Value(op.samples, HOST, out.id, None))
 
     def _add_value(self, key: tuple, value: Value) -> None:
-        starts, values = self._values.setdefault(key, ([], []))
+        entry = self._values.get(key)
+        if entry is None:
+            entry = self._values[key] = ([], [], {})
+        starts, values, by_samples = entry
         i = bisect.bisect(starts, value.samples[0])
         starts.insert(i, value.samples[0])
         values.insert(i, value)
+        by_samples[value.samples] = value
 
     def _overlapping(self, key: tuple, samples: tuple[int, int]) -> list[Value]:
         """Values of ``key`` whose samples overlap ``samples`` (they never overlap each other)."""
         a, b = samples
-        starts, values = self._values.get(key, ([], []))
+        starts, values, _ = self._values.get(key, ([], [], None))
         i = bisect.bisect_right(starts, a) - 1
         if i < 0:
             i = 0
@@ -124,7 +128,7 @@ class ActivationFlow(GraphBase):
             self.h2d_route(op.gpu),
             nbytes,
             self._release_dep(op.gpu, 2),
-            f"{what} {op.samples}",
+            f"{what} {self.pair(op.samples)}",
             alloc_on=dev,
             for_op=k,
             data=Batch(what, op.samples),
@@ -141,6 +145,10 @@ class ActivationFlow(GraphBase):
         g = op.gpu
         dev = self._dev[g]
         a, b = samples = op.samples
+        entry = self._values.get(key)
+        made = entry[2].get(samples) if entry is not None else None
+        if made is not None and made.device == dev:  # most often: made here, for these samples
+            return ([] if made.task is None else [made.task]), [made.buffer]
         values = self._overlapping(key, samples)
         covered = 0
         devices = set()
@@ -164,7 +172,7 @@ class ActivationFlow(GraphBase):
                 self._h2d[g],
                 nbytes,
                 deps + self._release_dep(op.gpu, 2),
-                f"{key[0]} layer {key[1]} {op.samples}",
+                f"{key[0]} layer {key[1]} {self.pair(op.samples)}",
                 alloc_on=dev,
                 for_op=k,
                 data=Activation(*key, op.samples),
@@ -183,7 +191,7 @@ class ActivationFlow(GraphBase):
             route,
             nbytes,
             deps + self._release_dep(op.gpu, 2),
-            f"{key[0]} layer {key[1]} {op.samples} from gpu{src_gpu}",
+            f"{key[0]} layer {key[1]} {self.pair(op.samples)} from gpu{src_gpu}",
             alloc_on=dev,
             max_rate=rate,
             for_op=k,

@@ -66,6 +66,27 @@ class GraphBase:
         self._compute_lane = [f"gpu{g}.compute" for g in gpus]
         self._h2d = [(f"gpu{g}.h2d", f"switch{hw.switch_of(g)}.down") for g in gpus]
         self._d2h = [(f"gpu{g}.d2h", f"switch{hw.switch_of(g)}.up") for g in gpus]
+        # labels' pairs of ints as text, made once per graph (see pair)
+        self._pairs: dict[tuple[int, int], str] = {}
+        self._spans: dict[tuple[int, int], str] = {}
+
+    def pair(self, t: tuple[int, int]) -> str:
+        """``str(t)`` for a pair of ints (samples, layers) in a label. A graph labels
+        thousands of tasks and buffers with the same few pairs, and its labels were about
+        an eighth of the instructions of building it, so each pair is formatted once per
+        graph."""
+        text = self._pairs.get(t)
+        if text is None:
+            text = self._pairs[t] = f"({t[0]}, {t[1]})"
+        return text
+
+    def span(self, t: tuple[int, int]) -> str:
+        """A range ``(a, b)`` as ``"a..b-1"`` in a label, formatted once per graph (as
+        :meth:`pair`)."""
+        text = self._spans.get(t)
+        if text is None:
+            text = self._spans[t] = f"{t[0]}..{t[1] - 1}"
+        return text
 
     def buffer(
         self, device: str, nbytes: float, what: str, samples: tuple[int, int] = (0, 0)

@@ -316,7 +316,7 @@ class GraphBuilder(ActivationFlow):
             out = self.buffer(
                 dev,
                 self.spec.input_bytes(e, n),
-                f"activations into layer {e} {op.samples}",
+                f"activations into layer {e} {self.pair(op.samples)}",
                 op.samples,
             )
             t.allocs.append(out)
@@ -326,7 +326,7 @@ class GraphBuilder(ActivationFlow):
             out = self.buffer(
                 dev,
                 self.spec.input_grad_bytes(s, n),
-                f"gradient into layer {s} {op.samples}",
+                f"gradient into layer {s} {self.pair(op.samples)}",
                 op.samples,
             )
             t.allocs.append(out)
@@ -402,7 +402,7 @@ class GraphBuilder(ActivationFlow):
             op.layers,
             op.microbatch,
             op.samples,
-            f"{kind} layers {s}..{e - 1} samples {a}..{b - 1}",
+            f"{kind} layers {self.span(op.layers)} samples {self.span(op.samples)}",
             None,
             io,
             [],
@@ -411,7 +411,8 @@ class GraphBuilder(ActivationFlow):
         )
         tasks.append(t)
         if work is not None:
-            t.allocs.append(self.buffer(dev, work, f"working memory {kind} {op.layers}"))
+            what = f"working memory {kind} {self.pair(op.layers)}"
+            t.allocs.append(self.buffer(dev, work, what))
             io["work"] = t.allocs[-1]
         return t
 
