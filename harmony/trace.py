@@ -73,7 +73,8 @@ class Summary:
     #: spec counts right), the most working memory a compute task was declared but
     #: never held (0 when the spec does not overcount), the peak of its tensors
     #: themselves, and the buffers its pools had to allocate this step (none once a
-    #: plan has run a step)
+    #: plan has run a step). The first three are None where a device does not measure
+    #: what its tasks hold (the ``cpu`` backend: ``Backend.meters_work``)
     undeclared_bytes: dict[str, float] | None = None
     unheld_work_bytes: dict[str, float] | None = None
     held_peak_memory: dict[str, float] | None = None

@@ -12,6 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from harmony import EmulatedDevice, EmulatedServer, Engine, Plan, reference_step
 from harmony.engine.buffers import BufferPool, HostLayout, copy_runs
+from harmony.engine.step import compute as compute_module
 
 B = 12
 LOSS = nn.functional.cross_entropy
@@ -195,6 +196,32 @@ def test_on_the_cpu_backend_the_gradient_autograd_made_is_the_host_grad():
     for a, b in zip(engine.model.parameters(), reference_model.parameters()):
         assert torch.equal(a, b)
     assert not any(engine.host.layout.has_grad_buffer(p) for p in engine.model.parameters())
+
+
+def test_only_a_device_that_measures_what_tasks_hold_hooks_what_autograd_saves(monkeypatch):
+    """The cpu backend measures no task's bytes beyond its buffers: no saved-tensor hook
+    (a cost the plain loop does not pay), and its trace says the figures are not there;
+    an emulated device measures them."""
+    hooks = []
+    saved_bytes = compute_module.SavedBytes
+
+    def counted(*args, **kw):
+        hooks.append(saved_bytes(*args, **kw))
+        return hooks[-1]
+
+    monkeypatch.setattr(compute_module, "SavedBytes", counted)
+    plan = CASES["harmony-pp"][0]
+    ((x, y),) = batches(1)
+    cpu = Engine(make_model(), ADAMW, LOSS, device="cpu", minibatch_size=B, plan=plan)
+    cpu.step(x, y)
+    s = cpu.trace.summary
+    assert not hooks
+    assert s.undeclared_bytes is s.unheld_work_bytes is s.held_peak_memory is None
+    emulated = Engine(make_model(), ADAMW, LOSS, device=DEVICE, minibatch_size=B, plan=plan)
+    emulated.step(x, y)
+    s = emulated.trace.summary
+    assert hooks and all(h.total > 0 for h in hooks)
+    assert s.undeclared_bytes == {"gpu0": 0.0} and s.held_peak_memory["gpu0"] > 0
 
 
 def test_host_weights_are_flat_per_dtype_in_layer_order_and_keep_their_values():

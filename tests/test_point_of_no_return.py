@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from poisoned import Poison, Scale
+from test_optim_ready import SURE
 from torch import nn
 
-from harmony import EmulatedDevice, Engine, FlatAdamW, NonFiniteError, Plan
+from harmony import EmulatedDevice, Engine, NonFiniteError, Plan
 from harmony.engine.step import updates as updates_module
 
 B = 12
@@ -51,11 +52,12 @@ def batches(n: int):
     ]
 
 
-def engine(device: str, **kw) -> Engine:
+def engine(device: str, optimizer: str = "FlatAdamW", **kw) -> Engine:
+    """An engine on ``device`` whose packs step ``SURE[optimizer]``'s optimizers."""
     m = model()
     return Engine(
         m,
-        lambda ps: FlatAdamW(ps, lr=1e-2),
+        SURE[optimizer],
         nn.functional.cross_entropy,
         device=DEVICES[device](),
         minibatch_size=B,
@@ -92,10 +94,13 @@ def journaled(monkeypatch):
     return calls
 
 
-def beside_unjournaled(device: str, steps: int, journaled) -> tuple[Engine, Engine]:
+def beside_unjournaled(
+    device: str, steps: int, journaled, optimizer: str = "FlatAdamW"
+) -> tuple[Engine, Engine]:
     """An engine and one without the journal (safe_updates off), ``steps`` steps each
     on the same batches, what each update journaled noted per step (``journaled``)."""
-    e, plain = engine(device), engine(device, safe_updates=False)
+    e = engine(device, optimizer)
+    plain = engine(device, optimizer, safe_updates=False)
     for x, y in batches(steps):
         journaled.append([])
         e.step(x, y)
@@ -126,9 +131,10 @@ def test_updates_past_the_point_of_no_return_are_not_journaled(journaled, monkey
     assert equal(snapshot(e), snapshot(plain))
 
 
+@pytest.mark.parametrize("optimizer", SURE)
 @pytest.mark.parametrize("device", sorted(DEVICES))
-def test_a_non_finite_gradient_found_at_the_point_of_no_return_undoes_the_step(device):
-    e = engine(device)
+def test_a_non_finite_gradient_found_at_the_point_of_no_return_undoes_the_step(device, optimizer):
+    e = engine(device, optimizer)
     (x0, y0), (x1, y1) = batches(2)
     e.step(x0, y0)
     before = snapshot(e)
@@ -142,7 +148,7 @@ def test_a_non_finite_gradient_found_at_the_point_of_no_return_undoes_the_step(d
     assert e.step_count == 1
 
 
-def ctrl_c_case(device: str) -> None:
+def ctrl_c_case(device: str, optimizer: str) -> None:
     """Ctrl-C as the last update runs, past the point of no return: the step completes
     (it counts, its result the same as an uninterrupted one's), then the interrupt is
     raised, and Ctrl-C acts as before."""
@@ -150,26 +156,32 @@ def ctrl_c_case(device: str) -> None:
     # suite's worker, whose SIGINT may be ignored or blocked by then (a child inherits both)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    clean = engine(device)
+    clean = engine(device, optimizer)
     data = batches(3)
     for x, y in data[:2]:
         clean.step(x, y)
-    e = engine(device)
+    e = engine(device, optimizer)
     e.step(*data[0])
-    step = FlatAdamW.step
     last = e.optimizers[(0, 0)]  # layer 0's: updated last
+    # the class's step (one set on the optimizer itself would be code of the caller's,
+    # which keeps the step journaled: harmony.engine.optim_ready)
+    cls = type(last)
+    own, step = "step" in vars(cls), cls.step
 
     def interrupted(self, closure=None):
         if self is last:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the update runs
         return step(self, closure)
 
-    FlatAdamW.step = interrupted
+    cls.step = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
             e.step(*data[1])
     finally:
-        FlatAdamW.step = step
+        if own:
+            cls.step = step
+        else:
+            del cls.step
     assert e.step_count == 2
     assert equal(snapshot(e), snapshot(clean))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -177,25 +189,26 @@ def ctrl_c_case(device: str) -> None:
     assert equal(snapshot(e), snapshot(clean))
 
 
-def _report(case, device, outcome) -> None:
+def _report(case, args, outcome) -> None:
     found = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
     try:
-        case(device)
+        case(*args)
         outcome.put(None)
     except BaseException:
         began = f"SIGINT's handler and the blocked signals as this process began: {found}"
         outcome.put(f"{traceback.format_exc()}\n({began})")
 
 
+@pytest.mark.parametrize("optimizer", ["FlatAdamW", "AdamW"])
 @pytest.mark.parametrize("device", sorted(DEVICES))
-def test_ctrl_c_past_the_point_of_no_return_completes_the_step(device):
+def test_ctrl_c_past_the_point_of_no_return_completes_the_step(device, optimizer):
     # In a fresh process with Ctrl-C on, as a user's training script is: in the suite's
     # long-lived worker, after other tests had run, the SIGINT sometimes raised nothing
     # at all (the Python-level handler unchanged: every test leaves it as found, see
     # conftest), so what is checked here would depend on what ran before it.
     spawn = mp.get_context("spawn")
     outcome = spawn.Queue()
-    child = spawn.Process(target=_report, args=(ctrl_c_case, device, outcome))
+    child = spawn.Process(target=_report, args=(ctrl_c_case, (device, optimizer), outcome))
     child.start()
     try:
         failure = outcome.get(timeout=600)
@@ -213,11 +226,27 @@ def test_the_host_update_bench_prints_its_ratios(monkeypatch, capsys):
     assert "RATIO journaled update / update past the point of no return" in out
 
 
-def test_the_cpu_backend_updates_after_the_backward_and_journals_none(journaled):
+@pytest.mark.parametrize("optimizer", SURE)
+def test_the_cpu_backend_updates_after_the_backward_and_journals_none(journaled, optimizer):
     # nothing overlaps there: the updates wait for the backward, as a plain loop's
     # optimizer step does, and are past the point of no return from the first one on
-    e, plain = beside_unjournaled("cpu", 3, journaled)
+    e, plain = beside_unjournaled("cpu", 3, journaled, optimizer)
     first, *later = journaled
     assert any(j for j, _ in first)  # the first step makes the optimizer state
     assert later and all(calls and not any(j for j, _ in calls) for calls in later), later
+    assert equal(snapshot(e), snapshot(plain))
+
+
+def test_an_optimizer_not_sure_to_step_keeps_its_updates_journaled(journaled):
+    # a step hook is code of the caller's, which may raise: no point of no return
+    e, plain = engine("cpu", "AdamW"), engine("cpu", "AdamW", safe_updates=False)
+    for k, (x, y) in enumerate(batches(2)):
+        if k:
+            for opt in filter(None, e.optimizers.values()):
+                opt.register_step_pre_hook(lambda *_: None)
+        journaled.append([])
+        e.step(x, y)
+        plain.step(x, y)
+    pending = [j for j, pending in journaled[-1] if pending]
+    assert pending and all(pending), journaled[-1]
     assert equal(snapshot(e), snapshot(plain))

@@ -215,6 +215,13 @@ class Backend:
     paced = False  # copies are paced to the emulated link bandwidths
     # False: the device computes on host memory as it is (a tensor "moved" is the same tensor)
     copies = False
+    # Whether compute tasks measure what they hold beyond their buffers (the tensors
+    # autograd saves, through a hook on each: see harmony.engine.meters). Not here:
+    # the cpu backend has no capacity to weigh a task's bytes against (its ledger is
+    # mostly not even charged the declared buffers: a memory order is kept only with
+    # a disk tier), and the hooks are a cost the plain loop it is measured against
+    # does not pay. Emulated and CUDA devices measure.
+    meters_work = False
 
     def __init__(self, name: str = "gpu0"):
         self.name = name
@@ -237,6 +244,7 @@ class EmulatedBackend(Backend):
     kind = "emulated"
     paced = True
     copies = True
+    meters_work = True
 
     def __init__(self, spec: EmulatedDevice, name: str = "gpu0"):
         super().__init__(name)
@@ -255,6 +263,7 @@ class CudaBackend(Backend):
 
     kind = "cuda"
     copies = True
+    meters_work = True
 
     def __init__(self, device: str, name: str = "gpu0"):
         super().__init__(name)

@@ -91,3 +91,17 @@ class WorkMeter:
         if self.excess:
             self.ledger.release(self.excess, declared=False)
             self.excess = 0.0
+
+
+class Unmetered:
+    """The :class:`WorkMeter` of a device that does not measure what tasks hold
+    (``Backend.meters_work`` False): every call does nothing."""
+
+    def charge(self, nbytes: float) -> None:
+        pass
+
+    def release(self, nbytes: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -9,6 +9,7 @@ plain loop updates them: once per microbatch (:class:`BufferVersions`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 from ...errors import NonFiniteError
 from ...graph import FWD, FWDBWD, Task, TaskGraph
 from ..context import StepContext
-from ..meters import SavedBytes, WorkMeter
+from ..meters import SavedBytes, Unmetered, WorkMeter
 from ..reference_loop import as_args, seed_layer
 from .memory import StepMemory, assemble, nbytes
 
@@ -107,7 +108,7 @@ class Recomputed:
 
     inputs: tuple
     outputs: tuple
-    meter: WorkMeter
+    meter: WorkMeter | Unmetered
     buffers: dict
 
 
@@ -142,7 +143,7 @@ class Compute:
         weights: dict,
         h: tuple,
         stash: dict | None = None,
-        meter: WorkMeter | None = None,
+        meter: WorkMeter | Unmetered | None = None,
     ) -> tuple:
         """Run the task's layers on ``h``. Without autograd (``meter`` given), each
         layer's output is held while the next layer computes (with autograd, the
@@ -202,9 +203,12 @@ class Compute:
 
     def _saved_meter(
         self, task: Task, weights: dict, h: tuple, *more
-    ) -> tuple[WorkMeter, SavedBytes]:
-        """The task's work meter, and the hook that charges it what autograd saves."""
+    ) -> tuple[WorkMeter | Unmetered, SavedBytes | contextlib.nullcontext]:
+        """The task's work meter, and the hook that charges it what autograd saves
+        (none where the device does not measure: ``Backend.meters_work``)."""
         work = self.work_meter(task)
+        if isinstance(work, Unmetered):
+            return work, contextlib.nullcontext()
         # the weights, the pack's input and the labels are buffers of their own
         held = [t for w in weights.values() for t in w.values()] + list(h) + list(more)
         return work, SavedBytes(work.charge, exclude=held)

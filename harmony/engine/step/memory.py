@@ -23,7 +23,7 @@ from ...graph import UPD, Task, TaskGraph
 from ..buffers import BufferPool, copy_runs
 from ..context import StepContext
 from ..devices import Backend
-from ..meters import WorkMeter
+from ..meters import Unmetered, WorkMeter
 from ..tiers.pacing import LinkPacer
 from .casts import KeptCasts, stage
 
@@ -83,7 +83,7 @@ class StepMemory:
     Given the step's ``ctx`` and ``graph``, its devices (``backends``: name ->
     backend), its ``lock``, ``moved`` (:meth:`BytesMoved.count`) and ``freed``,
     told each buffer the graph frees once its value is dropped (the disk part's
-    :meth:`~.disk.DiskSteps.buffer_freed`)."""
+    :meth:`~.disk.DiskSteps.buffer_freed`; None: no one needs telling)."""
 
     def __init__(
         self,
@@ -92,7 +92,7 @@ class StepMemory:
         backends: dict[str, Backend],
         lock: threading.Lock,
         moved: Callable,
-        freed: Callable[[int], None],
+        freed: Callable[[int], None] | None,
     ):
         self.ctx, self.graph, self.backends, self.lock = ctx, graph, backends, lock
         self._moved, self.buffer_freed = moved, freed
@@ -150,7 +150,8 @@ class StepMemory:
                     freed.append((b, *self.charged.pop(b, (0, 0.0))))
         for b, n, excess in freed:
             self._give_back(b, n, excess)
-            self.buffer_freed(b)
+            if self.buffer_freed is not None:
+                self.buffer_freed(b)
 
     def drop_all(self) -> list:
         """A failed step: every buffer's charge given back, its value dropped; the values."""
@@ -162,15 +163,20 @@ class StepMemory:
         return values
 
     def _give_back(self, buf: int, nbytes: float, excess: float) -> None:
+        if not (nbytes or excess):  # a buffer that never held a value (or held no bytes)
+            return
         ledger = self.backends[self.graph.buffers[buf].device].ledger
         ledger.note_held(-nbytes)
         ledger.release(excess, declared=False)
 
-    def work_meter(self, task: Task) -> WorkMeter:
+    def work_meter(self, task: Task) -> WorkMeter | Unmetered:
         """The meter of what ``task`` holds beyond its buffers, against its declared working
-        memory."""
+        memory (one that measures nothing where the device does not: ``meters_work``)."""
+        backend = self.backends[task.device]
+        if not backend.meters_work:
+            return Unmetered()
         declared = self.graph.buffers[task.io["work"]].nbytes if "work" in task.io else 0.0
-        return WorkMeter(self.backends[task.device].ledger, declared, f"{task.what}")
+        return WorkMeter(backend.ledger, declared, f"{task.what}")
 
     def take(self, pool: BufferPool, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer from ``pool``, given back when the step ends."""

@@ -63,7 +63,12 @@ def memory_checks(backends) -> dict:
     """What the devices' ledgers say beyond the peak: the most that tasks held
     beyond what the graph declared for them (0 when the spec counts right), the
     most working memory a task was declared and never held (0 when the spec does
-    not overcount) and the peak of the tensors themselves (at most the peak)."""
+    not overcount) and the peak of the tensors themselves (at most the peak).
+    None where a device does not measure what its tasks hold (the cpu backend:
+    ``Backend.meters_work``)."""
+    backends = list(backends)
+    if not all(b.meters_work for b in backends):
+        return dict.fromkeys(("undeclared_bytes", "unheld_work_bytes", "held_peak_memory"))
     return {
         "undeclared_bytes": {b.name: b.ledger.undeclared_peak for b in backends},
         "unheld_work_bytes": {b.name: b.ledger.unheld_work for b in backends},
@@ -115,7 +120,12 @@ class StepRun:
         on_host: dict[tuple, list] = defaultdict(list)
         self.disk = DiskSteps(ctx, graph, self.lock, on_host, self.bytes.count)
         self.memory = StepMemory(
-            ctx, graph, self.backends, self.lock, self.bytes.count, self.disk.buffer_freed
+            ctx,
+            graph,
+            self.backends,
+            self.lock,
+            self.bytes.count,
+            self.disk.buffer_freed if ctx.disk is not None else None,  # only a tier holds loads
         )
         versions = BufferVersions(ctx, graph, self.lock)
         self.transfers = Transfers(

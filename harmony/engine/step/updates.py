@@ -33,6 +33,7 @@ from ...graph import OPT_IN, UPD, Task, TaskGraph
 from ..context import StepContext
 from ..journal import apply_update, check_finite_gradients, optimizer_params
 from ..optim import FlatAdamW
+from ..optim_ready import ready_to_step
 from .compute import Outcome
 from .memory import StepMemory
 
@@ -217,8 +218,9 @@ class Updates:
     def _commit(self, update: Task) -> bool:
         """Whether the step can pass its point of no return as ``update`` starts, the
         updates left (``update`` and those not begun) checked now, as each would be
-        before its step: every gradient finite, every optimizer a :class:`FlatAdamW`
-        ready to step state it has (nothing but the interpreter can make it fail).
+        before its step: every gradient finite, every optimizer ready to step state it
+        has, so that nothing but the interpreter can make it fail
+        (:func:`~harmony.engine.optim_ready.ready_to_step`).
         Not across servers (an update waits on the others), with a disk tier, nor
         under a loss scale below 1 (unscaling could overflow a finite gradient)."""
         if self.refused:  # what refused it holds for the rest of the step
@@ -229,8 +231,7 @@ class Updates:
             self.ctx.sync is not None
             or self.ctx.disk is not None
             or self.ctx.loss_scale < 1
-            or not all(opt is None or type(opt) is FlatAdamW for _, opt in opts)
-            or not all(opt.ready_to_step() for _, opt in opts if opt is not None)
+            or not all(ready_to_step(opt) for _, opt in opts if opt is not None)
         )
         if self.refused:  # each update checks its own gradients, as before
             return False
