@@ -1,5 +1,4 @@
-"""Pausing Python's cyclic garbage collector while a graph is built or played, and
-keeping it off what an interactive session made before its first control."""
+"""Pausing Python's cyclic garbage collector while a graph is built or played."""
 
 from __future__ import annotations
 
@@ -37,26 +36,7 @@ def _age_young_objects() -> None:
     and zero the count that would start the next one. A young object of the caller's
     that has become cyclic garbage then waits for the next full collection instead of
     the next young one. Skipped where the process has frozen objects itself (a server
-    before it forks, say, or an explorer's kernel: :func:`settle_long_lived`):
-    unfreezing would undo that."""
+    before it forks, say): unfreezing would undo that."""
     if gc.get_freeze_count() == 0:
         gc.freeze()
         gc.unfreeze()
-
-
-_settled = False
-
-
-def settle_long_lived() -> None:
-    """Once per process: collect, then leave everything the process holds now out of
-    the collector's sight (``gc.freeze``). An explorer's kernel holds half a million
-    objects by its first chart (torch, pandas, altair, the notebook's own), and a
-    full collection walks them all: 0.5 s, in the middle of a control's update, every
-    few updates. Frozen objects are still freed by reference counting; what is
-    garbage now is collected first, so none is kept."""
-    global _settled
-    if _settled or not gc.isenabled():
-        return
-    gc.collect()
-    gc.freeze()
-    _settled = True

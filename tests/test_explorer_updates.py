@@ -140,37 +140,3 @@ def test_a_change_simulates_only_what_depends_on_it(counted):
     ex.pack_size.value = 2
     ex.compute()
     assert counted["traces"] == [] and counted["chooser"] == []
-
-
-def test_a_shown_explorer_keeps_the_collector_off_what_the_kernel_made_before(monkeypatch):
-    """Once shown, what the process held is frozen (a full collection walked half a
-    million objects in a control's update); what was garbage then was collected."""
-    import gc
-    import weakref
-
-    from harmony import gc_pause
-
-    class Node:
-        pass
-
-    monkeypatch.setattr(gc_pause, "_settled", False)
-    before = gc.get_freeze_count()
-    try:
-        garbage = Node()
-        garbage.me = garbage  # a cycle nothing refers to once the name is gone
-        gone = weakref.ref(garbage)
-        del garbage
-        thresholds = gc.get_threshold()
-        gc.set_threshold(10**9)  # no collection by itself before the explorer is shown
-        try:
-            assert gone() is not None
-            PackExplorer().widget()
-        finally:
-            gc.set_threshold(*thresholds)
-        assert gc.get_freeze_count() > before
-        assert gone() is None  # collected, not frozen
-        frozen = gc.get_freeze_count()
-        gc_pause.settle_long_lived()  # once per process: nothing more is frozen
-        assert gc.get_freeze_count() == frozen
-    finally:
-        gc.unfreeze()  # the rest of the suite as it was

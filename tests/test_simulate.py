@@ -408,8 +408,7 @@ def test_gc_paused_restores_the_collector_as_it_was():
 
 
 def test_gc_paused_leaves_the_young_objects_it_made_out_of_the_next_collection():
-    # as a process has it before anything froze objects (an explorer shown in this
-    # worker earlier freezes what it held: harmony.gc_pause.settle_long_lived)
+    # as a process has it before anything froze objects (a test may have)
     frozen = gc.get_freeze_count()
     gc.unfreeze()
     try:

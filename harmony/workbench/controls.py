@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 
-from ..gc_pause import settle_long_lived
 from ..plan import Plan
 from ..policies import get_policy, names
 from .comparison import policy_of
@@ -139,7 +138,6 @@ class Explorer:
             loader.outputs = (shown(loader_bundle()),)
             self._box = w.VBox([grid, *buttons, self.output, loader])
             self._wire()
-            settle_long_lived()  # full collections would walk all the kernel made so far
         return self._box
 
     def _repr_mimebundle_(self, **kwargs):
