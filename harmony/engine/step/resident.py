@@ -44,10 +44,9 @@ def on_device(ctx: StepContext, device: torch.device) -> None:
     moved: dict[tuple, torch.Tensor] = {}  # (host storage, dtype) -> all of it on the device
     with torch.no_grad():
         for t in {id(t): t for t in tensors}.values():
-            storage = t.untyped_storage()
-            key = (storage.data_ptr(), t.dtype)
+            key = (t.untyped_storage().data_ptr(), t.dtype)
             if key not in moved:
-                moved[key] = torch.empty(0, dtype=t.dtype).set_(storage).to(device)
+                moved[key] = _whole_storage(t).to(device)
             t.data = moved[key].as_strided(t.shape, t.stride(), t.storage_offset())
     for key, opt in ctx.optimizers.items():
         if opt is None:
@@ -168,16 +167,15 @@ class RunCasts:
 
     def __init__(self, to_cast: dict[int, tuple[torch.Tensor, torch.dtype]]):
         self.to_cast = to_cast
-        spans: dict[tuple, list[int]] = {}  # (storage, dtypes) -> [first, end) element
+        # (storage, dtypes) -> [first, end) element, a tensor in that storage
+        spans: dict[tuple, list] = {}
         for t, dtype in to_cast.values():
             lo, hi = t.storage_offset(), t.storage_offset() + _extent(t)
-            span = spans.setdefault(self._key(t, dtype), [lo, hi])
+            span = spans.setdefault(self._key(t, dtype), [lo, hi, t])
             span[0], span[1] = min(span[0], lo), max(span[1], hi)
-        self.runs: dict[tuple, tuple[int, torch.Tensor]] = {}
-        for (ptr, src, dtype), (lo, hi) in spans.items():
-            t = next(t for t, d in to_cast.values() if self._key(t, d) == (ptr, src, dtype))
-            whole = torch.empty(0, dtype=src, device=t.device).set_(t.untyped_storage())
-            self.runs[(ptr, src, dtype)] = (lo, whole[lo:hi].to(dtype))
+        self.runs: dict[tuple, tuple[int, torch.Tensor]] = {
+            key: (lo, _whole_storage(t)[lo:hi].to(key[2])) for key, (lo, hi, t) in spans.items()
+        }
 
     @staticmethod
     def _key(t: torch.Tensor, dtype: torch.dtype) -> tuple:
@@ -199,3 +197,8 @@ def _extent(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+
+def _whole_storage(t: torch.Tensor) -> torch.Tensor:
+    """All of ``t``'s storage, flat, in ``t``'s dtype and on its device."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
