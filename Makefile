@@ -39,9 +39,10 @@ $(STAMP): pyproject.toml Makefile
 	@# notebooks run and saved in place are committed without their outputs (.gitattributes);
 	@# git keeps filter settings per clone, so each clone registers it here
 	@if git rev-parse --git-dir >/dev/null 2>&1; then $(PYTHON) scripts/strip_notebook.py --install; fi
-	@# torch goes in without bytecode (pip --no-compile): its first import compiles it, and
-	@# the test workers and notebook kernels starting at once would each do that; once here
-	@$(BIN)/python -c "import harmony.workbench.widgets, papermill, ipykernel.kernelapp, hypothesis"
+	@# torch goes in without bytecode (pip --no-compile), and where PYTHONDONTWRITEBYTECODE
+	@# is set no import writes it: every test worker, kernel and CLI run would compile
+	@# torch again (3 s of CPU each). Written once here, for the venv only
+	@$(BIN)/python scripts/warm_bytecode.py
 	@touch $@
 
 figures: $(STAMP)
