@@ -67,6 +67,9 @@ def _sigint_at_os_level() -> tuple[bool, bool]:
 
 
 # ---- models -----------------------------------------------------------------------
+# Strategies are built once, here: hypothesis validates every strategy object on its
+# first draw, and building them inside the composites below made that validation most
+# of the properties' time (53 of 61 s in a profile of two of them).
 def _linear_curve(per_sample_max: float, fixed_max: float):
     """A line through (0, fixed) with a non-negative slope; zero sometimes, to
     exercise zero-length tasks and zero-byte buffers."""
@@ -77,24 +80,47 @@ def _linear_curve(per_sample_max: float, fixed_max: float):
     )
 
 
+def _zero_or_up_to(most: int):
+    return st.one_of(st.just(0), st.integers(1, most))
+
+
+_PARAM_NUMEL, _BUFFER_NUMEL, _FIXED_BYTES = (
+    _zero_or_up_to(2_000_000),
+    _zero_or_up_to(5_000),
+    _zero_or_up_to(4096),
+)
+_INPUT_NUMEL = st.integers(0, 200_000)
+_FWD_FLOPS, _BWD_FLOPS = st.floats(0.0, 1e10), st.floats(0.0, 3e10)
+_FWD_TIME, _BWD_TIME = _linear_curve(5e-3, 1e-3), _linear_curve(1.5e-2, 3e-3)
+_FWD_EXTRA, _BWD_EXTRA = _linear_curve(4e6, 1e6), _linear_curve(1.2e7, 3e6)
+_UPDATE_TIME = st.one_of(st.none(), st.floats(0.0, 0.05))
+
+
 @st.composite
 def layer_costs(draw, index: int = 0) -> LayerCost:
     measured_times = draw(st.booleans())
     return LayerCost(
         name=f"layer{index}",
-        param_numel=draw(st.one_of(st.just(0), st.integers(1, 2_000_000))),
-        buffer_numel=draw(st.one_of(st.just(0), st.integers(1, 5_000))),
-        input_numel_per_sample=float(draw(st.integers(0, 200_000))),
-        input_fixed_bytes_per_sample=float(draw(st.one_of(st.just(0), st.integers(1, 4096)))),
+        param_numel=draw(_PARAM_NUMEL),
+        buffer_numel=draw(_BUFFER_NUMEL),
+        input_numel_per_sample=float(draw(_INPUT_NUMEL)),
+        input_fixed_bytes_per_sample=float(draw(_FIXED_BYTES)),
         # without measured curves the times come from FLOPs and the GPU's FLOP rate
-        fwd_flops_per_sample=draw(st.floats(0.0, 1e10)),
-        bwd_flops_per_sample=draw(st.floats(0.0, 3e10)),
-        fwd_time=draw(_linear_curve(5e-3, 1e-3)) if measured_times else None,
-        bwd_time=draw(_linear_curve(1.5e-2, 3e-3)) if measured_times else None,
-        fwd_extra=draw(_linear_curve(4e6, 1e6)),
-        bwd_extra=draw(_linear_curve(1.2e7, 3e6)),
-        update_time_s=draw(st.one_of(st.none(), st.floats(0.0, 0.05))),
+        fwd_flops_per_sample=draw(_FWD_FLOPS),
+        bwd_flops_per_sample=draw(_BWD_FLOPS),
+        fwd_time=draw(_FWD_TIME) if measured_times else None,
+        bwd_time=draw(_BWD_TIME) if measured_times else None,
+        fwd_extra=draw(_FWD_EXTRA),
+        bwd_extra=draw(_BWD_EXTRA),
+        update_time_s=draw(_UPDATE_TIME),
     )
+
+
+_LAYER = layer_costs()
+_OPTIMIZER = st.sampled_from(["sgd", "sgd-momentum", "adam", "adamw"])
+_PARAM_DTYPE = st.sampled_from(["float32", "float16", "bfloat16"])
+_ACT_DTYPE = st.sampled_from(["float32", "bfloat16"])
+_TARGET_BYTES = st.integers(0, 4096)
 
 
 @st.composite
@@ -102,11 +128,11 @@ def model_specs(draw, min_layers: int = 2, max_layers: int = 12) -> ModelSpec:
     n = draw(st.integers(min_layers, max_layers))
     return ModelSpec(
         name=f"random-{n}",
-        layers=tuple(draw(layer_costs(i)) for i in range(n)),
-        optimizer=draw(st.sampled_from(["sgd", "sgd-momentum", "adam", "adamw"])),
-        param_dtype=draw(st.sampled_from(["float32", "float16", "bfloat16"])),
-        act_dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-        target_bytes_per_sample=float(draw(st.integers(0, 4096))),
+        layers=tuple(replace(draw(_LAYER), name=f"layer{i}") for i in range(n)),
+        optimizer=draw(_OPTIMIZER),
+        param_dtype=draw(_PARAM_DTYPE),
+        act_dtype=draw(_ACT_DTYPE),
+        target_bytes_per_sample=float(draw(_TARGET_BYTES)),
     )
 
 
