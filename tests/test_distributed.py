@@ -78,8 +78,9 @@ def write_plan(tmp_path, policy: str = "harmony-pp") -> Plan:
     return plan
 
 
-# KARMA: out-of-core, data parallel across servers
-@pytest.mark.parametrize("policy", ["harmony-pp", "karma"])
+# KARMA: out-of-core, data parallel across servers. Two server processes each: the
+# second policy and the killed server run in `make heavy` (CI runs both).
+@pytest.mark.parametrize("policy", ["harmony-pp", pytest.param("karma", marks=pytest.mark.heavy)])
 def test_two_servers_end_with_identical_weights_equal_to_one_process_over_all_data(
     tmp_path, policy
 ):
@@ -110,6 +111,7 @@ def test_two_servers_end_with_identical_weights_equal_to_one_process_over_all_da
         torch.testing.assert_close(w0[k], v, rtol=1e-5, atol=1e-5, msg=k)
 
 
+@pytest.mark.heavy
 def test_a_server_that_dies_makes_the_other_fail_fast(tmp_path):
     write_plan(tmp_path)
     port = free_port()
