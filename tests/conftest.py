@@ -17,9 +17,13 @@ import torch
 from hypothesis import strategies as st
 
 import harmony
+import harmony.workbench  # noqa: F401 - defers jsonschema's IRI grammar (below)
 from harmony import Curve, Hardware, LayerCost, ModelSpec, Plan
 
 POLICY_NAMES = tuple(sorted(harmony.POLICIES))
+# harmony.workbench, imported above, puts a stand-in for rfc3987_syntax: the test modules
+# import nbformat, whose jsonschema would compile that module's grammar (2.3 s in every
+# worker) for IRI format checks that no test makes first (harmony.workbench.deferred_imports)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # the suite runs in a worker per core (make test): one torch thread each, or the

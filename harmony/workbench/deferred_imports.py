@@ -22,9 +22,15 @@ IRI_MODULE = "rfc3987_syntax"
 
 def defer_iri_grammar() -> None:
     """Let ``rfc3987_syntax`` be imported at its first use, not with jsonschema."""
-    if IRI_MODULE in sys.modules or importlib.util.find_spec(IRI_MODULE) is None:
+    if IRI_MODULE in sys.modules:
+        return
+    spec = importlib.util.find_spec(IRI_MODULE)
+    if spec is None:
         return
     stand_in = types.ModuleType(IRI_MODULE)
+    # the real module's spec: importlib.util.find_spec(IRI_MODULE), which raises for a
+    # module in sys.modules without one, answers as before
+    stand_in.__spec__ = spec
 
     def is_valid_syntax(*args, **kwargs):
         if sys.modules.get(IRI_MODULE) is stand_in:
