@@ -41,7 +41,8 @@ $(STAMP): pyproject.toml Makefile
 	@if git rev-parse --git-dir >/dev/null 2>&1; then $(PYTHON) scripts/strip_notebook.py --install; fi
 	@# torch goes in without bytecode (pip --no-compile), and where PYTHONDONTWRITEBYTECODE
 	@# is set no import writes it: every test worker, kernel and CLI run would compile
-	@# torch again (3 s of CPU each). Written once here, for the venv only
+	@# torch again (3 s of CPU each). Written once here (the venv's and the checkout's
+	@# __pycache__, which git ignores)
 	@$(BIN)/python scripts/warm_bytecode.py
 	@touch $@
 

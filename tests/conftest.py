@@ -17,13 +17,14 @@ import torch
 from hypothesis import strategies as st
 
 import harmony
-import harmony.workbench  # noqa: F401 - defers jsonschema's IRI grammar (below)
+
+# harmony.workbench puts a stand-in for rfc3987_syntax: the test modules import nbformat,
+# whose jsonschema would compile that module's grammar (2.3 s in every worker) for IRI
+# format checks that no test makes first (harmony.workbench.deferred_imports)
+import harmony.workbench  # noqa: F401
 from harmony import Curve, Hardware, LayerCost, ModelSpec, Plan
 
 POLICY_NAMES = tuple(sorted(harmony.POLICIES))
-# harmony.workbench, imported above, puts a stand-in for rfc3987_syntax: the test modules
-# import nbformat, whose jsonschema would compile that module's grammar (2.3 s in every
-# worker) for IRI format checks that no test makes first (harmony.workbench.deferred_imports)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # the suite runs in a worker per core (make test): one torch thread each, or the
@@ -101,10 +102,11 @@ _UPDATE_TIME = st.one_of(st.none(), st.floats(0.0, 0.05))
 
 
 @st.composite
-def layer_costs(draw, index: int = 0) -> LayerCost:
+def layer_costs(draw) -> LayerCost:
+    """A random layer, named ``layer0`` (:func:`model_specs` names each by its place)."""
     measured_times = draw(st.booleans())
     return LayerCost(
-        name=f"layer{index}",
+        name="layer0",
         param_numel=draw(_PARAM_NUMEL),
         buffer_numel=draw(_BUFFER_NUMEL),
         input_numel_per_sample=float(draw(_INPUT_NUMEL)),

@@ -26,7 +26,7 @@ from harmony.engine.step import updates as updates_module
 
 B = 12
 #: the optimizers the Ctrl-C cases step: the engine's own and torch's
-SURE_CTRL_C = ("FlatAdamW", "AdamW")
+CTRL_C_OPTIMIZERS = ("FlatAdamW", "AdamW")
 DEVICES = {
     "cpu": lambda: "cpu",
     "emulated": lambda: EmulatedDevice(memory=int(64e6), h2d="4GB/s", d2h="4GB/s"),
@@ -192,7 +192,7 @@ def ctrl_c_case(device: str, optimizer: str) -> None:
 
 
 #: (device, optimizer) of each Ctrl-C case
-CTRL_C_CASES = [(device, optimizer) for device in sorted(DEVICES) for optimizer in SURE_CTRL_C]
+CTRL_C_CASES = [(device, opt) for device in sorted(DEVICES) for opt in CTRL_C_OPTIMIZERS]
 
 
 def _report(case, cases, outcome) -> None:
