@@ -100,8 +100,11 @@ def _repr_in_data(vega_lite: dict) -> list[str]:
     for rows in (vega_lite.get("datasets") or {}).values():
         for row in rows:
             for k in shown & set(row):
-                if isinstance(row[k], str) and REPR.search(row[k]):
-                    out.append(f"{k}={row[k]!r} looks like Python repr")
+                # a tooltip written out is an object: {title: text}
+                texts = row[k].values() if isinstance(row[k], dict) else [row[k]]
+                bad = [t for t in texts if isinstance(t, str) and REPR.search(t)]
+                if bad:
+                    out.append(f"{k}={bad[0]!r} looks like Python repr")
                     break
             if out:
                 return out

@@ -6,13 +6,14 @@ import json
 import math
 import re
 
+import pandas as pd
 import pytest
 
 pytest.importorskip("ipywidgets")
 pytest.importorskip("altair")
 
 from harmony.planner import systems  # noqa: E402
-from harmony.workbench import play  # noqa: E402
+from harmony.workbench import play, row_pool  # noqa: E402
 from harmony.workbench.live_spec import exploration_spec, records  # noqa: E402
 from harmony.workbench.widgets import CLAIM_DOES_NOT_APPLY, PackExplorer  # noqa: E402
 
@@ -82,9 +83,12 @@ def test_rows_are_written_as_altair_writes_them():
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Fresh caches, and the plans each simulation path played, counted."""
-    for cache in (play.played, play.own_plan, systems.chooser_summary):
-        cache.cache_clear()
+    """Fresh caches, every row simulated in this process, and the plans each
+    simulation path played, counted."""
+    for kept in (play.TRACES, play.OWN_PLANS, play.PICKED, play.PLAYED):
+        kept.clear()
+    systems.chooser_summary.cache_clear()
+    monkeypatch.setattr(row_pool, "MAX_WORKERS", 1)
     calls = {"traces": [], "chooser": []}
 
     def simulate(spec, hw, plan, _simulate=play.simulate):
@@ -140,3 +144,58 @@ def test_a_change_simulates_only_what_depends_on_it(counted):
     ex.pack_size.value = 2
     ex.compute()
     assert counted["traces"] == [] and counted["chooser"] == []
+
+
+def _fresh(monkeypatch, workers: int) -> None:
+    for kept in (play.TRACES, play.OWN_PLANS, play.PICKED, play.PLAYED):
+        kept.clear()
+    systems.chooser_summary.cache_clear()
+    monkeypatch.setattr(row_pool, "MAX_WORKERS", workers)
+    monkeypatch.setattr(row_pool, "cores", lambda: workers)
+
+
+SIDE_BY_SIDE = [
+    CLAIM_DOES_NOT_APPLY,
+    {"model": "gpt2-tiny", "minibatch": 8, "host_memory": "45%", "disk": "nvme"},
+]
+
+
+@pytest.mark.skipif("fork" not in row_pool.mp.get_all_start_methods(), reason="no fork here")
+@pytest.mark.parametrize("setting", SIDE_BY_SIDE, ids=["claim", "state on disk"])
+def test_rows_from_the_workers_are_the_rows_simulated_here(monkeypatch, setting):
+    _fresh(monkeypatch, 1)
+    here = PackExplorer(**setting).compute()
+    _fresh(monkeypatch, 2)
+    ex = PackExplorer(**setting)
+    side_by_side = ex.compute()
+    # no chooser simulated a candidate here: they all ran in the workers
+    assert systems.chooser_summary.cache_info().misses == 0
+    pd.testing.assert_frame_equal(side_by_side.comparison, here.comparison)
+    assert side_by_side.headline == here.headline
+    # choosing another row draws its plan: played here, as it was in the workers
+    ex.policy.value = "harmony-dp"
+    assert ex.compute().comparison.equals(
+        side_by_side.comparison.assign(chosen=side_by_side.comparison.policy == "harmony-dp")
+        .set_index("policy")
+        .loc[ex.result.comparison.policy]
+        .reset_index()
+    )
+
+
+@pytest.mark.skipif("fork" not in row_pool.mp.get_all_start_methods(), reason="no fork here")
+def test_workers_that_died_leave_their_rows_to_this_process(monkeypatch):
+    _fresh(monkeypatch, 2)
+    ex = PackExplorer(**CLAIM_DOES_NOT_APPLY)
+    ex.compute()
+    for process in list(row_pool._EXECUTOR._processes.values()):
+        process.kill()
+        process.join()
+    ex.pack_size.value = 3
+    r = ex.compute()
+    assert r.problem is None and r.comparison.iteration_s.notna().sum() >= 4
+    _fresh(monkeypatch, 1)
+    assert (
+        PackExplorer(**{**CLAIM_DOES_NOT_APPLY, "pack_size": 3})
+        .compute()
+        .comparison.equals(r.comparison)
+    )

@@ -22,6 +22,12 @@ from .play import cached_spec, own_plan, own_summary
 RESIDENT = model_parallel.NAME
 
 
+def claim_setting(model: str, source: str, hardware: str, minibatch: int) -> tuple:
+    """The arguments of :func:`~.play.own_plan` for the resident run :func:`setting`
+    compares with: on one GPU of ``hardware``, the preset's host memory, no disk."""
+    return (RESIDENT, model, source, hardware, 1, minibatch, None, None)
+
+
 def setting(
     comparison: pd.DataFrame,
     chosen: str,
@@ -38,7 +44,7 @@ def setting(
     spec, hw = cached_spec(model, source), preset(hardware)
     state = spec.weight_bytes() + spec.grad_bytes() + spec.optimizer_state_bytes()
     held = f"{format_bytes(state)} of weights, gradients and optimizer state"
-    resident, _ = own_plan(RESIDENT, model, source, hardware, 1, minibatch)
+    resident, _ = own_plan(*claim_setting(model, source, hardware, minibatch))
     if resident is None:
         return (
             f"The paper's setting: the model does not fit in a GPU ({held}; a GPU holds "

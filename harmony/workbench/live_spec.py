@@ -25,11 +25,13 @@ from ..planner.systems import PLAN_MAKERS
 from . import palette
 from .charts import bold_label, plan_notation, policy_bar_frame, problem_text
 from .display import load_altair
+from .labels import tooltip_columns
 from .timelines import (
     LANES,
     MEMORY_BINS,
     MEMORY_TOOLTIPS,
     MENU_FROM,
+    TIMELINE_DRAWN,
     TIMELINE_TOOLTIPS,
     kind_label_expr,
     lane_group,
@@ -56,13 +58,26 @@ def tips(fields) -> list[dict]:
     ]
 
 
+def formatted_tips(fields) -> list[dict]:
+    """Tooltips of ``fields`` ((column, title, d3 format or None) each), numbers
+    formatted by vega."""
+    return tips((c, "N" if fmt is None else "Q", t, fmt) for c, t, fmt in fields)
+
+
+def text_tips(fields, drawn) -> list[dict]:
+    """Tooltips of the text :func:`~.labels.tooltip_texts` writes for ``fields``."""
+    return [field(c, "N", title=t) for c, t in tooltip_columns(fields, drawn)]
+
+
 def records(df: pd.DataFrame) -> list[dict]:
     """``df``'s rows as altair writes them (``to_values``): Python numbers, strings
     and booleans, NaN and infinities as None; a column at a time, not a cell."""
     columns = []
     for name in df.columns:
         values, kind = df[name].tolist(), df[name].dtype.kind
-        if kind in "fO":
+        if kind == "f" or (
+            kind == "O" and pd.api.types.infer_dtype(values, skipna=False) != "string"
+        ):
             values = [None if isinstance(v, float) and not math.isfinite(v) else v for v in values]
         columns.append(values)
     names = [str(c) for c in df.columns]
@@ -119,7 +134,7 @@ def timeline_part(trace, data: Datasets, title: str, subtitle: str) -> tuple[dic
         "mark": {"type": "bar", "height": {"band": 0.8}},
         "encoding": {
             "color": color,
-            "tooltip": tips(TIMELINE_TOOLTIPS),
+            "tooltip": text_tips(TIMELINE_TOOLTIPS, TIMELINE_DRAWN),
             "x": time_axis,
             "x2": {"field": "drawn_end_s"},
             "y": y,
@@ -172,7 +187,12 @@ def memory_part(trace, data: Datasets) -> dict:
     }
     top = {
         "mark": {"type": "line", **step},
-        "encoding": {"color": color, "tooltip": tips(MEMORY_TOOLTIPS), "x": x, "y": y},
+        "encoding": {
+            "color": color,
+            "tooltip": formatted_tips(MEMORY_TOOLTIPS),
+            "x": x,
+            "y": y,
+        },
     }
     cap = {
         "mark": {"type": "rule", "color": "#555555", "strokeDash": [4, 4]},

@@ -6,8 +6,9 @@ run, but saying in words what is wrong, and one comparison row per policy.
   the host's memory (and its disk tier, where it has one) is a problem like
   any other, in the planner's words (:class:`~harmony.costs.placement.HostMemoryError`);
 * :func:`played` is :func:`play` kept per model, server and plan;
-  :func:`own_summary` its numbers alone for a plan a baseline's chooser
-  picked (simulated when it was picked, not again);
+  :func:`played_summary` its numbers alone; :func:`own_summary` those of a plan
+  a baseline's chooser picked (simulated when it was picked, not again); what a
+  worker computed of them is put in their :class:`Kept` (:mod:`.row_pool`);
 * :func:`server` is a preset with its host memory and disk tier set;
 * :func:`own_plan` is the plan a faithful baseline picks by its stated rule
   (:data:`~harmony.planner.systems.PLAN_MAKERS`), as that system would run;
@@ -16,6 +17,7 @@ run, but saying in words what is wrong, and one comparison row per policy.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -107,9 +109,13 @@ def own_summary(
 ) -> tuple[Summary | None, str | None]:
     """:func:`played` of a plan :func:`own_plan` picked, as ``(summary, problem)``
     without the trace: the summary its chooser saw when it picked it
-    (:func:`~harmony.planner.systems.chooser_summary`), not simulated again."""
+    (:func:`~harmony.planner.systems.chooser_summary`), not simulated again; kept
+    (:data:`PICKED`), as the worker that ran the chooser found it."""
     spec = cached_spec(model, source)
-    return _run(spec, plan, lambda: chooser_summary(spec, hardware, plan), lambda summary: summary)
+    return PICKED.get(
+        (model, source, hardware, plan),
+        lambda: _run(spec, plan, lambda: chooser_summary(spec, hardware, plan), lambda s: s),
+    )
 
 
 def _run(spec: ModelSpec, plan: Plan, simulated, summary_of) -> tuple:
@@ -126,6 +132,35 @@ def _run(spec: ModelSpec, plan: Plan, simulated, summary_of) -> tuple:
     return result, out_of_memory(summary_of(result))
 
 
+class Kept:
+    """The last ``size`` results, by key: computed on first use (:meth:`get`), or put
+    in by whoever computed them elsewhere (:meth:`put`: the explorer's workers,
+    :mod:`.row_pool`)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.items: collections.OrderedDict = collections.OrderedDict()
+
+    def __contains__(self, key) -> bool:
+        return key in self.items
+
+    def get(self, key, compute):
+        """The value kept for ``key``, else ``compute()``, kept."""
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        return self.put(key, compute())
+
+    def clear(self) -> None:
+        self.items.clear()
+
+    def put(self, key, value):
+        self.items[key] = value
+        if len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return value
+
+
 @functools.lru_cache(maxsize=32)
 def cached_spec(model: str, source: str) -> ModelSpec:
     return model_spec(model, source)
@@ -135,13 +170,16 @@ def cached_spec(model: str, source: str) -> ModelSpec:
 # a baseline's own plan does not change with the packs, and a reader goes back and forth.
 # Traces are read, never changed, so one played plan serves every view of it. 64 traces:
 # about seven settings of every policy.
-@functools.lru_cache(maxsize=64)
+TRACES = Kept(64)
+
+
 def played(
     model: str, source: str, hardware: Hardware, plan: Plan
 ) -> tuple[Trace | None, str | None]:
     """:func:`play` of ``plan`` on :func:`cached_spec` ``(model, source)``, kept per
-    (model, source, hardware, plan): each plan is simulated once."""
-    return play(cached_spec(model, source), hardware, plan)
+    (model, source, hardware, plan) (:data:`TRACES`): each plan is simulated once."""
+    key = (model, source, hardware, plan)
+    return TRACES.get(key, lambda: play(cached_spec(model, source), hardware, plan))
 
 
 def server(hardware: str, host_memory: int | None = None, disk: str | None = None) -> Hardware:
@@ -157,7 +195,13 @@ def server(hardware: str, host_memory: int | None = None, disk: str | None = Non
 
 # The controls that do not change a baseline's own plan (pack size, microbatches)
 # redraw without re-running its chooser: its plan is kept per setting.
-@functools.lru_cache(maxsize=64)
+OWN_PLANS = Kept(64)
+# What a chooser's pick and a plan on the controls simulate to, by (model, source,
+# hardware, plan): a few hundred bytes each, filled by the explorer's workers too.
+PICKED = Kept(256)
+PLAYED = Kept(256)
+
+
 def own_plan(
     policy: str,
     model: str,
@@ -171,13 +215,31 @@ def own_plan(
     """``(plan, problem)``: the plan ``policy``'s own chooser picks for this
     setting (its packs are what the system is; its microbatch the largest that
     fits) on :func:`server` ``(hardware, host_memory, disk)``, or None and why
-    it has none."""
+    it has none. Kept per setting (:data:`OWN_PLANS`)."""
+    key = (policy, model, source, hardware, n_gpus, minibatch, host_memory, disk)
+    return OWN_PLANS.get(key, lambda: _choose(*key))
+
+
+def _choose(policy, model, source, hardware, n_gpus, minibatch, host_memory, disk):
     try:
         spec = cached_spec(model, source)
         hw = server(hardware, host_memory, disk)
         return CHOOSERS[policy](spec, hw, minibatch, n_gpus=n_gpus), None
     except HarmonyError as err:
         return None, str(err)
+
+
+def played_summary(
+    model: str, source: str, hardware: Hardware, plan: Plan
+) -> tuple[Summary | None, str | None]:
+    """:func:`played` as ``(summary, problem)``: what a worker played of it
+    (:data:`PLAYED`), else the summary of the trace kept."""
+
+    def from_trace():
+        trace, problem = played(model, source, hardware, plan)
+        return (trace.summary if trace is not None else None), problem
+
+    return PLAYED.get((model, source, hardware, plan), from_trace)
 
 
 def status(summary: Summary | None, problem: str | None) -> str:

@@ -203,7 +203,7 @@ def timeline_chart(
             x2="drawn_end_s:Q",
             y=y,
             color=_timeline_color(alt, df, color),
-            tooltip=tooltips(alt, TIMELINE_TOOLTIPS),
+            tooltip=_tooltip(alt, TIMELINE_TOOLTIPS, TIMELINE_DRAWN),
         )
     )
     bands = (  # every other GPU's lanes shaded, so one GPU's lanes read as a group
@@ -237,13 +237,14 @@ def _named(column: str, value, names) -> str:
 
 
 def _bars(df: pd.DataFrame, width: int) -> pd.DataFrame:
-    """The bars' columns: durations in ms, layers and descriptions in words, the lane's
-    GPU (every other one shaded) and kind, and each bar's drawn end (at least
-    :data:`MIN_BAR_PX` wide)."""
+    """The bars' columns: the lane, its GPU (every other one shaded) and kind, the
+    start and the drawn end (at least :data:`MIN_BAR_PX` wide), and what the tooltip
+    shows, as text (:data:`TIMELINE_TOOLTIPS`: durations in ms, layers and
+    descriptions in words)."""
     span = float(df.end_s.max() - df.start_s.min()) or 1.0
     shortest = span * MIN_BAR_PX / width
     groups = list(dict.fromkeys(lane_group(x) for x in sorted(set(df.lane), key=_lane_order)))
-    return pd.DataFrame(
+    bars = pd.DataFrame(
         {
             "lane": df.lane,
             "group": _each(df.lane, lane_group),
@@ -252,7 +253,6 @@ def _bars(df: pd.DataFrame, width: int) -> pd.DataFrame:
             "kind": df.kind,
             "means": df.kind.map(palette.KIND_WORDS).fillna(""),
             "start_s": df.start_s,
-            "end_s": df.end_s,
             "drawn_end_s": df.end_s.where(
                 df.end_s - df.start_s >= shortest, df.start_s + shortest
             ),
@@ -264,6 +264,7 @@ def _bars(df: pd.DataFrame, width: int) -> pd.DataFrame:
             "what": _each(df["what"], lambda x: labels.spans(str(x))),
         }
     )
+    return labels.tooltip_texts(bars, TIMELINE_TOOLTIPS, TIMELINE_DRAWN)
 
 
 def _each(values, words) -> list:
@@ -297,34 +298,47 @@ def _with_lane_menu(alt, chart, order: list[str]):
     )
 
 
-#: the timeline's tooltips: (field, type, title, format or None)
+#: the timeline's tooltips: (column, title, d3 format or None); :func:`labels.tooltip_texts`
+#: writes the numbers as text
 TIMELINE_TOOLTIPS = (
-    ("lane", "N", "lane", None),
-    ("kind", "N", "task kind", None),
-    ("means", "N", "what it is", None),
-    ("what", "N", "task", None),
-    ("tasks", "Q", "tasks in this bar", "d"),
-    ("layers", "N", "layers", None),
-    ("microbatch", "Q", "microbatch (-1: all)", "d"),
-    ("start_s", "Q", "start (s)", ".4~f"),
-    ("duration_ms", "Q", "duration (ms)", ".3~g"),
-    ("bytes", "Q", "bytes", ".3~s"),
+    ("lane", "lane", None),
+    ("kind", "task kind", None),
+    ("means", "what it is", None),
+    ("what", "task", None),
+    ("tasks", "tasks in this bar", "d"),
+    ("layers", "layers", None),
+    ("microbatch", "microbatch (-1: all)", "d"),
+    ("start_s", "start (s)", ".4~f"),
+    ("duration_ms", "duration (ms)", ".3~g"),
+    ("bytes", "bytes", ".3~s"),
 )
-#: the memory chart's tooltips, as :data:`TIMELINE_TOOLTIPS`
+#: the timeline's columns drawn as numbers: their tooltip text is another column
+TIMELINE_DRAWN = ("start_s",)
+#: the memory chart's tooltips, as :data:`TIMELINE_TOOLTIPS` but formatted by vega: its
+#: numbers are drawn, so their text would double its data (a few hundred points)
 MEMORY_TOOLTIPS = (
-    ("device", "N", "device", None),
-    ("time_s", "Q", "time (s)", ".3~f"),
-    ("high_gb", "Q", "highest in use (GB)", ".3~g"),
-    ("low_gb", "Q", "lowest in use (GB)", ".3~g"),
-    ("capacity_gb", "Q", "capacity (GB)", ".3~g"),
+    ("device", "device", None),
+    ("time_s", "time (s)", ".3~f"),
+    ("high_gb", "highest in use (GB)", ".3~g"),
+    ("low_gb", "lowest in use (GB)", ".3~g"),
+    ("capacity_gb", "capacity (GB)", ".3~g"),
 )
+#: significant digits of the memory chart's numbers
+DRAWN_DIGITS = 7
 
 
-def tooltips(alt, fields) -> list:
-    """Altair tooltips of ``fields`` ((field, type, title, format or None) each)."""
+def _tooltip(alt, fields, drawn) -> list:
+    """Altair tooltips of the text :func:`labels.tooltip_texts` writes for ``fields``."""
+    return [alt.Tooltip(f"{c}:N", title=t) for c, t in labels.tooltip_columns(fields, drawn)]
+
+
+def _formatted_tooltip(alt, fields) -> list:
+    """Altair tooltips of ``fields``, numbers formatted by vega."""
     return [
-        alt.Tooltip(f"{f}:{t}", title=title, **({"format": fmt} if fmt else {}))
-        for f, t, title, fmt in fields
+        alt.Tooltip(
+            f"{c}:{'N' if fmt is None else 'Q'}", title=t, **({"format": fmt} if fmt else {})
+        )
+        for c, t, fmt in fields
     ]
 
 
@@ -378,12 +392,13 @@ def memory_chart(
         x=alt.X("time_s:Q", title="time in the iteration (s)", scale=alt.Scale(nice=False))
     )
     y = alt.Y("high_gb:Q", title="in use (GB)", axis=alt.Axis(tickCount=3))
-    tips = tooltips(alt, MEMORY_TOOLTIPS)
     band = base.mark_area(interpolate="step-after", opacity=0.35).encode(
         y=y, y2="low_gb:Q", color=_device_color(alt, devices)
     )
     top = base.mark_line(interpolate="step-after").encode(
-        y=y, color=_device_color(alt, devices), tooltip=tips
+        y=y,
+        color=_device_color(alt, devices),
+        tooltip=_formatted_tooltip(alt, MEMORY_TOOLTIPS),
     )
     # one rule per device (not one per time bin)
     cap = alt.Chart().mark_rule(strokeDash=[4, 4], color="#555555").encode(y="max(capacity_gb):Q")
@@ -434,14 +449,20 @@ def memory_bands(trace: Trace, bins: int) -> pd.DataFrame:
             pd.DataFrame(
                 {
                     "device": device,
-                    "time_s": t0 + np.arange(bins) * width,
-                    "low_gb": low / 1e9,
-                    "high_gb": high / 1e9,
-                    "capacity_gb": capacity / 1e9,
+                    "time_s": _digits(t0 + np.arange(bins) * width),
+                    "low_gb": _digits(low / 1e9),
+                    "high_gb": _digits(high / 1e9),
+                    "capacity_gb": _digits(np.full(bins, capacity / 1e9)),
                 }
             )
         )
     return pd.concat(rows, ignore_index=True)
+
+
+def _digits(values: np.ndarray) -> list[float]:
+    """``values`` to :data:`DRAWN_DIGITS` significant digits: what a chart a few hundred
+    pixels high can show, in half the bytes of a float's 17 digits."""
+    return [float(f"{v:.{DRAWN_DIGITS}g}") for v in values.tolist()]
 
 
 def thin_memory(trace: Trace, max_rows: int = MAX_ROWS) -> Trace:

@@ -52,7 +52,7 @@ from .charts import (
     thin_memory,
     timeline_chart,
 )
-from .claim import setting
+from .claim import claim_setting, setting
 from .comparison import (
     ON_THESE_PACKS,
     baselines,
@@ -71,7 +71,17 @@ from .controls import (  # w: ipywidgets, or how to install it
 from .display import live_bundle, load_altair
 from .exploration import Exploration
 from .live_spec import chart_texts, exploration_spec
-from .play import COLUMNS, cached_spec, own_plan, own_summary, played, row, server
+from .play import (
+    COLUMNS,
+    cached_spec,
+    own_plan,
+    own_summary,
+    played,
+    played_summary,
+    row,
+    server,
+)
+from .row_pool import Rows
 from .run_for_real import RealRun, RunForReal
 from .tiers import (
     AS_PRESET,
@@ -315,7 +325,8 @@ class PackExplorer(PlanExplorer):
 
     def compute(self) -> Exploration:
         """Simulate the chosen plan and one plan per other policy (each plan once:
-        :func:`~harmony.workbench.play.played` keeps what was played)."""
+        :mod:`~harmony.workbench.play` keeps what was played), the other policies'
+        side by side in worker processes (:mod:`~harmony.workbench.row_pool`)."""
         baseline, choice = self.baseline.value, self.policy.value
         model, source, hardware = self.model.value, self.source.value, self.hardware.value
         n, minibatch = self.n_gpus.value, self.minibatch.value
@@ -328,23 +339,45 @@ class PackExplorer(PlanExplorer):
             empty = pd.DataFrame(columns=COLUMNS)
             self.result = Exploration(None, None, empty, str(err), baseline, chosen=choice)
             return self.result
+        labels = [choice] + [p for p in names() if p != choice]
+        policies = {label: policy_of(label) for label in labels}
+        on_controls = {
+            label: self.plan_for(policy, n, len(spec))
+            for label, (policy, on_the_controls) in policies.items()
+            if on_the_controls
+        }
+        setting_of = {
+            label: (policy, model, source, hardware, n, minibatch, host, disk)
+            for label, (policy, on_the_controls) in policies.items()
+            if not on_the_controls
+        }
+        # the other rows in the workers (and the claim's resident run), the chosen plan
+        # played here meanwhile: its trace is drawn
+        ahead = Rows(
+            choosers=[*setting_of.values(), claim_setting(model, source, hardware, minibatch)],
+            plays=[(model, source, hw, p) for label, p in on_controls.items() if label != choice],
+        )
+        if choice in on_controls:
+            played(model, source, hw, on_controls[choice])
+        ahead.wait()
         rows = []
-        for label in [choice] + [p for p in names() if p != choice]:
-            policy, on_the_controls = policy_of(label)
-            if on_the_controls:
-                plan, problem = self.plan_for(policy, n, len(spec)), None
+        for label in labels:
+            if label in on_controls:
+                plan, problem = on_controls[label], None
             else:
-                plan, problem = own_plan(policy, model, source, hardware, n, minibatch, host, disk)
+                plan, problem = own_plan(*setting_of[label])
             trace = summary = None
-            if plan and (label == choice or on_the_controls):  # kept: a policy switch draws it
+            if plan and label == choice:
                 trace, problem = played(model, source, hw, plan)
                 summary = trace.summary if trace is not None else None
+            elif plan and label in on_controls:
+                summary, problem = played_summary(model, source, hw, plan)
             elif plan:  # a baseline's pick: its chooser simulated it
                 summary, problem = own_summary(model, source, hw, plan)
             problem = in_controls_words(problem)
             if label == choice:
                 mine = (plan, trace, problem)
-            planned_by = "the controls" if on_the_controls else "its own rule"
+            planned_by = "the controls" if label in on_controls else "its own rule"
             rows.append(
                 row(label, plan, summary, problem, chosen=label == choice, planned_by=planned_by)
             )
