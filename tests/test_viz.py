@@ -448,3 +448,22 @@ def test_the_rules_catch_what_a_reader_would_miss():
     said = " ".join(problems(bad.to_dict()))
     assert "raw column name 'n_gpus'" in said and "raw column name 'samples_per_s'" in said
     assert "legend without a title" in said and "looks like Python repr" in said
+
+
+def test_tooltip_numbers_are_written_as_d3_writes_them():
+    from harmony.workbench.labels import formatted_column
+
+    nan, inf = float("nan"), float("inf")
+    assert formatted_column([12345678, 999_999, 0.0, 1e-3, nan], ".3~s") == [
+        "12.3M",
+        "1M",
+        "0",
+        "1m",
+        "–",
+    ]
+    assert formatted_column([3.5726, 3.0, 0.12, -inf], ".4~f") == ["3.5726", "3", "0.12", "–"]
+    assert formatted_column([25.4261, 0.000123456], ".3~g") == ["25.4", "0.000123"]
+    assert formatted_column([-1, 7.0, nan], "d") == ["-1", "7", "–"]
+    assert formatted_column(["a", None, 2], None) == ["a", "", "2"]
+    with pytest.raises(ValueError, match="not one of"):
+        formatted_column([1.0], ",.2%")

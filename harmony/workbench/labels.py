@@ -114,13 +114,8 @@ def tooltips(df: pd.DataFrame, columns: Iterable[str] | None = None, formats=Non
 _SI = {-4: "p", -3: "n", -2: "µ", -1: "m", 0: "", 1: "k", 2: "M", 3: "G", 4: "T", 5: "P"}
 
 
-def formatted(value, fmt: str | None) -> str:
-    """``value`` as d3's format ``fmt`` writes it (:func:`formatted_column`)."""
-    return formatted_column([value], fmt)[0]
-
-
 #: what Python writes for numbers that are not: a tooltip says "–"
-_MISSING = {"nan", "-nan", "inf", "-inf"}
+_MISSING = {"nan", "inf", "-inf"}
 
 
 def formatted_column(values: list, fmt: str | None) -> list[str]:
@@ -160,16 +155,30 @@ def _text_column(column: str, fmt: str | None, drawn: Iterable[str]) -> str:
     return column + "_text" if fmt is not None and column in drawn else column
 
 
-def tooltip_columns(fields, drawn: Iterable[str] = ()) -> list[tuple[str, str]]:
-    """The ``(column, title)`` pairs a tooltip shows of the frame
-    :func:`tooltip_texts` writes with the same ``fields`` and ``drawn``."""
-    return [(_text_column(column, fmt, drawn), title) for column, title, fmt in fields]
+def text_tooltip(fields, drawn: Iterable[str] = ()) -> list[dict]:
+    """The Vega-Lite tooltip of the text :func:`tooltip_texts` writes with the same
+    ``fields`` and ``drawn``: each shown as it is."""
+    return [
+        {"field": _text_column(column, fmt, drawn), "type": "nominal", "title": title}
+        for column, title, fmt in fields
+    ]
+
+
+def formatted_tooltip(fields) -> list[dict]:
+    """The Vega-Lite tooltip of ``fields`` ((column, title, d3 format or None) each),
+    its numbers formatted by vega."""
+    return [
+        {"field": column, "type": "nominal", "title": title}
+        if fmt is None
+        else {"field": column, "type": "quantitative", "title": title, "format": fmt}
+        for column, title, fmt in fields
+    ]
 
 
 def tooltip_texts(df: pd.DataFrame, fields, drawn: Iterable[str] = ()) -> pd.DataFrame:
     """``df`` with the numbers its tooltip shows written as text. ``fields``:
     (column, title, d3 format or None) each; a column with a format is replaced by
-    its text (:func:`formatted`), or, when it is ``drawn`` (a position the chart
+    its text (:func:`formatted_column`), or, when it is ``drawn`` (a position the chart
     needs as a number), joined by ``<column>_text``. Written once here, a tooltip is
     text vega shows as it is: a tooltip that formats its numbers makes vega run a
     formatter per field for every mark on every redraw (about a third of drawing

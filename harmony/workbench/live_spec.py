@@ -25,7 +25,7 @@ from ..planner.systems import PLAN_MAKERS
 from . import palette
 from .charts import bold_label, plan_notation, policy_bar_frame, problem_text
 from .display import load_altair
-from .labels import tooltip_columns
+from .labels import formatted_tooltip, text_tooltip
 from .timelines import (
     LANES,
     MEMORY_BINS,
@@ -56,17 +56,6 @@ def tips(fields) -> list[dict]:
     return [
         field(f, t, title=title, **({"format": fmt} if fmt else {})) for f, t, title, fmt in fields
     ]
-
-
-def formatted_tips(fields) -> list[dict]:
-    """Tooltips of ``fields`` ((column, title, d3 format or None) each), numbers
-    formatted by vega."""
-    return tips((c, "N" if fmt is None else "Q", t, fmt) for c, t, fmt in fields)
-
-
-def text_tips(fields, drawn) -> list[dict]:
-    """Tooltips of the text :func:`~.labels.tooltip_texts` writes for ``fields``."""
-    return [field(c, "N", title=t) for c, t in tooltip_columns(fields, drawn)]
 
 
 def records(df: pd.DataFrame) -> list[dict]:
@@ -134,7 +123,7 @@ def timeline_part(trace, data: Datasets, title: str, subtitle: str) -> tuple[dic
         "mark": {"type": "bar", "height": {"band": 0.8}},
         "encoding": {
             "color": color,
-            "tooltip": text_tips(TIMELINE_TOOLTIPS, TIMELINE_DRAWN),
+            "tooltip": text_tooltip(TIMELINE_TOOLTIPS, TIMELINE_DRAWN),
             "x": time_axis,
             "x2": {"field": "drawn_end_s"},
             "y": y,
@@ -189,7 +178,7 @@ def memory_part(trace, data: Datasets) -> dict:
         "mark": {"type": "line", **step},
         "encoding": {
             "color": color,
-            "tooltip": formatted_tips(MEMORY_TOOLTIPS),
+            "tooltip": formatted_tooltip(MEMORY_TOOLTIPS),
             "x": x,
             "y": y,
         },

@@ -203,7 +203,9 @@ def timeline_chart(
             x2="drawn_end_s:Q",
             y=y,
             color=_timeline_color(alt, df, color),
-            tooltip=_tooltip(alt, TIMELINE_TOOLTIPS, TIMELINE_DRAWN),
+            tooltip=[
+                alt.Tooltip(**t) for t in labels.text_tooltip(TIMELINE_TOOLTIPS, TIMELINE_DRAWN)
+            ],
         )
     )
     bands = (  # every other GPU's lanes shaded, so one GPU's lanes read as a group
@@ -327,21 +329,6 @@ MEMORY_TOOLTIPS = (
 DRAWN_DIGITS = 7
 
 
-def _tooltip(alt, fields, drawn) -> list:
-    """Altair tooltips of the text :func:`labels.tooltip_texts` writes for ``fields``."""
-    return [alt.Tooltip(f"{c}:N", title=t) for c, t in labels.tooltip_columns(fields, drawn)]
-
-
-def _formatted_tooltip(alt, fields) -> list:
-    """Altair tooltips of ``fields``, numbers formatted by vega."""
-    return [
-        alt.Tooltip(
-            f"{c}:{'N' if fmt is None else 'Q'}", title=t, **({"format": fmt} if fmt else {})
-        )
-        for c, t, fmt in fields
-    ]
-
-
 def kind_label_expr() -> str:
     """The kind legend's label expression: each kind in words ("W_IN: weights host → GPU")."""
     words = json.dumps({k: f"{k}: {w}" for k, w in palette.KIND_WORDS.items()}, ensure_ascii=False)
@@ -398,7 +385,7 @@ def memory_chart(
     top = base.mark_line(interpolate="step-after").encode(
         y=y,
         color=_device_color(alt, devices),
-        tooltip=_formatted_tooltip(alt, MEMORY_TOOLTIPS),
+        tooltip=[alt.Tooltip(**t) for t in labels.formatted_tooltip(MEMORY_TOOLTIPS)],
     )
     # one rule per device (not one per time bin)
     cap = alt.Chart().mark_rule(strokeDash=[4, 4], color="#555555").encode(y="max(capacity_gb):Q")
