@@ -7,10 +7,12 @@ Two measurements, one per mode:
   127.0.0.1 is aborted, as in ``tests/test_browser.py``). The notebook runs
   with its quick parameters; then each control is changed in the page as a
   reader would, and a MutationObserver on the explorer's output reports the
-  milliseconds from the change to the output's first visible change and to its
-  last (the chart drawn, then nothing more for a second). ``swaps`` counts how
-  many times the output area's content was replaced (1: the update appears in
-  one piece; vega then draws the chart inside it).
+  milliseconds from the change to the kernel's new output arriving (``swap``:
+  the output area's content replaced; the explorer keeps the old output on
+  screen until the new chart is drawn), to the first visible change (``first``:
+  new content on screen) and to the last (the chart drawn, then nothing more
+  for a second). ``swaps`` counts how many times the output area's content was
+  replaced (1: the update comes in one piece).
   "Run for real" is pressed after the GPT-2 blocks slider moves: first = its
   progress line, last = its charts.
 * ``--in-process``: the same changes made on a :class:`PackExplorer` and a
@@ -74,8 +76,16 @@ QUIET_S = 1.0  #: no change in the output for this long: the update is over
 
 WATCH = """([root, label]) => {
   window.__changes = window.__changes || {};
-  const log = window.__changes[label] = {start: performance.now(), times: []};
-  const obs = new MutationObserver(() => log.times.push(performance.now()));
+  const log = window.__changes[label] = {start: performance.now(), times: [], first: null};
+  // visible: an output that was not there at the start, not hidden behind the old one
+  const children = () => [...root.querySelectorAll(".jp-OutputArea-child")];
+  children().forEach(c => { c.__old = true; });
+  const shown = c => !c.__old && !c.querySelector('.harmony-whole[style*="none"]');
+  const obs = new MutationObserver(() => {
+    const now = performance.now();
+    log.times.push(now);
+    if (log.first === null && children().some(shown)) log.first = now;
+  });
   obs.observe(root, {subtree: true, childList: true, characterData: true, attributes: true});
   // a swap: the kernel replaced what the output area holds (one batch of its children)
   log.swaps = 0;
@@ -183,9 +193,10 @@ def _run_all(page) -> None:
     page.wait_for_function(ALL_RAN, timeout=600_000, polling=1000)
 
 
-def _measure(page, root, label: str, act) -> tuple[float, float, int]:
-    """ms to the first and the last change of ``root`` after ``act()``, and how many
-    times the kernel replaced what it shows (vega then draws in the new chart)."""
+def _measure(page, root, label: str, act) -> tuple[float, float, float, int]:
+    """ms to the first change of ``root`` after ``act()`` (the kernel's output in), to
+    its first visible change and to its last, and how many times the kernel
+    replaced what it shows."""
     page.evaluate(WATCH, [root.element_handle(), label])
     act()
     deadline, last_seen, seen_at = time.monotonic() + 120, None, 0.0
@@ -204,8 +215,9 @@ def _measure(page, root, label: str, act) -> tuple[float, float, int]:
                 last_seen, seen_at = len(log["times"]), time.monotonic()
     times = [t - log["start"] for t in log["times"]]
     if not times:
-        return float("nan"), float("nan"), 0
-    return times[0], times[-1], log["swaps"]
+        return float("nan"), float("nan"), float("nan"), 0
+    first = log["first"] - log["start"] if log["first"] is not None else float("nan")
+    return times[0], first, times[-1], log["swaps"]
 
 
 def _act(page, widget, label: str, how: tuple[str, str]):
@@ -300,18 +312,20 @@ def _report(page, screenshots: Path | None) -> None:
         f"texts cut at 1400 px (the default width): {len(cut)}" + "".join(f"\n  {c}" for c in cut)
     )
     output = explorer.locator(".widget-output").first
-    print(f"{'change':36s} {'first ms':>9s} {'last ms':>9s} {'swaps':>6s}")
+    print(f"{'change':36s} {'swap ms':>9s} {'first ms':>9s} {'last ms':>9s} {'swaps':>6s}")
     for what, label, how in CHANGES:
         act = _act(page, explorer, label, how)
-        first, last, steps = _measure(page, output, what, act)
-        print(f"{what:36s} {first:9.0f} {last:9.0f} {steps:6d}")
+        swap, first, last, steps = _measure(page, output, what, act)
+        print(f"{what:36s} {swap:9.0f} {first:9.0f} {last:9.0f} {steps:6d}")
     _act(page, real, "GPT-2 blocks", ("key", "ArrowLeft"))()
     time.sleep(1)
     button = real.locator("button", has_text="Run for real")
-    first, last, steps = _measure(
+    swap, first, last, steps = _measure(
         page, real.locator(".widget-output").first, "run", lambda: button.click()
     )
-    print(f"{'Run for real (blocks one fewer)':36s} {first:9.0f} {last:9.0f} {steps:6d}")
+    print(
+        f"{'Run for real (blocks one fewer)':36s} {swap:9.0f} {first:9.0f} {last:9.0f} {steps:6d}"
+    )
 
 
 def main() -> None:

@@ -83,8 +83,9 @@ class Explorer:
         return None
 
     def view(self, result) -> list[dict]:
-        """What the output shows of ``result``, as mime bundles: the chart and the table."""
-        return [live_bundle(self.chart(result)), html_bundle(result.table().to_html())]
+        """What the output shows of ``result``, as mime bundles: the chart with the
+        table under it (one bundle: they appear together, once the chart is drawn)."""
+        return [live_bundle(self.chart(result), below=result.table().to_html())]
 
     def _wire(self) -> None:
         """Connect the controls to :meth:`render` (once, when first shown)."""

@@ -139,20 +139,44 @@ class Displayable:
         return mimebundle(self.chart.to_dict(), mode, self.picture)
 
 
-def live_bundle(chart) -> dict[str, str]:
+def live_bundle(chart, below: str = "") -> dict[str, str]:
     """What a widget's output shows of ``chart`` (an altair chart, or its
     Vega-Lite spec as a dict) on every redraw: interactive HTML without the
     picture and without vega's script, which the widget's :func:`loader_bundle`
     brings once (nearly a megabyte less per redraw). The spec is not validated
-    again: the chart's parts were when they were made."""
+    again: the chart's parts were when they were made.
+
+    The update appears in one step: what the output area showed before (a
+    chart and the HTML ``below`` it, or a :func:`live_html` bundle) stays on
+    screen until the new chart is drawn, then both go at once."""
     mode = _State.mode or use_renderer()
     spec = chart if isinstance(chart, dict) else chart.to_dict(validate=False)
     if mode == "altair":
         bundle = load_altair().renderers.get()(spec)
-        return bundle[0] if isinstance(bundle, tuple) else bundle
+        bundle = bundle[0] if isinstance(bundle, tuple) else bundle
+        return {**bundle, "text/html": bundle.get("text/html", "") + below}
     if mode == "static":
-        return mimebundle(spec, mode)
-    return {"text/html": _interactive_html(spec, picture=False, script=False), "text/plain": ""}
+        shown = mimebundle(spec, mode)
+        return {**shown, "text/html": shown["text/html"] + below}
+    html = _interactive_html(spec, picture=False, script=False, below=below)
+    return {"text/html": html, "text/plain": ""}
+
+
+def live_html(text: str) -> dict[str, str]:
+    """HTML for a widget's output in place of a :func:`live_bundle` chart (a
+    message): shown at once, and what the charts it replaces leave is let go."""
+    div = f"harmony-shown-{uuid.uuid4().hex}"
+    return {
+        "text/html": f"""<div id="{div}">{text}</div>
+<script type="text/javascript">
+(function () {{
+  var whole = document.getElementById("{div}");
+  var area = whole && whole.parentElement.closest("{_AREAS}");
+  if (area) {{ area.harmonyLast = whole; {_LET_GO} }}
+}})();
+</script>""",
+        "text/plain": "",
+    }
 
 
 def loader_bundle() -> dict[str, str]:
@@ -218,41 +242,95 @@ _NOTE = (
 _WAIT_MS = 30_000
 
 
-def _interactive_html(spec: dict, picture: bool = True, script: bool = True) -> str:
-    """A div (holding the picture, if any) and a script that loads the inlined
-    vega-embed once per page (``script=False``: waits for a :func:`loader_bundle`
-    to) and replaces the div's content by the live chart."""
+#: the elements that hold a notebook's outputs (JupyterLab's, the classic notebook's)
+_AREAS = ".jp-OutputArea, .output_area"
+
+# A vega view listens on the window and the document (a zoom's drag, the export menu)
+# until it is finalized. The charts of an output area that are no longer in it are let
+# go here, or each redraw would keep every chart before it alive, data and all
+# (megabytes per change of an explorer, and ever longer garbage collections).
+_LET_GO = """area.harmonyViews = (area.harmonyViews || []).filter(function (shown) {
+    if (area.contains(shown.el)) return true;
+    shown.finalize();
+    return false;
+  });"""
+
+
+def _interactive_html(
+    spec: dict, picture: bool = True, script: bool = True, below: str = ""
+) -> str:
+    """A div (holding the picture, if any, then the HTML ``below``) and a script
+    that loads the inlined vega-embed once per page (``script=False``: waits for
+    a :func:`loader_bundle` to) and draws the live chart in it.
+
+    While the chart is drawn, what the output area showed last (a chart drawn by
+    this script, a :func:`live_html`) covers it: the reader sees the old output,
+    then the new one whole, never a half-built one."""
     div = f"harmony-chart-{uuid.uuid4().hex}"
     static = f'<div class="harmony-chart-static">{_picture(spec)}{_NOTE}</div>' if picture else ""
-    # "</" would end the script element early; "<\/" is the same string in JSON and JavaScript
-    spec_js = json.dumps(spec).replace("</", "<\\/")
+    # The spec goes in as JSON text in a data block, for JSON.parse: V8 reads a megabyte of
+    # JSON several times faster than the same object written as a JavaScript literal, with
+    # less garbage, and the text needs no escaping but "</" (which would end the element
+    # early; "<\\/" is the same string in JSON).
+    spec_json = json.dumps(spec).replace("</", "<\\/")
     # The bundle declares top-level constants: it runs once per page, inside a function.
     load = (
         f"if (!window.vegaEmbed) {{ (function () {{ {vega_script()}\n  }})(); }}" if script else ""
     )
-    return f"""<div class="harmony-chart" id="{div}">{static}</div>
+    chart = f'<div class="harmony-chart" id="{div}">{static}</div>'
+    return f"""<div class="harmony-whole" id="{div}-whole">{chart}{below}</div>
+<script type="application/json" id="{div}-spec">{spec_json}</script>
 <script type="text/javascript">
 (function () {{
-  var root = document.getElementById("{div}") || document.currentScript.previousElementSibling;
+  // by id; by place where the output is not yet in the page when its script runs
+  var data =
+    document.getElementById("{div}-spec") || document.currentScript.previousElementSibling;
+  var whole = document.getElementById("{div}-whole") || data.previousElementSibling;
+  var root = whole.firstChild;
+  var area = whole.parentElement && whole.parentElement.closest("{_AREAS}");
+  // what a live output area showed last, taken out when this output came: back on screen
+  // until this chart is drawn (not in a notebook's cells: they show a picture meanwhile)
+  var cover = {"area && area.harmonyLast" if not script else "null"};
+  if (cover && cover !== whole && !area.contains(cover)) {{
+    whole.parentNode.insertBefore(cover, whole);
+    whole.style.display = "none";
+  }} else {{
+    cover = null;
+  }}
+  // on screen in place of the cover; false if a newer output replaced this one meanwhile
+  function show() {{
+    if (area && !area.contains(whole)) return false;
+    if (cover) cover.remove();
+    whole.style.display = "";
+    if (area) area.harmonyLast = whole;
+    return true;
+  }}
   {load}
   var waited = 0;
   (function draw() {{
   if (!window.vegaEmbed) {{
     waited += 50;
     if (waited < {_WAIT_MS}) return setTimeout(draw, 50);
+    show();
     root.textContent = "the interactive chart failed: vega-embed was not loaded";
     return;
   }}
   var live = root.appendChild(document.createElement("div"));
-  window.vegaEmbed(live, {spec_js}, {json.dumps(embed_options(spec))})
+  window.vegaEmbed(live, JSON.parse(data.textContent), {json.dumps(embed_options(spec))})
     .then(function (result) {{
+      if (!show()) return result.finalize();
       // drawn: marked, and the view kept for checks that read what a canvas shows (toSVG)
       live.harmonyView = result.view;
       live.classList.add("harmony-drawn");
+      if (area) {{
+        {_LET_GO}
+        area.harmonyViews.push({{el: live, finalize: result.finalize}});
+      }}
       var picture = root.querySelector(".harmony-chart-static");
       if (picture) picture.remove();
     }})
     .catch(function (err) {{
+      show();
       var msg = document.createElement("pre");
       msg.style.color = "#c0392b";
       msg.textContent = "the interactive chart failed: " + err;

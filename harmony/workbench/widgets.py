@@ -64,11 +64,10 @@ from .comparison import (
 from .controls import (  # w: ipywidgets, or how to install it
     STYLE,
     PlanExplorer,
-    html_bundle,
     slider,
     w,
 )
-from .display import live_bundle, load_altair
+from .display import live_bundle, live_html, load_altair
 from .exploration import Exploration
 from .live_spec import chart_texts, exploration_spec
 from .play import (
@@ -425,10 +424,10 @@ class PackExplorer(PlanExplorer):
         """The chart and the table; a plan that cannot run gets its message instead of
         a chart (with what to change in the controls) and the table of every policy."""
         if result.trace is None:
-            table = [result.table().to_html()] if len(result.comparison) else []
-            return [html_bundle(result.message()), *map(html_bundle, table)]
+            table = result.table().to_html() if len(result.comparison) else ""
+            return [live_html(result.message() + table)]
         # the spec built directly: the chart's, without altair's seconds
-        return [live_bundle(exploration_spec(result)), html_bundle(result.table().to_html())]
+        return [live_bundle(exploration_spec(result), below=result.table().to_html())]
 
     def chart(self, result: Exploration | None = None):
         """Headline, problem (if any), swap timeline (with the disk's lanes when

@@ -32,7 +32,7 @@ from ...planner.systems import layer_swap_plans
 from ...trace import Trace
 from .. import palette
 from ..controls import shown
-from ..display import live_bundle, loader_bundle
+from ..display import live_bundle, live_html, loader_bundle
 from ..experiments import ABLATION, BASELINE
 
 #: Harmony's two placements: packs round-robin over the GPUs, or every GPU runs every pack
@@ -170,14 +170,16 @@ def readable(df: pd.DataFrame):
 def _bundle(result) -> dict:
     """The mime bundle of what :func:`try_this` shows: a chart without vega's script
     (the widget loads it once), a table :func:`readable`, anything else as IPython
-    shows it."""
+    shows it (HTML as a :func:`~..display.live_html`: a chart after it is drawn in
+    its place, not over an older chart)."""
     from IPython.core.formatters import format_display_data
 
     if hasattr(result, "to_dict") and hasattr(result, "mark_point"):  # an altair chart
         return live_bundle(result)
     if isinstance(result, pd.DataFrame):
         result = readable(result)
-    return format_display_data(result)[0]
+    bundle = format_display_data(result)[0]
+    return live_html(bundle["text/html"]) if "text/html" in bundle else bundle
 
 
 def try_this(compute: Callable[..., Any], controls: Mapping[str, Any], button: str | None = None):
