@@ -23,6 +23,7 @@ import harmony
 # format checks that no test makes first (harmony.workbench.deferred_imports)
 import harmony.workbench  # noqa: F401
 from harmony import Curve, Hardware, LayerCost, ModelSpec, Plan
+from harmony.workbench import row_pool
 
 POLICY_NAMES = tuple(sorted(harmony.POLICIES))
 
@@ -30,6 +31,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # the suite runs in a worker per core (make test): one torch thread each, or the
     # workers' thread pools fight over the cores
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _no_rows_ahead(monkeypatch):
+    """The explorers simulate no rows ahead of a change (their idle workers would take
+    cores from the other tests); tests/test_explorer_updates.py turns it on where it
+    tests it."""
+    monkeypatch.setattr(row_pool, "AHEAD", False)
 
 
 @pytest.fixture(autouse=True)

@@ -87,6 +87,7 @@ def counted(monkeypatch):
     simulation path played, counted."""
     for kept in (play.TRACES, play.OWN_PLANS, play.PICKED, play.PLAYED):
         kept.clear()
+    row_pool._AHEAD.clear()
     systems.chooser_summary.cache_clear()
     monkeypatch.setattr(row_pool, "MAX_WORKERS", 1)
     calls = {"traces": [], "chooser": []}
@@ -149,6 +150,7 @@ def test_a_change_simulates_only_what_depends_on_it(counted):
 def _fresh(monkeypatch, workers: int) -> None:
     for kept in (play.TRACES, play.OWN_PLANS, play.PICKED, play.PLAYED):
         kept.clear()
+    row_pool._AHEAD.clear()  # an earlier test's rows ahead: not kept here
     systems.chooser_summary.cache_clear()
     monkeypatch.setattr(row_pool, "MAX_WORKERS", workers)
     monkeypatch.setattr(row_pool, "cores", lambda: workers)
@@ -198,4 +200,62 @@ def test_workers_that_died_leave_their_rows_to_this_process(monkeypatch):
         PackExplorer(**{**CLAIM_DOES_NOT_APPLY, "pack_size": 3})
         .compute()
         .comparison.equals(r.comparison)
+    )
+
+
+def _serial(monkeypatch, setting: dict) -> pd.DataFrame:
+    """The comparison of ``setting`` simulated in this process, from empty caches."""
+    _fresh(monkeypatch, 1)
+    return PackExplorer(**setting).compute().comparison
+
+
+def _sends(monkeypatch) -> list:
+    """The rows sent to the workers from now on, recorded as they are sent."""
+    sent, job = [], row_pool._job
+    monkeypatch.setattr(row_pool, "_job", lambda key: sent.append(key) or job(key))
+    return sent
+
+
+@pytest.mark.skipif("fork" not in row_pool.mp.get_all_start_methods(), reason="no fork here")
+def test_the_rows_one_step_away_are_simulated_ahead_and_a_change_takes_them(monkeypatch):
+    _fresh(monkeypatch, 2)
+    monkeypatch.setattr(row_pool, "AHEAD", True)
+    ex = PackExplorer(**CLAIM_DOES_NOT_APPLY)
+    ex.widget()  # shown: the plans one step from the controls go to the workers
+    ahead = dict(row_pool._AHEAD)
+    assert {what for what, _ in ahead} == {"play"}  # the choosers' rows do not change
+    steps = ex.steps()  # a layer more per pack, each microbatch size halved and doubled
+    assert {"pack_size": ex.pack_size.value + 1} in steps and len(steps) >= 3
+    assert len({args[3] for _, args in ahead}) >= len(steps)  # a plan per step and policy
+    assert ex.policy.value not in {args[3].policy for _, args in ahead}  # played here
+    for future in ahead.values():
+        future.result()
+    monkeypatch.setattr(row_pool, "AHEAD", False)
+    sent = _sends(monkeypatch)
+    ex.pack_size.value += 1
+    assert sent == []  # every row of the change was simulated ahead
+    assert not row_pool._AHEAD  # and kept
+    stepped = ex.result.comparison
+    pd.testing.assert_frame_equal(
+        stepped, _serial(monkeypatch, {**CLAIM_DOES_NOT_APPLY, "pack_size": ex.pack_size.value})
+    )
+
+
+@pytest.mark.skipif("fork" not in row_pool.mp.get_all_start_methods(), reason="no fork here")
+def test_a_change_elsewhere_drops_the_rows_ahead_no_worker_started(monkeypatch):
+    _fresh(monkeypatch, 2)
+    monkeypatch.setattr(row_pool, "AHEAD", True)
+    ex = PackExplorer(**CLAIM_DOES_NOT_APPLY)
+    ex.widget()
+    waiting = [f for f in row_pool._AHEAD.values() if not (f.running() or f.done())]
+    assert waiting  # more rows ahead than workers: some wait
+    monkeypatch.setattr(row_pool, "AHEAD", False)
+    sent = _sends(monkeypatch)
+    ex.model.value = "gpt2-tiny"
+    assert sent  # the new model's rows, sent with none of the old ones queued before them
+    assert all(f.cancelled() for f in waiting if f not in row_pool._AHEAD.values())
+    assert all(f.running() or f.done() for f in row_pool._AHEAD.values())
+    r = ex.result.comparison
+    pd.testing.assert_frame_equal(
+        r, _serial(monkeypatch, {**CLAIM_DOES_NOT_APPLY, "model": "gpt2-tiny"})
     )

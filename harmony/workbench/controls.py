@@ -82,6 +82,10 @@ class Explorer:
         """Everything the output depends on, or None: not kept."""
         return None
 
+    def shown(self) -> None:
+        """Called once an update is on its way to the page (nothing unless an
+        explorer prepares for the next one)."""
+
     def view(self, result) -> list[dict]:
         """What the output shows of ``result``, as mime bundles: the chart with the
         table under it (one bundle: they appear together, once the chart is drawn)."""
@@ -108,6 +112,7 @@ class Explorer:
                 while len(views) > self.KEPT:
                     views.popitem(last=False)
         self.output.outputs = outputs  # one step: the old output goes as the new one comes
+        self.shown()
 
     def set(self, **values) -> None:
         """Set several controls (by attribute name, in the order given), then
@@ -197,20 +202,43 @@ class PlanExplorer(Explorer):
             f"{policy} uses the bwd microbatch for both" if one_size else ""
         )
 
-    def plan_for(self, policy: str, n_gpus: int, num_layers: int) -> Plan:
+    def plan_for(self, policy: str, n_gpus: int, num_layers: int, **sizes: int) -> Plan:
         """The controls' plan under ``policy``: :meth:`Plan.uniform` packs (its
         remainder rule), one microbatch size for a policy that runs each
-        microbatch forward then backward (the backward one)."""
-        ub = self.bwd_microbatch.value
-        uf = ub if get_policy(policy).PER_MICROBATCH else self.fwd_microbatch.value
+        microbatch forward then backward (the backward one). ``sizes`` (any of
+        ``pack_size``, ``fwd_microbatch``, ``bwd_microbatch``) stand in for
+        those controls' values."""
+        ub = sizes.get("bwd_microbatch", self.bwd_microbatch.value)
+        uf = sizes.get("fwd_microbatch", self.fwd_microbatch.value)
         return Plan.uniform(
             policy,
             n_gpus,
             self.minibatch.value,
             ub,
             num_layers,
-            self.pack_size.value,
-            fwd_microbatch=uf,
+            sizes.get("pack_size", self.pack_size.value),
+            fwd_microbatch=ub if get_policy(policy).PER_MICROBATCH else uf,
             offload_activations=self.offload_activations.value,
             prefetch_packs=self.prefetch_packs.value,
         )
+
+    def steps(self) -> list[dict[str, int]]:
+        """The plan's sizes one step from the controls' (a layer per pack more or
+        less, each microbatch size doubled or halved, within its control's range
+        and the minibatch): the settings a reader is likely to try next."""
+        top = {"pack_size": self.pack_size.max, "fwd_microbatch": self.minibatch.value}
+        top["bwd_microbatch"] = self.minibatch.value
+        steps = []
+        for name, moves in (
+            ("pack_size", (lambda v: v + 1, lambda v: v - 1)),
+            ("bwd_microbatch", (lambda v: v // 2, lambda v: v * 2)),
+            ("fwd_microbatch", (lambda v: v // 2, lambda v: v * 2)),
+        ):
+            control = getattr(self, name)
+            if control.disabled:
+                continue
+            for move in moves:
+                value = move(control.value)
+                if 1 <= value <= top[name] and value != control.value:
+                    steps.append({name: value})
+        return steps

@@ -8,8 +8,16 @@ draws); what the workers found goes into the kept results of
 :mod:`~harmony.workbench.play`, where the rows are then read. A worker returns
 plans and summaries, a few hundred bytes each, never a trace.
 
+While the reader looks at an update, the idle workers simulate ahead the rows
+of the settings the explorer expects next (:func:`ahead`: the plans of the
+controls one step either way). A change that lands on one finds its rows kept,
+or being simulated already; the others' rows not started yet are dropped at
+the change, so that they never queue before the rows it needs. The workers run
+at a lower priority (:data:`NICE`) than the explorer's kernel and the browser,
+which draw the update meanwhile.
+
 With one core, or where processes cannot be forked, nothing is sent and the
-rows are simulated one after another, as before. The same results either way:
+rows are simulated one after another, as before (and nothing ahead). The same results either way:
 the workers run the same functions on the same arguments (models and servers by
 name: the catalog and the presets are fixed tables, read by the workers as they
 were when forked). A worker that dies leaves its rows to this process.
@@ -17,9 +25,10 @@ were when forked). A worker that dies leaves its rows to this process.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from ..costs.hardware import Hardware
@@ -28,7 +37,18 @@ from . import play
 
 #: at most this many workers, however many cores
 MAX_WORKERS = 4
+#: the workers' niceness (:func:`_behind_the_reader`): rows simulated ahead take no core
+#: from the kernel or the browser drawing the update (the rows a change needs wait on the
+#: kernel's own play anyway, the chosen plan's)
+NICE = 10
+#: rows simulated ahead at most, waiting or running
+MAX_AHEAD = 48
+#: whether rows are simulated ahead at all (``HARMONY_EXPLORER_AHEAD=0``: not, to measure
+#: every change cold)
+AHEAD = os.environ.get("HARMONY_EXPLORER_AHEAD", "1") != "0"
 _EXECUTOR: ProcessPoolExecutor | None = None
+#: rows sent ahead, by ("chooser" or "play", arguments): their futures
+_AHEAD: dict[tuple, Future] = {}
 
 
 def cores() -> int:
@@ -47,8 +67,23 @@ def _pool() -> ProcessPoolExecutor | None:
     if n < 2 or "fork" not in mp.get_all_start_methods():
         return None
     if _EXECUTOR is None:
-        _EXECUTOR = ProcessPoolExecutor(n, mp_context=mp.get_context("fork"))
+        _EXECUTOR = ProcessPoolExecutor(
+            n, mp_context=mp.get_context("fork"), initializer=_behind_the_reader
+        )
     return _EXECUTOR
+
+
+def _behind_the_reader() -> None:
+    """In a worker, first: a lower priority than the explorer's kernel and the browser.
+    Linux schedules sessions against each other (autogroups): a niceness counts only
+    against the processes of one's own session, which the kernel's and the browser's
+    are not. A session of its own, with the niceness of its group raised too, puts the
+    worker behind both (where the system allows it; the niceness alone elsewhere)."""
+    os.nice(NICE)
+    with contextlib.suppress(OSError, AttributeError):
+        os.setsid()
+        with open("/proc/self/autogroup", "w") as group:
+            group.write(str(NICE))
 
 
 def _chosen(args: tuple):
@@ -72,20 +107,26 @@ class Rows:
     """Rows being simulated by the workers: ``choosers`` (the arguments of
     :func:`play.own_plan`, all eight) and ``plays`` ((model, source, hardware,
     plan) each, as :func:`play.played_summary`'s), each sent unless its result
-    is kept already. :meth:`wait` puts what they found where the explorer reads."""
+    is kept already or it was sent :func:`ahead` (then that one is waited for).
+    :meth:`wait` puts what they found where the explorer reads."""
 
     def __init__(self, choosers: list[tuple], plays: list[tuple]):
         self.sent: list[tuple] = []
         pool = _pool()
         if pool is None:
             return
+        wanted = [("chooser", args) for args in dict.fromkeys(choosers)]
+        wanted += [("play", args) for args in dict.fromkeys(plays)]
+        wanted = [key for key in wanted if not _kept(key)]
+        taken = {key: _AHEAD.pop(key) for key in wanted if key in _AHEAD}
+        _drop_waiting()  # before these are sent: nothing queues ahead of them
         try:
-            for args in dict.fromkeys(choosers):
-                if args not in play.OWN_PLANS:
-                    self.sent.append(("chooser", args, pool.submit(_chosen, args)))
-            for args in dict.fromkeys(plays):
-                if args not in play.PLAYED and args not in play.TRACES:
-                    self.sent.append(("play", args, pool.submit(_summary, *args)))
+            for key in wanted:
+                what, args = key
+                future = taken.get(key)
+                if future is None or future.cancelled():
+                    future = pool.submit(*_job(key))
+                self.sent.append((what, args, future))
         except BrokenProcessPool:
             _forget_pool()
 
@@ -94,19 +135,84 @@ class Rows:
         pool broken) leaves its rows to be simulated here."""
         try:
             for what, args, future in self.sent:
-                if what == "chooser":
-                    plan, problem, picked = future.result()
-                    play.OWN_PLANS.put(args, (plan, problem))
-                    if picked is not None:
-                        play.PICKED.put(*picked)
-                else:
-                    play.PLAYED.put(args, future.result())
+                _keep((what, args), future.result())
         except BrokenProcessPool:
             _forget_pool()
+        harvest()
+
+
+def _job(key: tuple) -> tuple:
+    """The function and arguments that simulate the row ``key`` in a worker."""
+    what, args = key
+    return (_chosen, args) if what == "chooser" else (_summary, *args)
+
+
+def _kept(key: tuple) -> bool:
+    """Whether the row ``key`` is kept in :mod:`play` (nothing to simulate)."""
+    what, args = key
+    if what == "chooser":
+        return args in play.OWN_PLANS
+    return args in play.PLAYED or args in play.TRACES
+
+
+def _keep(key: tuple, result) -> None:
+    """Put what a worker found for the row ``key`` where the explorer reads it."""
+    what, args = key
+    if what == "chooser":
+        plan, problem, picked = result
+        play.OWN_PLANS.put(args, (plan, problem))
+        if picked is not None:
+            play.PICKED.put(*picked)
+    else:
+        play.PLAYED.put(args, result)
+
+
+def ahead(choosers: list[tuple], plays: list[tuple]) -> int:
+    """Send rows the explorer expects to need next (as :class:`Rows` takes them) to
+    the workers, unless kept or sent already, up to :data:`MAX_AHEAD` in all;
+    returns how many were sent. Their results are kept as they come
+    (:func:`harvest`), or waited for by the change that needs them."""
+    pool = _pool() if AHEAD else None
+    if pool is None:
+        return 0
+    harvest()
+    keys = [("chooser", args) for args in dict.fromkeys(choosers)]
+    keys += [("play", args) for args in dict.fromkeys(plays)]
+    sent = 0
+    try:
+        for key in keys:
+            if len(_AHEAD) >= MAX_AHEAD:
+                break
+            if key not in _AHEAD and not _kept(key):
+                _AHEAD[key] = pool.submit(*_job(key))
+                sent += 1
+    except BrokenProcessPool:
+        _forget_pool()
+    return sent
+
+
+def harvest() -> None:
+    """Keep the results of the rows sent ahead that are done (one that failed is
+    simulated again when a change needs it, and says why there)."""
+    for key, future in list(_AHEAD.items()):
+        if not future.done():
+            continue
+        del _AHEAD[key]
+        if not future.cancelled() and future.exception() is None:
+            _keep(key, future.result())
+
+
+def _drop_waiting() -> None:
+    """Cancel the rows sent ahead that no worker has started (those running finish,
+    and are kept)."""
+    for key, future in list(_AHEAD.items()):
+        if future.cancel():
+            del _AHEAD[key]
 
 
 def _forget_pool() -> None:
     global _EXECUTOR
+    _AHEAD.clear()
     if _EXECUTOR is not None:
         _EXECUTOR.shutdown(wait=False, cancel_futures=True)
     _EXECUTOR = None

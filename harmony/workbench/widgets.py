@@ -43,6 +43,7 @@ import pandas as pd
 from ..costs.catalog import SOURCES, known_models
 from ..costs.hardware import PRESETS, format_bytes, preset
 from ..errors import HarmonyError
+from ..plan import Plan
 from ..policies import names
 from .advice import in_controls_words
 from .charts import (
@@ -80,7 +81,7 @@ from .play import (
     row,
     server,
 )
-from .row_pool import Rows
+from .row_pool import Rows, ahead
 from .run_for_real import RealRun, RunForReal
 from .tiers import (
     AS_PRESET,
@@ -331,20 +332,14 @@ class PackExplorer(PlanExplorer):
         n, minibatch = self.n_gpus.value, self.minibatch.value
         disk = None if self.disk.value == NO_DISK else self.disk.value
         try:
-            spec = cached_spec(model, source)
-            host = host_memory_bytes(self.host_memory.value, spec)
-            hw = server(hardware, host, disk)
+            spec, host, hw = self._server()
         except HarmonyError as err:
             empty = pd.DataFrame(columns=COLUMNS)
             self.result = Exploration(None, None, empty, str(err), baseline, chosen=choice)
             return self.result
         labels = [choice] + [p for p in names() if p != choice]
         policies = {label: policy_of(label) for label in labels}
-        on_controls = {
-            label: self.plan_for(policy, n, len(spec))
-            for label, (policy, on_the_controls) in policies.items()
-            if on_the_controls
-        }
+        on_controls = self._on_controls(policies, len(spec))
         setting_of = {
             label: (policy, model, source, hardware, n, minibatch, host, disk)
             for label, (policy, on_the_controls) in policies.items()
@@ -392,6 +387,43 @@ class PackExplorer(PlanExplorer):
             plan, trace, comparison, problem, baseline, said, tiers, choice, notes
         )
         return self.result
+
+    def _server(self) -> tuple:
+        """The model's spec, the host memory in bytes (None: the preset's) and the
+        server of the controls; a HarmonyError says what is wrong with them."""
+        disk = None if self.disk.value == NO_DISK else self.disk.value
+        spec = cached_spec(self.model.value, self.source.value)
+        host = host_memory_bytes(self.host_memory.value, spec)
+        return spec, host, server(self.hardware.value, host, disk)
+
+    def _on_controls(self, policies: dict, num_layers: int, **sizes: int) -> dict[str, Plan]:
+        """The plan on the controls (``sizes`` standing in for some, as
+        :meth:`plan_for` takes them) of each of ``policies`` (label: (policy,
+        on the controls)) that runs on them."""
+        n = self.n_gpus.value
+        return {
+            label: self.plan_for(policy, n, num_layers, **sizes)
+            for label, (policy, on_the_controls) in policies.items()
+            if on_the_controls
+        }
+
+    def shown(self) -> None:
+        """Once an update is shown: the rows of the plans one step from the
+        controls' (:meth:`steps`) simulated ahead by the idle workers
+        (:func:`~.row_pool.ahead`), every policy's but the chosen one's (the
+        explorer plays that one itself: it draws its trace)."""
+        try:
+            spec, _, hw = self._server()
+        except HarmonyError:
+            return
+        model, source, choice = self.model.value, self.source.value, self.policy.value
+        policies = {label: policy_of(label) for label in names() if label != choice}
+        plays = []
+        for step in self.steps():
+            with contextlib.suppress(HarmonyError):  # a size no plan takes: nothing ahead
+                plans = self._on_controls(policies, len(spec), **step).values()
+                plays += [(model, source, hw, plan) for plan in plans]
+        ahead([], plays)
 
     def _plan_note(self, choice: str, plan) -> str:
         """What the chosen plan is when it is not the controls' alone."""
