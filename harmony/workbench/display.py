@@ -256,6 +256,25 @@ _LET_GO = """area.harmonyViews = (area.harmonyViews || []).filter(function (show
   });"""
 
 
+# What a live output area showed last (``cover``), taken out when this output came, back on
+# screen until this chart is drawn; ``show()`` then puts the chart in its place (false if a
+# newer output replaced this one meanwhile). Not in a notebook's cells: they show a picture
+# meanwhile.
+_COVER = """if (cover && cover !== whole && !area.contains(cover)) {
+    whole.parentNode.insertBefore(cover, whole);
+    whole.style.display = "none";
+  } else {
+    cover = null;
+  }
+  function show() {
+    if (area && !area.contains(whole)) return false;
+    if (cover) cover.remove();
+    whole.style.display = "";
+    if (area) area.harmonyLast = whole;
+    return true;
+  }"""
+
+
 def _interactive_html(
     spec: dict, picture: bool = True, script: bool = True, below: str = ""
 ) -> str:
@@ -288,23 +307,8 @@ def _interactive_html(
   var whole = document.getElementById("{div}-whole") || data.previousElementSibling;
   var root = whole.firstChild;
   var area = whole.parentElement && whole.parentElement.closest("{_AREAS}");
-  // what a live output area showed last, taken out when this output came: back on screen
-  // until this chart is drawn (not in a notebook's cells: they show a picture meanwhile)
   var cover = {"area && area.harmonyLast" if not script else "null"};
-  if (cover && cover !== whole && !area.contains(cover)) {{
-    whole.parentNode.insertBefore(cover, whole);
-    whole.style.display = "none";
-  }} else {{
-    cover = null;
-  }}
-  // on screen in place of the cover; false if a newer output replaced this one meanwhile
-  function show() {{
-    if (area && !area.contains(whole)) return false;
-    if (cover) cover.remove();
-    whole.style.display = "";
-    if (area) area.harmonyLast = whole;
-    return true;
-  }}
+  {_COVER}
   {load}
   var waited = 0;
   (function draw() {{
