@@ -8,13 +8,14 @@ draws); what the workers found goes into the kept results of
 :mod:`~harmony.workbench.play`, where the rows are then read. A worker returns
 plans and summaries, a few hundred bytes each, never a trace.
 
-While the reader looks at an update, the idle workers simulate ahead the rows
+While the reader looks at an update, one more worker simulates ahead the rows
 of the settings the explorer expects next (:func:`ahead`: the plans of the
 controls one step either way). A change that lands on one finds its rows kept,
 or being simulated already; the others' rows not started yet are dropped at
-the change, so that they never queue before the rows it needs. The workers run
-at a lower priority (:data:`NICE`) than the explorer's kernel and the browser,
-which draw the update meanwhile.
+the change. That worker has a pool of its own, so that a change's rows never
+queue behind rows simulated ahead, and the lowest priority (:data:`AHEAD_NICE`);
+the change's own workers run behind the explorer's kernel and the browser too
+(:data:`NICE`), which draw the update meanwhile.
 
 With one core, or where processes cannot be forked, nothing is sent and the
 rows are simulated one after another, as before (and nothing ahead). The same results either way:
@@ -37,16 +38,19 @@ from . import play
 
 #: at most this many workers, however many cores
 MAX_WORKERS = 4
-#: the workers' niceness (:func:`_behind_the_reader`): rows simulated ahead take no core
-#: from the kernel or the browser drawing the update (the rows a change needs wait on the
-#: kernel's own play anyway, the chosen plan's)
+#: the workers' niceness (:func:`_behind_the_reader`): they take no core from the kernel or
+#: the browser drawing the update (the rows a change needs wait on the kernel's own play
+#: anyway, the chosen plan's)
 NICE = 10
+#: the niceness of the worker that simulates rows ahead: behind everything else
+AHEAD_NICE = 19
 #: rows simulated ahead at most, waiting or running
 MAX_AHEAD = 48
 #: whether rows are simulated ahead at all (``HARMONY_EXPLORER_AHEAD=0``: not, to measure
 #: every change cold)
 AHEAD = os.environ.get("HARMONY_EXPLORER_AHEAD", "1") != "0"
 _EXECUTOR: ProcessPoolExecutor | None = None
+_AHEAD_EXECUTOR: ProcessPoolExecutor | None = None
 #: rows sent ahead, by ("chooser" or "play", arguments): their futures
 _AHEAD: dict[tuple, Future] = {}
 
@@ -67,23 +71,40 @@ def _pool() -> ProcessPoolExecutor | None:
     if n < 2 or "fork" not in mp.get_all_start_methods():
         return None
     if _EXECUTOR is None:
-        _EXECUTOR = ProcessPoolExecutor(
-            n, mp_context=mp.get_context("fork"), initializer=_behind_the_reader
-        )
+        _EXECUTOR = _forked(n, NICE)
     return _EXECUTOR
 
 
-def _behind_the_reader() -> None:
+def _ahead_pool() -> ProcessPoolExecutor | None:
+    """The worker that simulates rows ahead (with the others, None where they are)."""
+    global _AHEAD_EXECUTOR
+    if _pool() is None:
+        return None
+    if _AHEAD_EXECUTOR is None:
+        _AHEAD_EXECUTOR = _forked(1, AHEAD_NICE)
+    return _AHEAD_EXECUTOR
+
+
+def _forked(workers: int, nice: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(
+        workers,
+        mp_context=mp.get_context("fork"),
+        initializer=_behind_the_reader,
+        initargs=(nice,),
+    )
+
+
+def _behind_the_reader(nice: int) -> None:
     """In a worker, first: a lower priority than the explorer's kernel and the browser.
     Linux schedules sessions against each other (autogroups): a niceness counts only
     against the processes of one's own session, which the kernel's and the browser's
     are not. A session of its own, with the niceness of its group raised too, puts the
     worker behind both (where the system allows it; the niceness alone elsewhere)."""
-    os.nice(NICE)
+    os.nice(nice)
     with contextlib.suppress(OSError, AttributeError):
         os.setsid()
         with open("/proc/self/autogroup", "w") as group:
-            group.write(str(NICE))
+            group.write(str(nice))
 
 
 def _chosen(args: tuple):
@@ -172,7 +193,7 @@ def ahead(choosers: list[tuple], plays: list[tuple]) -> int:
     the workers, unless kept or sent already, up to :data:`MAX_AHEAD` in all;
     returns how many were sent. Their results are kept as they come
     (:func:`harvest`), or waited for by the change that needs them."""
-    pool = _pool() if AHEAD else None
+    pool = _ahead_pool() if AHEAD else None
     if pool is None:
         return 0
     harvest()
@@ -211,8 +232,9 @@ def _drop_waiting() -> None:
 
 
 def _forget_pool() -> None:
-    global _EXECUTOR
+    global _EXECUTOR, _AHEAD_EXECUTOR
     _AHEAD.clear()
-    if _EXECUTOR is not None:
-        _EXECUTOR.shutdown(wait=False, cancel_futures=True)
-    _EXECUTOR = None
+    for pool in (_EXECUTOR, _AHEAD_EXECUTOR):
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+    _EXECUTOR = _AHEAD_EXECUTOR = None
