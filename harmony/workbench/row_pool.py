@@ -188,14 +188,19 @@ def _keep(key: tuple, result) -> None:
         play.PLAYED.put(args, result)
 
 
+def ahead_on() -> bool:
+    """Whether :func:`ahead` sends anything: :data:`AHEAD`, and workers to send it to."""
+    return AHEAD and _ahead_pool() is not None
+
+
 def ahead(choosers: list[tuple], plays: list[tuple]) -> int:
     """Send rows the explorer expects to need next (as :class:`Rows` takes them) to
     the workers, unless kept or sent already, up to :data:`MAX_AHEAD` in all;
     returns how many were sent. Their results are kept as they come
     (:func:`harvest`), or waited for by the change that needs them."""
-    pool = _ahead_pool() if AHEAD else None
-    if pool is None:
+    if not ahead_on():
         return 0
+    pool = _ahead_pool()
     harvest()
     keys = [("chooser", args) for args in dict.fromkeys(choosers)]
     keys += [("play", args) for args in dict.fromkeys(plays)]

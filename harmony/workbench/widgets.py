@@ -81,7 +81,7 @@ from .play import (
     row,
     server,
 )
-from .row_pool import Rows, ahead
+from .row_pool import Rows, ahead, ahead_on
 from .run_for_real import RealRun, RunForReal
 from .tiers import (
     AS_PRESET,
@@ -412,6 +412,8 @@ class PackExplorer(PlanExplorer):
         controls' (:meth:`steps`) simulated ahead by the idle workers
         (:func:`~.row_pool.ahead`), every policy's but the chosen one's (the
         explorer plays that one itself: it draws its trace)."""
+        if not ahead_on():
+            return
         try:
             spec, _, hw = self._server()
         except HarmonyError:
