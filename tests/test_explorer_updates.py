@@ -5,6 +5,7 @@ each plan once (counted calls, not seconds)."""
 import json
 import math
 import re
+import time
 
 import pandas as pd
 import pytest
@@ -245,17 +246,21 @@ def test_the_rows_one_step_away_are_simulated_ahead_and_a_change_takes_them(monk
 def test_a_change_elsewhere_drops_the_rows_ahead_no_worker_started(monkeypatch):
     _fresh(monkeypatch, 2)
     monkeypatch.setattr(row_pool, "AHEAD", True)
+    # the worker ahead kept busy: the rows sent ahead wait, however fast it is
+    busy = row_pool._ahead_pool().submit(time.sleep, 5)
     ex = PackExplorer(**CLAIM_DOES_NOT_APPLY)
     ex.widget()
     waiting = [f for f in row_pool._AHEAD.values() if not (f.running() or f.done())]
-    assert waiting  # more rows ahead than workers: some wait
+    assert len(waiting) >= 3
     monkeypatch.setattr(row_pool, "AHEAD", False)
     sent = _sends(monkeypatch)
     ex.model.value = "gpt2-tiny"
     assert sent  # the new model's rows, sent with none of the old ones queued before them
-    assert all(f.cancelled() for f in waiting if f not in row_pool._AHEAD.values())
+    # none waits any more: all dropped (one may have gone to the worker's queue meanwhile)
+    assert sum(f.cancelled() for f in waiting) >= len(waiting) - 1
     assert all(f.running() or f.done() for f in row_pool._AHEAD.values())
     r = ex.result.comparison
-    pd.testing.assert_frame_equal(
-        r, _serial(monkeypatch, {**CLAIM_DOES_NOT_APPLY, "model": "gpt2-tiny"})
-    )
+    busy.cancel()
+    row_pool._forget_pool()  # the tests after this one get workers that are not asleep
+    setting = {**CLAIM_DOES_NOT_APPLY, "model": "gpt2-tiny"}
+    pd.testing.assert_frame_equal(r, _serial(monkeypatch, setting))
