@@ -13,9 +13,10 @@ of the settings the explorer expects next (:func:`ahead`: the plans of the
 controls one step either way). A change that lands on one finds its rows kept,
 or being simulated already; the others' rows not started yet are dropped at
 the change. That worker has a pool of its own, so that a change's rows never
-queue behind rows simulated ahead, and the lowest priority (:data:`AHEAD_NICE`);
-the change's own workers run behind the explorer's kernel and the browser too
-(:data:`NICE`), which draw the update meanwhile.
+queue behind rows simulated ahead, and the lowest priority (:data:`AHEAD_NICE`),
+behind the explorer's kernel and the browser, which draw the update meanwhile,
+and behind the change's own workers (they run at the kernel's priority: what a
+change needs is never left waiting for other work on the machine).
 
 With one core, or where processes cannot be forked, nothing is sent and the
 rows are simulated one after another, as before (and nothing ahead). The same results either way:
@@ -38,11 +39,8 @@ from . import play
 
 #: at most this many workers, however many cores
 MAX_WORKERS = 4
-#: the workers' niceness (:func:`_behind_the_reader`): they take no core from the kernel or
-#: the browser drawing the update (the rows a change needs wait on the kernel's own play
-#: anyway, the chosen plan's)
-NICE = 10
-#: the niceness of the worker that simulates rows ahead: behind everything else
+#: the niceness of the worker that simulates rows ahead (:func:`_behind_the_reader`):
+#: behind everything else
 AHEAD_NICE = 19
 #: rows simulated ahead at most, waiting or running
 MAX_AHEAD = 48
@@ -71,7 +69,7 @@ def _pool() -> ProcessPoolExecutor | None:
     if n < 2 or "fork" not in mp.get_all_start_methods():
         return None
     if _EXECUTOR is None:
-        _EXECUTOR = _forked(n, NICE)
+        _EXECUTOR = ProcessPoolExecutor(n, mp_context=mp.get_context("fork"))
     return _EXECUTOR
 
 
@@ -81,30 +79,23 @@ def _ahead_pool() -> ProcessPoolExecutor | None:
     if _pool() is None:
         return None
     if _AHEAD_EXECUTOR is None:
-        _AHEAD_EXECUTOR = _forked(1, AHEAD_NICE)
+        _AHEAD_EXECUTOR = ProcessPoolExecutor(
+            1, mp_context=mp.get_context("fork"), initializer=_behind_the_reader
+        )
     return _AHEAD_EXECUTOR
 
 
-def _forked(workers: int, nice: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(
-        workers,
-        mp_context=mp.get_context("fork"),
-        initializer=_behind_the_reader,
-        initargs=(nice,),
-    )
-
-
-def _behind_the_reader(nice: int) -> None:
-    """In a worker, first: a lower priority than the explorer's kernel and the browser.
-    Linux schedules sessions against each other (autogroups): a niceness counts only
-    against the processes of one's own session, which the kernel's and the browser's
-    are not. A session of its own, with the niceness of its group raised too, puts the
-    worker behind both (where the system allows it; the niceness alone elsewhere)."""
-    os.nice(nice)
+def _behind_the_reader() -> None:
+    """In the worker ahead, first: the lowest priority. Linux schedules sessions
+    against each other (autogroups): a niceness counts only against the processes
+    of one's own session, which the browser's is not. A session of its own, with the
+    niceness of its group raised too, puts the worker behind the browser as well
+    (where the system allows it; the niceness alone elsewhere)."""
+    os.nice(AHEAD_NICE)
     with contextlib.suppress(OSError, AttributeError):
         os.setsid()
         with open("/proc/self/autogroup", "w") as group:
-            group.write(str(nice))
+            group.write(str(AHEAD_NICE))
 
 
 def _chosen(args: tuple):
