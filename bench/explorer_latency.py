@@ -16,8 +16,9 @@ Two measurements, one per mode:
   "Run for real" is pressed after the GPT-2 blocks slider moves: first = its
   progress line, last = its charts. Each change comes a second after the last
   one is drawn, time enough for the explorer's workers to simulate the rows of
-  the settings one step away (``harmony.workbench.row_pool.ahead``); ``--cold``
-  turns that off, so that each change simulates all it needs when it comes.
+  the settings one step away (``harmony.workbench.row_pool.ahead``), where it
+  does (``--ahead on``; by default with 4 cores or more; ``--ahead off``: each
+  change simulates all it needs when it comes).
 * ``--in-process``: the same changes made on a :class:`PackExplorer` and a
   :class:`RunForReal` in Python, no browser: seconds of Python per change (the
   compute, the chart and the HTML), the median of ``--repeat`` rounds (the
@@ -26,7 +27,7 @@ Two measurements, one per mode:
 
 A benchmark, not a test: it prints numbers. Run from the repository root::
 
-    python bench/explorer_latency.py --browser [--cold] [--screenshots DIR]
+    python bench/explorer_latency.py --browser [--ahead on|off] [--screenshots DIR]
     python bench/explorer_latency.py --in-process --repeat 3
 """
 
@@ -339,14 +340,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="in-process rounds")
     parser.add_argument("--screenshots", type=Path, help="browser: a picture of the explorer here")
     parser.add_argument(
-        "--cold",
-        action="store_true",
-        help="no rows simulated ahead of a change (HARMONY_EXPLORER_AHEAD=0): each change "
-        "simulates all it needs when it comes",
+        "--ahead",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="rows of the settings one step away simulated ahead of a change (on), or not "
+        "(off: each change simulates all it needs when it comes); auto: the explorer's "
+        "default, on with 4 cores or more (HARMONY_EXPLORER_AHEAD)",
     )
     args = parser.parse_args()
-    if args.cold:  # read by harmony.workbench.row_pool, here and in the notebook's kernel
-        os.environ["HARMONY_EXPLORER_AHEAD"] = "0"
+    # read by harmony.workbench.row_pool, here and in the notebook's kernel
+    os.environ["HARMONY_EXPLORER_AHEAD"] = {"auto": "auto", "on": "1", "off": "0"}[args.ahead]
     if args.in_process:
         in_process(args.repeat)
     else:

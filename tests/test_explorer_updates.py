@@ -264,3 +264,15 @@ def test_a_change_elsewhere_drops_the_rows_ahead_no_worker_started(monkeypatch):
     row_pool._forget_pool()  # the tests after this one get workers that are not asleep
     setting = {**CLAIM_DOES_NOT_APPLY, "model": "gpt2-tiny"}
     pd.testing.assert_frame_equal(r, _serial(monkeypatch, setting))
+
+
+@pytest.mark.skipif("fork" not in row_pool.mp.get_all_start_methods(), reason="no fork here")
+@pytest.mark.parametrize(
+    "cores, setting, on", [(2, None, False), (4, None, True), (2, True, True)]
+)
+def test_rows_go_ahead_with_cores_to_spare_or_when_asked(monkeypatch, cores, setting, on):
+    _fresh(monkeypatch, cores)
+    monkeypatch.setattr(row_pool, "AHEAD", setting)
+    assert row_pool.ahead_on() is on
+    _fresh(monkeypatch, 1)  # one core: no workers at all, whatever was asked
+    assert row_pool.ahead_on() is False

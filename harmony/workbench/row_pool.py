@@ -8,7 +8,8 @@ draws); what the workers found goes into the kept results of
 :mod:`~harmony.workbench.play`, where the rows are then read. A worker returns
 plans and summaries, a few hundred bytes each, never a trace.
 
-While the reader looks at an update, one more worker simulates ahead the rows
+While the reader looks at an update, with cores to spare (:data:`AHEAD_FROM_CORES`),
+one more worker simulates ahead the rows
 of the settings the explorer expects next (:func:`ahead`: the plans of the
 controls one step either way). A change that lands on one finds its rows kept,
 or being simulated already; the others' rows not started yet are dropped at
@@ -44,9 +45,14 @@ MAX_WORKERS = 4
 AHEAD_NICE = 19
 #: rows simulated ahead at most, waiting or running
 MAX_AHEAD = 48
-#: whether rows are simulated ahead at all (``HARMONY_EXPLORER_AHEAD=0``: not, to measure
-#: every change cold)
-AHEAD = os.environ.get("HARMONY_EXPLORER_AHEAD", "1") != "0"
+#: rows are simulated ahead with this many cores or more. With two, the worker ahead takes
+#: a core the browser needs to draw an update, however low its priority: on a 2-core VM
+#: every change not one step away took 50-90 ms longer with it, a step change 20-140 ms
+#: less (bench/RESULTS.md)
+AHEAD_FROM_CORES = 4
+#: whether rows are simulated ahead: True, False, or None (with :data:`AHEAD_FROM_CORES`
+#: cores or more); ``HARMONY_EXPLORER_AHEAD`` = ``1``, ``0`` or ``auto`` (the default)
+AHEAD = {"1": True, "0": False}.get(os.environ.get("HARMONY_EXPLORER_AHEAD", "auto"))
 _EXECUTOR: ProcessPoolExecutor | None = None
 _AHEAD_EXECUTOR: ProcessPoolExecutor | None = None
 #: rows sent ahead, by ("chooser" or "play", arguments): their futures
@@ -180,8 +186,10 @@ def _keep(key: tuple, result) -> None:
 
 
 def ahead_on() -> bool:
-    """Whether :func:`ahead` sends anything: :data:`AHEAD`, and workers to send it to."""
-    return AHEAD and _ahead_pool() is not None
+    """Whether :func:`ahead` sends anything: :data:`AHEAD` (or, where it is None, the
+    cores for it), and workers to send it to."""
+    wanted = AHEAD if AHEAD is not None else cores() >= AHEAD_FROM_CORES
+    return wanted and _ahead_pool() is not None
 
 
 def ahead(choosers: list[tuple], plays: list[tuple]) -> int:
