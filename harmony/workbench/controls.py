@@ -226,8 +226,7 @@ class PlanExplorer(Explorer):
         """The plan's sizes one step from the controls' (a layer per pack more or
         less, each microbatch size doubled or halved, within its control's range
         and the minibatch): the settings a reader is likely to try next."""
-        top = {"pack_size": self.pack_size.max, "fwd_microbatch": self.minibatch.value}
-        top["bwd_microbatch"] = self.minibatch.value
+        top = {"pack_size": self.pack_size.max}  # the microbatches: the minibatch
         steps = []
         for name, moves in (
             ("pack_size", (lambda v: v + 1, lambda v: v - 1)),
@@ -239,6 +238,6 @@ class PlanExplorer(Explorer):
                 continue
             for move in moves:
                 value = move(control.value)
-                if 1 <= value <= top[name] and value != control.value:
+                if 1 <= value <= top.get(name, self.minibatch.value):
                     steps.append({name: value})
         return steps

@@ -330,9 +330,8 @@ class PackExplorer(PlanExplorer):
         baseline, choice = self.baseline.value, self.policy.value
         model, source, hardware = self.model.value, self.source.value, self.hardware.value
         n, minibatch = self.n_gpus.value, self.minibatch.value
-        disk = None if self.disk.value == NO_DISK else self.disk.value
         try:
-            spec, host, hw = self._server()
+            spec, host, disk, hw = self._server()
         except HarmonyError as err:
             empty = pd.DataFrame(columns=COLUMNS)
             self.result = Exploration(None, None, empty, str(err), baseline, chosen=choice)
@@ -347,13 +346,13 @@ class PackExplorer(PlanExplorer):
         }
         # the other rows in the workers (and the claim's resident run), the chosen plan
         # played here meanwhile: its trace is drawn
-        ahead = Rows(
+        others = Rows(
             choosers=[*setting_of.values(), claim_setting(model, source, hardware, minibatch)],
             plays=[(model, source, hw, p) for label, p in on_controls.items() if label != choice],
         )
         if choice in on_controls:
             played(model, source, hw, on_controls[choice])
-        ahead.wait()
+        others.wait()
         rows = []
         for label in labels:
             if label in on_controls:
@@ -389,12 +388,13 @@ class PackExplorer(PlanExplorer):
         return self.result
 
     def _server(self) -> tuple:
-        """The model's spec, the host memory in bytes (None: the preset's) and the
-        server of the controls; a HarmonyError says what is wrong with them."""
+        """The model's spec, the host memory in bytes (None: the preset's), the disk
+        (None: none) and the server of the controls; a HarmonyError says what is
+        wrong with them."""
         disk = None if self.disk.value == NO_DISK else self.disk.value
         spec = cached_spec(self.model.value, self.source.value)
         host = host_memory_bytes(self.host_memory.value, spec)
-        return spec, host, server(self.hardware.value, host, disk)
+        return spec, host, disk, server(self.hardware.value, host, disk)
 
     def _on_controls(self, policies: dict, num_layers: int, **sizes: int) -> dict[str, Plan]:
         """The plan on the controls (``sizes`` standing in for some, as
@@ -415,7 +415,7 @@ class PackExplorer(PlanExplorer):
         if not ahead_on():
             return
         try:
-            spec, _, hw = self._server()
+            spec, _, _, hw = self._server()
         except HarmonyError:
             return
         model, source, choice = self.model.value, self.source.value, self.policy.value
