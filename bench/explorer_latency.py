@@ -50,6 +50,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
+from cpu_quota import cpu_quota
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "01_explorer.ipynb"
 #: (what is done, control label, how): the changes the bench makes, in order
@@ -347,13 +349,20 @@ def main() -> None:
         "(off: each change simulates all it needs when it comes); auto: the explorer's "
         "default, on with 4 cores or more (HARMONY_EXPLORER_AHEAD)",
     )
+    parser.add_argument(
+        "--cpus",
+        type=float,
+        help="a model of a slower machine: everything the bench runs shares this many "
+        "cores' worth of CPU time (a Linux cgroup quota; needs root), e.g. 0.5",
+    )
     args = parser.parse_args()
     # read by harmony.workbench.row_pool, here and in the notebook's kernel
     os.environ["HARMONY_EXPLORER_AHEAD"] = {"auto": "auto", "on": "1", "off": "0"}[args.ahead]
-    if args.in_process:
-        in_process(args.repeat)
-    else:
-        browser(args.screenshots)
+    with cpu_quota(args.cpus):
+        if args.in_process:
+            in_process(args.repeat)
+        else:
+            browser(args.screenshots)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import os
 import statistics
 import time
 
+from cpu_quota import cpu_quota
 from search_versions import cpu_seconds
 
 import harmony
@@ -67,7 +68,15 @@ def main() -> None:
         "--workers", default="auto,1", help="worker counts, comma-separated (auto: the default)"
     )
     ap.add_argument("--prune", default="off,on", help="off and/or on, comma-separated")
+    ap.add_argument(
+        "--cpus", type=float, help="a model of a slower machine (bench/cpu_quota.py), e.g. 0.5"
+    )
     args = ap.parse_args()
+    with cpu_quota(args.cpus):
+        run(args)
+
+
+def run(args) -> None:
     counts = [None if w == "auto" else int(w) for w in args.workers.split(",")]
     prunes = [{"off": False, "on": True}[p] for p in args.prune.split(",")]
     spec, hw = harmony.model_spec("gpt2-xl"), harmony.preset("paper-4x1080ti")

@@ -149,7 +149,15 @@ RENDERED = (
     + r"""
   const [svg, done] = await svgOf(root);
   if (!svg) return ["no drawn chart"];
-  try { return problemsOf(svg); } finally { done(); }
+  try { return problemsOf(svg).concat(cutByItsOutput(root)); } finally { done(); }
+  // a chart wider than the output it is in is cut at its right edge (a legend, a label)
+  function cutByItsOutput(root) {
+    const drawn = root.querySelector(".vega-embed canvas, .vega-embed svg.marks");
+    const output = root.closest(".jp-OutputArea-output, .output_subarea");
+    if (!drawn || !output) return [];
+    const cut = drawn.getBoundingClientRect().right - output.getBoundingClientRect().right;
+    return cut > 1 ? [`the chart is ${Math.round(cut)} px wider than its output, cut there`] : [];
+  }
   function problemsOf(svg) {
   const out = [];
   const text = el => (el.textContent || "").trim();

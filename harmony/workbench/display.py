@@ -34,6 +34,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import HarmonyError
+from .packed_data import UNPACK_JS, packed
 
 #: environment variable read by :func:`use_renderer` when no mode is given
 RENDERER_ENV = "HARMONY_CHARTS"
@@ -291,7 +292,8 @@ def _interactive_html(
     # than the same object written as a JavaScript literal (it need not compile it), and the
     # text needs no escaping but "</", which would end the element early ("<\/" is the same
     # string in JSON).
-    spec_json = json.dumps(spec).replace("</", "<\\/")
+    # Its datasets go as columns (:mod:`.packed_data`), rows again in the page.
+    spec_json = json.dumps(packed(spec)).replace("</", "<\\/")
     # The bundle declares top-level constants: it runs once per page, inside a function.
     load = (
         f"if (!window.vegaEmbed) {{ (function () {{ {vega_script()}\n  }})(); }}" if script else ""
@@ -320,7 +322,8 @@ def _interactive_html(
     return;
   }}
   var live = root.appendChild(document.createElement("div"));
-  window.vegaEmbed(live, JSON.parse(data.textContent), {json.dumps(embed_options(spec))})
+  var spec = ({UNPACK_JS})(JSON.parse(data.textContent));
+  window.vegaEmbed(live, spec, {json.dumps(embed_options(spec))})
     .then(function (result) {{
       if (!show()) return result.finalize();
       // drawn: marked, and the view kept for checks that read what a canvas shows (toSVG)

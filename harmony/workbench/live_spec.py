@@ -168,7 +168,7 @@ def memory_part(trace, data: Datasets) -> dict:
     devices = list(dict.fromkeys(df.device))
     x = field("time_s", "Q", scale={"nice": False}, title="time in the iteration (s)")
     y = field("high_gb", "Q", axis={"tickCount": 3}, title="in use (GB)")
-    color = field("device", "N", legend={"orient": "right"}, sort=devices, title="device")
+    color = field("device", "N", legend=None, sort=devices, title="device")  # rows say it
     step = {"interpolate": "step-after"}
     band = {
         "mark": {"type": "area", **step, "opacity": 0.35},

@@ -401,7 +401,9 @@ def memory_chart(
 
 
 def _device_color(alt, devices: list[str]):
-    return alt.Color("device:N", title="device", sort=devices, legend=alt.Legend(orient="right"))
+    # no legend: each row is headed by its device, and a legend right of the rows made the
+    # explorer's chart wider than its output (cut there)
+    return alt.Color("device:N", title="device", sort=devices, legend=None)
 
 
 def _bin_levels(times, levels, t0: float, width: float, bins: int):
