@@ -23,6 +23,7 @@ MODULES = [
     "harmony.cli",
     "harmony.workbench.widgets",
     "torch.distributed.run",
+    "torch._dynamo",  # imported by torch on the first op on a meta tensor (the zoo's cost model)
     "papermill",
     "ipykernel.kernelapp",
     "ipykernel.debugger",
