@@ -433,10 +433,25 @@ def test_explorer_redraws_when_a_slider_moves(lab):
     # back and forth: the outputs kept for settings seen before, drawn again
     for key, packs in (("ArrowLeft", "2"), ("ArrowRight", "3")):
         shown = _drawn_text(page.locator(".widget-output .harmony-chart").first)
+        _mark_view(output)
         slider.locator(".noUi-handle").focus()
         page.keyboard.press(key)
         assert slider.locator(".widget-readout").inner_text().strip() == packs
-        _redrawn(page, shown)
+        in_place = _redrawn(page, shown)
+        # the chart differed in its data and titles only: the view on screen took them
+        assert _view_marked(output), "a chart of the same shape was drawn anew"
+    # a policy changes the chart's shape (its kinds, the bars' order): a new view; back, the
+    # chart drawn anew shows what the view updated in place showed
+    policy = widget.locator(
+        ".widget-inline-hbox", has=page.locator(".widget-label", has_text="policy")
+    )
+    for choice in ("harmony-dp", "harmony-pp"):
+        shown = _drawn_text(page.locator(".widget-output .harmony-chart").first)
+        _mark_view(output)
+        policy.first.locator("select").select_option(label=choice)
+        anew = _redrawn(page, shown)
+        assert not _view_marked(output)
+    assert anew == in_place
     # one step: the old output stayed until the new chart was drawn, then went whole
     assert page.evaluate("() => window.__halfBuilt.seen") == 0, "an update was seen half-built"
     assert output.locator(".harmony-whole").count() == 1  # no old output left behind
@@ -444,6 +459,15 @@ def test_explorer_redraws_when_a_slider_moves(lab):
     assert _window_listeners(page) == listeners
     assert not _problems(page)
     _no_requests_blocked(lab)
+
+
+def _mark_view(output) -> None:
+    output.locator(DRAWN).first.evaluate("e => { e.harmonyTestMark = true; }")
+
+
+def _view_marked(output) -> bool:
+    """Whether the chart drawn in ``output`` is the one :func:`_mark_view` marked."""
+    return output.locator(DRAWN).first.evaluate("e => e.harmonyTestMark === true")
 
 
 def _redrawn(page, before: str) -> str:

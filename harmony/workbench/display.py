@@ -34,6 +34,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import HarmonyError
+from .live_update import UPDATE_JS, shape_key, values_as_params
 from .packed_data import UNPACK_JS, packed
 
 #: environment variable read by :func:`use_renderer` when no mode is given
@@ -292,7 +293,13 @@ def _interactive_html(
     # than the same object written as a JavaScript literal (it need not compile it), and the
     # text needs no escaping but "</", which would end the element early ("<\/" is the same
     # string in JSON).
-    # Its datasets go as columns (:mod:`.packed_data`), rows again in the page.
+    # Its datasets go as columns (:mod:`.packed_data`), rows again in the page. A live
+    # chart's titles go as parameters: one of the same shape as the chart on screen updates
+    # that chart's view (:mod:`.live_update`).
+    key = ""
+    if not script:
+        spec = values_as_params(spec)
+        key = shape_key(spec)
     spec_json = json.dumps(packed(spec)).replace("</", "<\\/")
     # The bundle declares top-level constants: it runs once per page, inside a function.
     load = (
@@ -321,13 +328,28 @@ def _interactive_html(
     root.textContent = "the interactive chart failed: vega-embed was not loaded";
     return;
   }}
-  var live = root.appendChild(document.createElement("div"));
   var spec = ({UNPACK_JS})(JSON.parse(data.textContent));
+  var drawn = cover && cover.querySelector(".vega-embed.harmony-drawn");
+  if (drawn && drawn.harmonyKey === "{key}" && drawn.harmonyView) {{
+    // the chart on screen, of the same shape: its view takes the new data and titles, then
+    // moves into this output as it takes the old one's place
+    ({UPDATE_JS})(drawn.harmonyView, spec)
+      .then(function () {{
+        if (area && !area.contains(whole)) return;  // a newer output took over: it moves it
+        root.appendChild(drawn);
+        show();
+      }})
+      .catch(failed);
+    return;
+  }}
+  var live = root.appendChild(document.createElement("div"));
   window.vegaEmbed(live, spec, {json.dumps(embed_options(spec))})
     .then(function (result) {{
       if (!show()) return result.finalize();
       // drawn: marked, and the view kept for checks that read what a canvas shows (toSVG)
+      // and for the next chart of the same shape (its key)
       live.harmonyView = result.view;
+      live.harmonyKey = "{key}";
       live.classList.add("harmony-drawn");
       if (area) {{
         {_LET_GO}
@@ -336,14 +358,15 @@ def _interactive_html(
       var picture = root.querySelector(".harmony-chart-static");
       if (picture) picture.remove();
     }})
-    .catch(function (err) {{
-      show();
-      var msg = document.createElement("pre");
-      msg.style.color = "#c0392b";
-      msg.textContent = "the interactive chart failed: " + err;
-      root.appendChild(msg);
-    }});
+    .catch(failed);
   }})();
+  function failed(err) {{
+    show();
+    var msg = document.createElement("pre");
+    msg.style.color = "#c0392b";
+    msg.textContent = "the interactive chart failed: " + err;
+    root.appendChild(msg);
+  }}
 }})();
 </script>"""
 
