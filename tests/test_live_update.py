@@ -75,8 +75,8 @@ def test_only_data_and_titles_changed_share_a_key():
 def test_live_outputs_carry_their_key_and_notebook_charts_are_left_as_they_are():
     spec = exploration_spec(PackExplorer().compute())
     live = display.live_bundle(spec)["text/html"]
-    assert f'harmonyKey === "{shape_key(values_as_params(spec))}"' in live
+    assert f'key = "{shape_key(values_as_params(spec))}"' in live
     assert PARAM in live
     shown = display.mimebundle(spec, picture=False)["text/html"]
     data = re.search(r'<script type="application/json"[^>]*>(.*?)</script>', shown, re.S)[1]
-    assert PARAM not in data and 'harmonyKey === ""' in shown
+    assert PARAM not in data and 'key = ""' in shown

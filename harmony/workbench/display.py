@@ -277,6 +277,33 @@ _COVER = """if (cover && cover !== whole && !area.contains(cover)) {
   }"""
 
 
+# The chart on screen, of the same shape (its key): its view takes the new data, titles and
+# scale bounds (:mod:`.live_update`), then moves into this output as that takes the old
+# one's place.
+_IN_PLACE = (
+    """var drawn = cover && cover.querySelector(".vega-embed.harmony-drawn");
+  if (drawn && drawn.harmonyKey === key && drawn.harmonyView) {
+    (%s)(drawn.harmonyView, spec)
+      .then(function () {
+        if (area && !area.contains(whole)) return;  // a newer output took over: it moves it
+        root.appendChild(drawn);
+        show();
+      })
+      .catch(failed);
+    return;
+  }"""
+    % UPDATE_JS
+)
+
+_FAILED = """function failed(err) {
+    show();
+    var msg = document.createElement("pre");
+    msg.style.color = "#c0392b";
+    msg.textContent = "the interactive chart failed: " + err;
+    root.appendChild(msg);
+  }"""
+
+
 def _interactive_html(
     spec: dict, picture: bool = True, script: bool = True, below: str = ""
 ) -> str:
@@ -328,20 +355,8 @@ def _interactive_html(
     root.textContent = "the interactive chart failed: vega-embed was not loaded";
     return;
   }}
-  var spec = ({UNPACK_JS})(JSON.parse(data.textContent));
-  var drawn = cover && cover.querySelector(".vega-embed.harmony-drawn");
-  if (drawn && drawn.harmonyKey === "{key}" && drawn.harmonyView) {{
-    // the chart on screen, of the same shape: its view takes the new data and titles, then
-    // moves into this output as it takes the old one's place
-    ({UPDATE_JS})(drawn.harmonyView, spec)
-      .then(function () {{
-        if (area && !area.contains(whole)) return;  // a newer output took over: it moves it
-        root.appendChild(drawn);
-        show();
-      }})
-      .catch(failed);
-    return;
-  }}
+  var spec = ({UNPACK_JS})(JSON.parse(data.textContent)), key = "{key}";
+  {_IN_PLACE}
   var live = root.appendChild(document.createElement("div"));
   window.vegaEmbed(live, spec, {json.dumps(embed_options(spec))})
     .then(function (result) {{
@@ -349,7 +364,7 @@ def _interactive_html(
       // drawn: marked, and the view kept for checks that read what a canvas shows (toSVG)
       // and for the next chart of the same shape (its key)
       live.harmonyView = result.view;
-      live.harmonyKey = "{key}";
+      live.harmonyKey = key;
       live.classList.add("harmony-drawn");
       if (area) {{
         {_LET_GO}
@@ -360,13 +375,7 @@ def _interactive_html(
     }})
     .catch(failed);
   }})();
-  function failed(err) {{
-    show();
-    var msg = document.createElement("pre");
-    msg.style.color = "#c0392b";
-    msg.textContent = "the interactive chart failed: " + err;
-    root.appendChild(msg);
-  }}
+  {_FAILED}
 }})();
 </script>"""
 
