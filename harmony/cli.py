@@ -200,11 +200,14 @@ def _cmd_train(args) -> int:
         CheckpointDir(args.checkpoint_dir, keep=args.keep) if args.checkpoint_dir else None
     )
     host = HostOptions(args.host_memory, args.disk_dir, args.disk)
+    finished = False
     try:
-        return _train_and_report(args, device, plan, checkpoints, host)
+        code = _train_and_report(args, device, plan, checkpoints, host)
+        finished = True
+        return code
     finally:
         host.close()
-        leave_process_group()
+        leave_process_group(finished)
 
 
 def _train_and_report(args, device, plan, checkpoints, host) -> int:
