@@ -452,6 +452,14 @@ def test_explorer_redraws_when_a_slider_moves(lab):
         anew = _redrawn(page, shown)
         assert not _view_marked(output)
     assert anew == in_place
+    # a view that will not take the new data: the chart is drawn anew, not left broken
+    output.locator(DRAWN).first.evaluate(
+        "e => { e.harmonyView.data = () => { throw new Error('no such dataset'); }; }"
+    )
+    _mark_view(output)
+    slider.locator(".noUi-handle").focus()
+    page.keyboard.press("ArrowLeft")
+    assert _redrawn(page, anew) == before and not _view_marked(output)
     # one step: the old output stayed until the new chart was drawn, then went whole
     assert page.evaluate("() => window.__halfBuilt.seen") == 0, "an update was seen half-built"
     assert output.locator(".harmony-whole").count() == 1  # no old output left behind

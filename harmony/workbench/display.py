@@ -289,7 +289,7 @@ _IN_PLACE = (
         root.appendChild(drawn);
         show();
       })
-      .catch(failed);
+      .catch(embed);  // a view that would not take them: a new one
     return;
   }"""
     % UPDATE_JS
@@ -357,6 +357,8 @@ def _interactive_html(
   }}
   var spec = ({UNPACK_JS})(JSON.parse(data.textContent)), key = "{key}";
   {_IN_PLACE}
+  embed();
+  function embed() {{
   var live = root.appendChild(document.createElement("div"));
   window.vegaEmbed(live, spec, {json.dumps(embed_options(spec))})
     .then(function (result) {{
@@ -374,6 +376,7 @@ def _interactive_html(
       if (picture) picture.remove();
     }})
     .catch(failed);
+  }}
   }})();
   {_FAILED}
 }})();

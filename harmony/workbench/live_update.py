@@ -89,10 +89,14 @@ def shape_key(spec: dict) -> str:
 #: a JavaScript function expression: gives the drawn ``view`` the values of the
 #: :data:`PARAM` parameters and the datasets of ``spec``, then runs it (a promise)
 UPDATE_JS = """function (view, spec) {
-  (spec.params || []).forEach(function (p) {
-    if (p.name.indexOf("%(prefix)s") === 0) view.signal(p.name, p.value);
-  });
-  var sets = spec.datasets || {};
-  Object.keys(sets).forEach(function (name) { view.data(name, sets[name]); });
+  try {
+    (spec.params || []).forEach(function (p) {
+      if (p.name.indexOf("%(prefix)s") === 0) view.signal(p.name, p.value);
+    });
+    var sets = spec.datasets || {};
+    Object.keys(sets).forEach(function (name) { view.data(name, sets[name]); });
+  } catch (err) {
+    return Promise.reject(err);  // e.g. a dataset the view does not have: drawn anew
+  }
   return view.runAsync();
 }""" % {"prefix": PARAM}
