@@ -80,11 +80,13 @@ class GradientSync:
         self._turn = 0
         self._failed = False
         self._cond = threading.Condition()
+        self._works: list = []  # this step's all-reduces, held (see average)
 
     def start_step(self) -> None:
         with self._cond:
             self._turn = 0
             self._failed = False
+            self._works = []  # let go here, long after gloo's threads did
 
     @contextlib.contextmanager
     def update(self, key: tuple[int, int]):
@@ -136,13 +138,21 @@ class GradientSync:
         if poison:
             flat.fill_(float("nan"))
         try:
-            dist.all_reduce(flat, group=self.group)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            work.wait()
         except RuntimeError as e:
             raise HarmonyError(
                 f"all-reduce of the gradients of pack {key[0]} failed: another server stopped or "
                 f"timed out ({e})"
             ) from None
         flat /= self.world
+        # The all-reduce is held until the next step. The gloo thread that ran it lets go
+        # of it after this thread has the result; were it the last to hold it, freeing its
+        # tensors would take the GIL there, and after a run's last step the interpreter may
+        # be exiting: the thread is then made to exit inside a C++ destructor and the
+        # process aborts ("terminate called without an active exception"). Held here, it
+        # is freed by a Python thread, which holds the GIL.
+        self._works.append(work)
         if len(runs) != 1:  # a gathered copy: back into the gradients
             at = 0
             for p in params:
