@@ -54,13 +54,11 @@ def leave_process_group(finished: bool = True) -> None:
     ``finished`` its run first waits for the others to finish theirs (one that failed
     does not: the others' collectives would not match, and they fail on their own).
 
-    A gloo worker thread lets go of a finished all-reduce after the caller has its
-    result, and letting go of its tensors takes the GIL. At the interpreter's exit that
-    thread is made to exit inside a C++ destructor, and the process aborts
-    ("terminate called without an active exception", SIGABRT, in about one two-server
-    run in ten after both had trained well; seen in a core dump). A barrier first (its
-    tensors are not Python's) puts the threads past the gradients' all-reduces, and the
-    group goes before the interpreter does."""
+    The barrier is a second guard for the abort :class:`GradientSync` prevents (a gloo
+    thread freeing a collective's tensors, which takes the GIL, while the interpreter
+    exits: "terminate called without an active exception"): once it returns, gloo's
+    threads are past every earlier collective of this server, and the group goes before
+    the interpreter does. Its own tensor is not Python's."""
     if dist.is_available() and dist.is_initialized():
         if finished:
             # another server that failed never comes: its own error says why
